@@ -1,0 +1,373 @@
+"""Model configuration: frozen dataclasses built from HF ``config.json`` or GGUF metadata.
+
+One :class:`ModelConfig` describes every architecture moestream runs. Architecture-specific
+switches (q/k norm, qkv bias, shared expert, which layers are sparse) are plain fields, so model
+code branches on capabilities, never on architecture names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from engine.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
+
+# HF "architectures" entry -> our architecture key (engine.models registry key).
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+# GGUF "general.architecture" -> our key.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters. ``type`` is one of SUPPORTED_ROPE_TYPES."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(
+                f"rope type {self.type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if not (self.theta > 0 and math.isfinite(self.theta)):
+            raise ConfigError(f"rope theta must be a positive finite number, got {self.theta}")
+        if not (self.factor > 0 and math.isfinite(self.factor)):
+            raise ConfigError(f"rope factor must be a positive finite number, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed-expert configuration of the sparse layers."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ w) scales the shared expert
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ConfigError(f"num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(
+                f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}"
+            )
+        if self.expert_intermediate_size < 1:
+            raise ConfigError(
+                f"expert_intermediate_size must be >= 1, got {self.expert_intermediate_size}"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ConfigError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the model core needs; validated on construction."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense MLP width (dense layers only)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q, k, v projections
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k (Qwen3)
+    moe: MoEConfig | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        from engine.models.registry import ARCHITECTURES  # late: registry imports model files
+
+        if self.arch not in ARCHITECTURES:
+            raise UnsupportedArchitectureError(self.arch, list(ARCHITECTURES))
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not (0 < self.rms_norm_eps < 1):
+            raise ConfigError(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps}")
+        if self.moe is None and self.intermediate_size < 1:
+            raise ConfigError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
+
+    # ---- structure -------------------------------------------------------------------------
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer`` has routed experts (Qwen2/3-MoE ``decoder_sparse_step`` rules)."""
+        m = self.moe
+        if m is None or layer in m.mlp_only_layers:
+            return False
+        return (layer + 1) % m.decoder_sparse_step == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Total and active-per-token parameter counts, split into dense and routed-expert parts."""
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.attention_bias:
+            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attn += 2 * hd
+        per_layer_dense = attn + 2 * h
+        dense = self.vocab_size * h + h + (0 if self.tie_word_embeddings else self.vocab_size * h)
+        routed_total = routed_active = 0
+        for i in range(self.num_layers):
+            dense += per_layer_dense
+            if self.is_moe_layer(i):
+                m = self.moe
+                assert m is not None
+                per_expert = 3 * h * m.expert_intermediate_size
+                routed_total += m.num_experts * per_expert
+                routed_active += m.top_k * per_expert
+                dense += m.num_experts * h  # router
+                if m.shared_expert_intermediate_size:
+                    dense += 3 * h * m.shared_expert_intermediate_size
+                    dense += h if m.shared_expert_gate else 0
+            else:
+                dense += 3 * h * self.intermediate_size
+        # The embedding table is read one row per token, not whole.
+        embed_read = self.vocab_size * h if not self.tie_word_embeddings else 0
+        return {
+            "total": dense + routed_total,
+            "active": dense + routed_active - embed_read + h,
+            "dense": dense,
+            "routed_total": routed_total,
+            "routed_active": routed_active,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        d["rope"] = RopeConfig(**d["rope"])
+        if d.get("moe") is not None:
+            moe = dict(d["moe"])
+            moe["mlp_only_layers"] = tuple(moe.get("mlp_only_layers", ()))
+            d["moe"] = MoEConfig(**moe)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+    # ---- constructors ----------------------------------------------------------------------
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ModelFormatError(cfg_path, "config.json not found; is this a Hugging Face checkpoint directory?")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelFormatError(cfg_path, f"not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ModelFormatError(cfg_path, "top level must be a JSON object")
+        return cls.from_hf_dict(raw, source=cfg_path)
+
+    @classmethod
+    def from_hf_dict(cls, raw: Mapping[str, Any], source: object = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedArchitectureError(archs[0] if archs else raw.get("model_type"),
+                                               list(HF_ARCHITECTURES))
+
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise ModelFormatError(source, f"missing required field {key!r}")
+            return raw[key]
+
+        try:
+            hidden = int(need("hidden_size"))
+            heads = int(need("num_attention_heads"))
+            head_dim = raw.get("head_dim") or hidden // heads
+            moe = None
+            if arch == "mixtral":
+                moe = MoEConfig(
+                    num_experts=int(need("num_local_experts")),
+                    top_k=int(need("num_experts_per_tok")),
+                    expert_intermediate_size=int(need("intermediate_size")),
+                    norm_topk_prob=True,
+                )
+            elif arch in ("qwen2_moe", "qwen3_moe"):
+                shared = int(raw.get("shared_expert_intermediate_size") or 0)
+                moe = MoEConfig(
+                    num_experts=int(need("num_experts")),
+                    top_k=int(need("num_experts_per_tok")),
+                    expert_intermediate_size=int(need("moe_intermediate_size")),
+                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                    shared_expert_intermediate_size=shared if arch == "qwen2_moe" else 0,
+                    shared_expert_gate=arch == "qwen2_moe" and shared > 0,
+                    decoder_sparse_step=int(raw.get("decoder_sparse_step", 1) or 1),
+                    mlp_only_layers=tuple(int(x) for x in raw.get("mlp_only_layers") or ()),
+                )
+            if arch == "qwen2_moe":
+                bias = bool(raw.get("qkv_bias", True))
+            else:
+                bias = bool(raw.get("attention_bias", False))
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                arch=arch,
+                vocab_size=int(need("vocab_size")),
+                hidden_size=hidden,
+                intermediate_size=int(raw.get("intermediate_size") or 0),
+                num_layers=int(need("num_hidden_layers")),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(head_dim),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope=_rope_from_hf(raw),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bias,
+                qk_norm=arch == "qwen3_moe",
+                moe=moe,
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except (TypeError, ValueError) as e:
+            if isinstance(e, (ConfigError, ModelFormatError, UnsupportedArchitectureError)):
+                raise
+            raise ModelFormatError(source, f"bad value: {e}") from None
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], source: object = "model.gguf") -> "ModelConfig":
+        """Build from GGUF key/values (already parsed: ints, floats, strings, lists)."""
+        garch = meta.get("general.architecture")
+        if garch not in GGUF_ARCHITECTURES:
+            raise UnsupportedArchitectureError(garch, list(GGUF_ARCHITECTURES))
+        arch = GGUF_ARCHITECTURES[garch]
+        if arch == "llama" and int(meta.get("llama.expert_count", 0) or 0) > 0:
+            arch = "mixtral"  # llama.cpp writes Mixtral as a llama with experts
+
+        def need(key: str) -> Any:
+            full = f"{garch}.{key}"
+            if full not in meta:
+                raise ModelFormatError(source, f"missing GGUF metadata key {full!r}")
+            return meta[full]
+
+        def get(key: str, default: Any) -> Any:
+            return meta.get(f"{garch}.{key}", default)
+
+        try:
+            hidden = int(need("embedding_length"))
+            heads = int(need("attention.head_count"))
+            kv = get("attention.head_count_kv", heads)
+            head_dim = int(get("attention.key_length", hidden // heads))
+            vocab = get("vocab_size", None)
+            if vocab is None:
+                tokens = meta.get("tokenizer.ggml.tokens")
+                if tokens is None:
+                    raise ModelFormatError(source, "no vocab_size and no tokenizer.ggml.tokens")
+                vocab = len(tokens)
+            moe = None
+            n_exp = int(get("expert_count", 0) or 0)
+            if n_exp:
+                shared = int(get("expert_shared_feed_forward_length", 0) or 0)
+                moe = MoEConfig(
+                    num_experts=n_exp,
+                    top_k=int(need("expert_used_count")),
+                    expert_intermediate_size=int(
+                        get("expert_feed_forward_length", 0) or need("feed_forward_length")
+                    ),
+                    norm_topk_prob=arch == "mixtral" or bool(get("expert_weights_norm", arch == "qwen3_moe")),
+                    shared_expert_intermediate_size=shared,
+                    shared_expert_gate=shared > 0,
+                )
+            scaling = get("rope.scaling.type", "none")
+            rope = RopeConfig(
+                theta=float(get("rope.freq_base", 10000.0)),
+                type={"none": "default", "linear": "linear", "yarn": "yarn"}.get(scaling, scaling),
+                factor=float(get("rope.scaling.factor", 1.0) or 1.0),
+                original_max_position_embeddings=int(
+                    get("rope.scaling.original_context_length", 8192) or 8192
+                ),
+            )
+            bos = meta.get("tokenizer.ggml.bos_token_id")
+            eos = meta.get("tokenizer.ggml.eos_token_id")
+            return cls(
+                arch=arch,
+                vocab_size=int(vocab),
+                hidden_size=hidden,
+                intermediate_size=int(get("feed_forward_length", 0) or 0),
+                num_layers=int(need("block_count")),
+                num_heads=heads,
+                num_kv_heads=int(kv),
+                head_dim=head_dim,
+                max_position_embeddings=int(get("context_length", 4096)),
+                rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+                rope=rope,
+                # Not metadata keys: the GGUF reader derives these from which tensors exist
+                # (no output.weight -> tied; attn_q.bias present -> bias) and passes them in.
+                tie_word_embeddings=bool(meta.get("_tied_embeddings", False)),
+                attention_bias=bool(meta.get("_attention_bias", False)),
+                qk_norm=arch == "qwen3_moe",
+                moe=moe,
+                bos_token_id=None if bos is None else int(bos),
+                eos_token_ids=() if eos is None else (int(eos),),
+            )
+        except (TypeError, ValueError) as e:
+            if isinstance(e, (ConfigError, ModelFormatError, UnsupportedArchitectureError)):
+                raise
+            raise ModelFormatError(source, f"bad metadata value: {e}") from None
+
+
+def _rope_from_hf(raw: Mapping[str, Any]) -> RopeConfig:
+    """transformers 5 writes ``rope_parameters``; older configs ``rope_theta`` + ``rope_scaling``."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rtype = params.get("rope_type", params.get("type", "default")) or "default"
+    kw: dict[str, Any] = {"theta": float(theta), "type": rtype}
+    if "factor" in params and params["factor"] is not None:
+        kw["factor"] = float(params["factor"])
+    for key in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale"):
+        if params.get(key) is not None:
+            kw[key] = float(params[key])
+    if params.get("attention_factor") is not None:
+        kw["attention_factor"] = float(params["attention_factor"])
+    omp = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
+    if omp:
+        kw["original_max_position_embeddings"] = int(omp)
+    return RopeConfig(**kw)
