@@ -23,6 +23,9 @@ HF_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# HF "model_type" (used when "architectures" is absent) -> our key.
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral",
+                  "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
 # GGUF "general.architecture" -> our key.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -42,8 +45,10 @@ class RopeConfig:
     # yarn
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
     attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.type not in SUPPORTED_ROPE_TYPES:
@@ -207,14 +212,17 @@ class ModelConfig:
     def from_hf_dict(cls, raw: Mapping[str, Any], source: object = "config.json") -> "ModelConfig":
         archs = raw.get("architectures") or []
         arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+        if arch is None and not archs:
+            arch = HF_MODEL_TYPES.get(raw.get("model_type"))
         if arch is None:
             raise UnsupportedArchitectureError(archs[0] if archs else raw.get("model_type"),
                                                list(HF_ARCHITECTURES))
 
-        def need(key: str) -> Any:
-            if key not in raw:
-                raise ModelFormatError(source, f"missing required field {key!r}")
-            return raw[key]
+        def need(key: str, *aliases: str) -> Any:
+            for k in (key, *aliases):
+                if k in raw:
+                    return raw[k]
+            raise ModelFormatError(source, f"missing required field {key!r}")
 
         try:
             hidden = int(need("hidden_size"))
@@ -231,7 +239,7 @@ class ModelConfig:
             elif arch in ("qwen2_moe", "qwen3_moe"):
                 shared = int(raw.get("shared_expert_intermediate_size") or 0)
                 moe = MoEConfig(
-                    num_experts=int(need("num_experts")),
+                    num_experts=int(need("num_experts", "num_local_experts")),
                     top_k=int(need("num_experts_per_tok")),
                     expert_intermediate_size=int(need("moe_intermediate_size")),
                     norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
@@ -362,11 +370,14 @@ def _rope_from_hf(raw: Mapping[str, Any]) -> RopeConfig:
     kw: dict[str, Any] = {"theta": float(theta), "type": rtype}
     if "factor" in params and params["factor"] is not None:
         kw["factor"] = float(params["factor"])
-    for key in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale"):
+    for key in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim"):
         if params.get(key) is not None:
             kw[key] = float(params[key])
     if params.get("attention_factor") is not None:
         kw["attention_factor"] = float(params["attention_factor"])
+    if "truncate" in params:
+        kw["truncate"] = bool(params["truncate"])
     omp = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
     if omp:
         kw["original_max_position_embeddings"] = int(omp)

@@ -80,3 +80,20 @@ class TensorSource(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class DictSource(TensorSource):
+    """Tensors already in memory under canonical names (tests, freshly built checkpoints)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], path: str = "<memory>") -> None:
+        self.tensors, self.path = tensors, path
+
+    def names(self) -> list[str]:
+        return sorted(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        t = self.tensors[name]
+        return TensorInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]

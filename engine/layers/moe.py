@@ -1,0 +1,138 @@
+"""Sparse MoE block as four named stages: route -> fetch -> compute -> combine.
+
+Shape legend:
+    T  tokens in this forward (all sequences of the batch, flattened)
+    H  hidden size            I  expert intermediate size
+    E  routed experts         K  experts per token (top-k)
+
+route:   x [T, H] -> weights [T, K] (float32), ids [T, K]
+fetch:   the distinct ids of this layer -> resident experts (the expert cache plugs in here,
+         and only here: it may load, pin, or choose to compute a miss elsewhere)
+compute: tokens grouped by expert; each expert runs once on all of its tokens [T_e, H]
+combine: out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])  (+ gated shared expert)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Mapping, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.mlp import SwiGLU
+
+
+class Expert(Protocol):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T_e, H] -> [T_e, H]."""
+
+
+@dataclass
+class DenseExpert:
+    """A routed expert held as plain float tensors ([out, in] each)."""
+
+    gate: torch.Tensor  # [I, H]
+    up: torch.Tensor  # [I, H]
+    down: torch.Tensor  # [H, I]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+
+
+class ExpertProvider(ABC):
+    """The fetch stage. ``acquire`` returns every requested expert ready to compute and keeps
+    them from being evicted until ``release``; a step acquires and releases once per layer."""
+
+    @abstractmethod
+    def acquire(self, layer: int, expert_ids: list[int]) -> Mapping[int, Expert]: ...
+
+    def release(self, layer: int, expert_ids: list[int]) -> None:
+        """Unpin what ``acquire`` pinned (no-op for providers that never evict)."""
+
+    def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
+        """Called with a sparse layer's MoE input before routing (prefetch hooks use it)."""
+
+
+class ResidentExperts(ExpertProvider):
+    """Every expert resident in memory: the reference fetch stage."""
+
+    def __init__(self, experts: dict[tuple[int, int], Expert]) -> None:
+        self.experts = experts
+
+    def acquire(self, layer, expert_ids):
+        return {e: self.experts[(layer, e)] for e in expert_ids}
+
+
+@dataclass(frozen=True)
+class Routing:
+    weights: torch.Tensor  # [T, K] float32
+    ids: torch.Tensor  # [T, K] int64
+
+
+class Router(nn.Module):
+    """Softmax over all experts in float32, top-k, optional renormalisation over the top-k."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.top_k, self.normalize = top_k, normalize
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(weights, ids)
+
+
+RouteObserver = Callable[[int, torch.Tensor], None]  # (layer, ids [T, K])
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        m = cfg.moe
+        assert m is not None
+        self.layer = layer
+        self.gate = Router(cfg.hidden_size, m.num_experts, m.top_k, m.norm_topk_prob)
+        self.shared_expert = (
+            SwiGLU(cfg.hidden_size, m.shared_expert_intermediate_size)
+            if m.shared_expert_intermediate_size else None
+        )
+        self.shared_expert_gate = (
+            nn.Linear(cfg.hidden_size, 1, bias=False) if m.shared_expert_gate else None
+        )
+        self.provider: ExpertProvider | None = None  # set by the model loader
+        self.observers: list[RouteObserver] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.provider is not None, "experts not attached (engine.models.base.load_model)"
+        self.provider.observe_hidden(self.layer, x)
+        routing = self.gate(x)  # route
+        for observe in self.observers:
+            observe(self.layer, routing.ids)
+        ids = sorted(torch.unique(routing.ids).tolist())
+        experts = self.provider.acquire(self.layer, ids)  # fetch
+        try:
+            out = torch.zeros_like(x)
+            for e in ids:  # compute, grouped by expert; combine as we go
+                token_idx, slot = torch.where(routing.ids == e)
+                y = experts[e].forward(x[token_idx])
+                w = routing.weights[token_idx, slot, None]
+                out.index_add_(0, token_idx, (y * w).to(out.dtype))
+        finally:
+            self.provider.release(self.layer, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,119 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, repetition/presence/frequency
+penalties, per-request seeds. Reference path for one sequence's logits [V]."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import RequestValidationError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(field_name: str, value: object, allowed: str) -> RequestValidationError:
+            return RequestValidationError(f"{field_name}={value!r} is invalid; allowed: {allowed}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise bad("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "an integer >= 0 (0 = off)")
+        if not (0 < self.top_p <= 1):
+            raise bad("top_p", self.top_p, "a number in (0, 1]")
+        if not (0 <= self.min_p <= 1):
+            raise bad("min_p", self.min_p, "a number in [0, 1]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2 <= v <= 2):
+                raise bad(name, v, "a number in [-2, 2]")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise bad("seed", self.seed, "an integer in [0, 2^63)")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise bad("logprobs", self.logprobs, "an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SamplerState:
+    """Per-request sampling state: its random generator and token counts for penalties."""
+
+    config: SamplingConfig
+    generator: torch.Generator = field(init=False)
+    counts: dict[int, int] = field(default_factory=dict)  # generated-token counts
+    prompt_tokens: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator()
+        seed = self.config.seed if self.config.seed is not None else torch.seed() % 2**63
+        self.generator.manual_seed(seed)
+
+    def accept(self, token: int) -> None:
+        self.counts[token] = self.counts.get(token, 0) + 1
+
+
+def apply_penalties(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
+    c = state.config
+    if c.repetition_penalty != 1.0 and (state.counts or state.prompt_tokens):
+        seen = torch.tensor(sorted(set(state.counts) | state.prompt_tokens), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / c.repetition_penalty, vals * c.repetition_penalty)
+    if (c.presence_penalty or c.frequency_penalty) and state.counts:
+        ids = torch.tensor(list(state.counts), dtype=torch.long)
+        cnt = torch.tensor(list(state.counts.values()), dtype=logits.dtype)
+        logits[ids] -= c.frequency_penalty * cnt + c.presence_penalty
+    return logits
+
+
+def sample(logits: torch.Tensor, state: SamplerState) -> int:
+    """logits [V] float32 -> next token id."""
+    c = state.config
+    logits = apply_penalties(logits.float().clone(), state)
+    if c.greedy:
+        return int(torch.argmax(logits))
+    logits = logits / c.temperature
+    if c.top_k and c.top_k < logits.numel():
+        kth = torch.topk(logits, c.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if c.min_p > 0:
+        probs = probs.masked_fill(probs < c.min_p * probs.max(), 0.0)
+    if c.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, 0)
+        drop = (cum - sorted_p) >= c.top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_p[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=state.generator))
+
+
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> dict:
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out = {"token": token, "logprob": float(lp[token])}
+    if k:
+        vals, ids = torch.topk(lp, k)
+        out["top"] = [(int(i), float(v)) for i, v in zip(ids, vals)]
+    return out

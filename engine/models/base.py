@@ -1,0 +1,72 @@
+"""The decoder shared by every architecture: embeddings, N x (attention, FFN), norm, LM head.
+
+Architecture differences are config switches (qk_norm, attention_bias, which layers are sparse,
+shared experts); the per-architecture files only describe names. Parameter names equal the
+canonical tensor names of engine.loading.source, so weights load with ``load_state_dict``.
+Routed experts are not parameters: they come through each SparseMoE's ExpertProvider.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.kv.base import BatchLayout, KVCache
+from engine.layers.attention import Attention
+from engine.layers.mlp import SwiGLU
+from engine.layers.moe import SparseMoE
+from engine.layers.norm import RMSNorm
+from engine.layers.rope import Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = (
+            SparseMoE(cfg, layer) if cfg.is_moe_layer(layer)
+            else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        )
+
+    def forward(self, x, cos, sin, layout, kv):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions=min(cfg.max_position_embeddings, 4096))
+
+    @property
+    def moe_blocks(self) -> list[SparseMoE]:
+        return [l.mlp for l in self.model.layers if isinstance(l.mlp, SparseMoE)]
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
+                all_logits: bool = False) -> torch.Tensor:
+        """tokens [T] (flat over the batch) -> logits [T, V] if all_logits else [S, V], one row
+        per sequence for its last token."""
+        positions = layout.positions()
+        cos, sin = self.rotary.cos_sin(positions)
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, layout, kv)
+        if not all_logits:
+            last = torch.tensor([o + n - 1 for o, n in zip(layout.offsets, layout.query_lens)])
+            x = x[last]
+        return self.lm_head(self.model.norm(x)).float()
