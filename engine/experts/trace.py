@@ -243,6 +243,12 @@ class RoutingTrace:
                 if meta.shape != (4,) or int(meta[0]) != TRACE_VERSION:
                     raise ValueError(f"{path}: unsupported trace metadata {meta.tolist()}")
                 arrays = {k: z[k] for k in ("token_index", "layer", "experts", "sequence")}
+        except FileNotFoundError:
+            raise
+        except ValueError as e:
+            if str(e).startswith(str(path)):
+                raise
+            raise ValueError(f"{path}: cannot read routing trace: {e}") from e
         except (OSError, EOFError, KeyError) as e:
             raise ValueError(f"{path}: cannot read routing trace: {e}") from e
         try:
