@@ -27,7 +27,6 @@ import mmap
 import os
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +57,14 @@ DTYPES: dict[str, tuple[torch.dtype, int, str]] = {
 
 if sys.byteorder != "little":  # pragma: no cover - every platform we run on is little-endian
     raise ImportError("engine.loading.safetensors assumes a little-endian host")
+
+
+# torch.frombuffer warns (once per process, TORCH_WARN_ONCE) that a read-only buffer gives a
+# writable tensor; that is the documented contract of SafetensorsFile.get. Spend the one warning
+# here, silenced, instead of wrapping every get() in warnings.catch_warnings (not thread-safe).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
 class _DuplicateKey(Exception):
@@ -259,8 +266,9 @@ class SafetensorsFile:
         read-only mapping. torch has no read-only tensors, so writing to it in place (``add_``,
         ``copy_`` into it, ...) would crash the process with SIGSEGV: callers that mutate must
         ``clone()`` (or ``.to(device)``, which copies). The view keeps the mapping alive after
-        :meth:`close`. Tensors whose offset is not a multiple of the itemsize (possible only
-        in hand-made files, writers align the data area) are copied so kernels see aligned data.
+        :meth:`close` (it holds a reference to the mmap object). Tensors whose offset is not a
+        multiple of the itemsize (possible only in hand-made files, writers align the data
+        area) are copied so kernels see aligned data.
         """
         if self._mm is None:
             raise ValueError(f"{self.path} is closed")
@@ -273,22 +281,16 @@ class SafetensorsFile:
             buf: Any = bytearray(self._mm[offset:offset + e.end - e.start])
             t = torch.frombuffer(buf, dtype=torch_dtype, count=e.numel)
             return t.reshape(e.shape)
-        with warnings.catch_warnings():
-            # torch warns that the buffer is not writable; that is the point (see docstring).
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(self._mm, dtype=torch_dtype, count=e.numel, offset=offset)
+        t = torch.frombuffer(self._mm, dtype=torch_dtype, count=e.numel, offset=offset)
         t = t.reshape(e.shape)
         return t.clone() if copy else t
 
     def close(self) -> None:
-        mm, self._mm = self._mm, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                # Views returned by get() still export the buffer; the mapping is released when
-                # the last of them is garbage-collected.
-                pass
+        # Drop our reference only; never mm.close(). torch.frombuffer does not hold a buffer
+        # export (so mmap.close() would *succeed* and unmap pages that live views still point
+        # at: a segfault on the next read) but does hold a reference to the mmap object. The
+        # mapping and its file descriptor are released when the last view is freed.
+        self._mm = None
 
     def __enter__(self) -> "SafetensorsFile":
         return self
@@ -306,4 +308,4 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, tuple[tuple[int, ...]
         return {n: f.info(n) for n in f.names()}
 
 
-__all__ = ["SafetensorsFile", "read_header", "DTYPES", "MAX_HEADER_BYTES", "Path"]
+__all__ = ["SafetensorsFile", "read_header", "DTYPES", "MAX_HEADER_BYTES"]

@@ -82,6 +82,9 @@ class TensorSource(ABC):
         self.close()
 
 
+_SHORT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
 class DictSource(TensorSource):
     """Tensors already in memory under canonical names (tests, freshly built checkpoints)."""
 
@@ -93,7 +96,7 @@ class DictSource(TensorSource):
 
     def info(self, name: str) -> TensorInfo:
         t = self.tensors[name]
-        return TensorInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        return TensorInfo(name, tuple(t.shape), _SHORT_DTYPES.get(t.dtype, str(t.dtype)))
 
     def get(self, name: str) -> torch.Tensor:
         return self.tensors[name]

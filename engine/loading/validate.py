@@ -1,0 +1,128 @@
+"""Check a TensorSource against the ModelConfig it claims to implement (shared by all loaders).
+
+``expected_shapes`` lists every canonical tensor the config implies with its logical shape
+(``[out, in]`` for matrices, see engine.loading.source). ``check_source`` compares a source's
+names, shapes and storage dtypes against it *before* anything is read, so a config.json that
+disagrees with the weights fails with a message naming the file and tensor instead of a shape
+error deep inside a matmul (or, worse, a silently wrong broadcast).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Collection
+
+from engine.config import ModelConfig
+from engine.errors import ModelFormatError
+from engine.loading.source import TensorSource, expert_name
+
+log = logging.getLogger(__name__)
+
+FLOAT_DTYPES = frozenset({"f32", "f16", "bf16"})
+
+
+def _gguf_dequantizable() -> frozenset[str]:
+    """GGML storage types GGUFSource.get can dequantize (lower-case ggml names, "q4_k"...).
+    A type outside this set is rejected here, before loading, not deep inside get()."""
+    from engine.loading.gguf_quants import DEQUANTIZERS, GGML_TYPES
+
+    return frozenset(GGML_TYPES[i].name for i in DEQUANTIZERS)
+
+
+SUPPORTED_DTYPES = FLOAT_DTYPES | _gguf_dequantizable()
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor name ``config`` implies -> its shape."""
+    c = config
+    V, H, D = c.vocab_size, c.hidden_size, c.head_dim
+    q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
+    out: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (V, H),
+        "model.norm.weight": (H,),
+    }
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = (V, H)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (H,)
+        out[p + "post_attention_layernorm.weight"] = (H,)
+        out[p + "self_attn.q_proj.weight"] = (q_out, H)
+        out[p + "self_attn.k_proj.weight"] = (kv_out, H)
+        out[p + "self_attn.v_proj.weight"] = (kv_out, H)
+        out[p + "self_attn.o_proj.weight"] = (H, q_out)
+        if c.attention_bias:
+            out[p + "self_attn.q_proj.bias"] = (q_out,)
+            out[p + "self_attn.k_proj.bias"] = (kv_out,)
+            out[p + "self_attn.v_proj.bias"] = (kv_out,)
+        if c.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (D,)
+            out[p + "self_attn.k_norm.weight"] = (D,)
+        if c.is_moe_layer(i):
+            m = c.moe
+            assert m is not None  # is_moe_layer is False without a MoE config
+            I = m.expert_intermediate_size
+            out[p + "mlp.gate.weight"] = (m.num_experts, H)
+            for j in range(m.num_experts):
+                out[expert_name(i, j, "gate_proj")] = (I, H)
+                out[expert_name(i, j, "up_proj")] = (I, H)
+                out[expert_name(i, j, "down_proj")] = (H, I)
+            S = m.shared_expert_intermediate_size
+            if S:
+                out[p + "mlp.shared_expert.gate_proj.weight"] = (S, H)
+                out[p + "mlp.shared_expert.up_proj.weight"] = (S, H)
+                out[p + "mlp.shared_expert.down_proj.weight"] = (H, S)
+                if m.shared_expert_gate:
+                    out[p + "mlp.shared_expert_gate.weight"] = (1, H)
+        else:
+            I = c.intermediate_size
+            out[p + "mlp.gate_proj.weight"] = (I, H)
+            out[p + "mlp.up_proj.weight"] = (I, H)
+            out[p + "mlp.down_proj.weight"] = (H, I)
+    return out
+
+
+def _where(source: TensorSource, name: str) -> str:
+    """The most specific file to blame: the shard holding ``name`` if the source can tell."""
+    file_of = getattr(source, "file_of", None)
+    if callable(file_of):
+        try:
+            return str(file_of(name))
+        except KeyError:
+            pass
+    return str(source.path)
+
+
+def check_source(config: ModelConfig, source: TensorSource,
+                 allowed_dtypes: Collection[str] | None = None) -> None:
+    """Raise ModelFormatError (file + tensor) on the first missing tensor, wrong shape or
+    unsupported storage dtype. Extra tensors (rotary ``inv_freq`` buffers, lm_head of a tied
+    model, ...) are ignored with a debug log. Reads only metadata."""
+    allowed = SUPPORTED_DTYPES if allowed_dtypes is None else frozenset(allowed_dtypes)
+    expected = expected_shapes(config)
+    present = set(source.names())
+    missing = [n for n in expected if n not in present]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelFormatError(
+            source.path,
+            f"tensor {missing[0]!r} is missing{more}; the config ({config.arch}, "
+            f"{config.num_layers} layers) implies it with shape {list(expected[missing[0]])}",
+        )
+    for name, shape in expected.items():
+        info = source.info(name)
+        if tuple(info.shape) != shape:
+            raise ModelFormatError(
+                _where(source, name),
+                f"tensor {name!r} has shape {list(info.shape)} but the config implies {list(shape)}",
+            )
+        if info.dtype not in allowed:
+            raise ModelFormatError(
+                _where(source, name),
+                f"tensor {name!r} has unsupported dtype {info.dtype!r}; supported: "
+                f"{', '.join(sorted(allowed))}",
+            )
+    extra = sorted(present - expected.keys())
+    if extra:
+        log.debug("%s: ignoring %d tensors the config does not use (e.g. %s)",
+                  source.path, len(extra), ", ".join(extra[:3]))
