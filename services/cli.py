@@ -99,5 +99,13 @@ def _human(n: float, unit: str = "") -> str:
     return str(n)
 
 
+def _register() -> None:
+    from services.cli_store import convert
+
+    main.add_command(convert)
+
+
+_register()
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,11 @@
+"""Expert store (DESIGN §3): ``convert`` writes it, :class:`ExpertStore` reads it.
+
+See :mod:`engine.store.manifest` for the directory layout and the manifest's invariants.
+"""
+
+from engine.store.manifest import ExpertEntry, StoreManifest, load_manifest
+from engine.store.reader import ExpertStore, StoreDenseSource
+from engine.store.writer import ConvertSummary, convert
+
+__all__ = ["ConvertSummary", "ExpertEntry", "ExpertStore", "StoreDenseSource", "StoreManifest",
+           "convert", "load_manifest"]

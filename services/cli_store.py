@@ -1,0 +1,38 @@
+"""``moestream convert``: a Hugging Face directory or GGUF file -> an expert store.
+
+Registered on the ``moestream`` group by services.cli (``main.add_command(convert)``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from engine.errors import MoestreamError
+
+
+@click.command("convert")
+@click.argument("src", type=click.Path(exists=True))
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
+              help="Store directory to create (or resume, or leave alone when already finished).")
+@click.option("--quant", type=click.Choice(["int4", "nf4", "int8", "bf16"]), default="int4",
+              show_default=True, help="Format of the routed experts.")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
+              help="Weights per scale group (ignored by bf16).")
+@click.option("--dense-dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto",
+              show_default=True, help="Non-expert weights: auto keeps f16/bf16/f32 as stored.")
+@click.option("--overwrite", is_flag=True, help="Replace a store converted with other parameters.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+def convert(src, out, quant, group_size, dense_dtype, overwrite, progress):
+    """Convert SRC (HF checkpoint directory or .gguf) into a 4 KiB-aligned expert store."""
+    try:
+        from engine.quant.formats import QuantFormat
+        from engine.store import convert as convert_store
+
+        summary = convert_store(src, out, fmt=QuantFormat(quant, int(group_size)),
+                                dense_dtype=dense_dtype, progress=progress, overwrite=overwrite)
+    except MoestreamError as e:  # typed, expected errors: one clear line, exit 2
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(str(summary))
