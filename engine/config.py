@@ -273,7 +273,7 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, ArithmeticError) as e:
             if isinstance(e, (ConfigError, ModelFormatError, UnsupportedArchitectureError)):
                 raise
             raise ModelFormatError(source, f"bad value: {e}") from None
@@ -332,7 +332,8 @@ class ModelConfig:
                 ),
             )
             bos = meta.get("tokenizer.ggml.bos_token_id")
-            eos = meta.get("tokenizer.ggml.eos_token_id")
+            eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+            eos = [int(meta[f"tokenizer.ggml.{k}"]) for k in eos_keys if f"tokenizer.ggml.{k}" in meta]
             return cls(
                 arch=arch,
                 vocab_size=int(vocab),
@@ -352,9 +353,9 @@ class ModelConfig:
                 qk_norm=arch == "qwen3_moe",
                 moe=moe,
                 bos_token_id=None if bos is None else int(bos),
-                eos_token_ids=() if eos is None else (int(eos),),
+                eos_token_ids=tuple(dict.fromkeys(eos)),
             )
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, ArithmeticError) as e:
             if isinstance(e, (ConfigError, ModelFormatError, UnsupportedArchitectureError)):
                 raise
             raise ModelFormatError(source, f"bad metadata value: {e}") from None

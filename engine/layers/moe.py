@@ -49,7 +49,11 @@ class DenseExpert:
 
 class ExpertProvider(ABC):
     """The fetch stage. ``acquire`` returns every requested expert ready to compute and keeps
-    them from being evicted until ``release``; a step acquires and releases once per layer."""
+    them from being evicted until ``release``; a step acquires and releases once per layer
+    (or once per chunk of ``max_experts_per_acquire`` experts when a layer needs more distinct
+    experts than the provider can hold at once, e.g. a long prefill through a small cache)."""
+
+    max_experts_per_acquire: int | None = None
 
     @abstractmethod
     def acquire(self, layer: int, expert_ids: list[int]) -> Mapping[int, Expert]: ...
@@ -58,7 +62,8 @@ class ExpertProvider(ABC):
         """Unpin what ``acquire`` pinned (no-op for providers that never evict)."""
 
     def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
-        """Called with a sparse layer's MoE input before routing (prefetch hooks use it)."""
+        """Called with a sparse layer's MoE input once its first experts are acquired, before
+        they compute: prefetching for the next layers overlaps this layer's compute."""
 
 
 class ResidentExperts(ExpertProvider):
@@ -114,22 +119,27 @@ class SparseMoE(nn.Module):
         self.observers: list[RouteObserver] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.provider is not None, "experts not attached (engine.models.base.load_model)"
-        self.provider.observe_hidden(self.layer, x)
+        provider = self.provider
+        assert provider is not None, "experts not attached (engine.models.load.build_model)"
         routing = self.gate(x)  # route
         for observe in self.observers:
             observe(self.layer, routing.ids)
         ids = sorted(torch.unique(routing.ids).tolist())
-        experts = self.provider.acquire(self.layer, ids)  # fetch
-        try:
-            out = torch.zeros_like(x)
-            for e in ids:  # compute, grouped by expert; combine as we go
-                token_idx, slot = torch.where(routing.ids == e)
-                y = experts[e].forward(x[token_idx])
-                w = routing.weights[token_idx, slot, None]
-                out.index_add_(0, token_idx, (y * w).to(out.dtype))
-        finally:
-            self.provider.release(self.layer, ids)
+        chunk = provider.max_experts_per_acquire or len(ids)
+        out = torch.zeros_like(x)
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            experts = provider.acquire(self.layer, part)  # fetch
+            try:
+                if start == 0:
+                    provider.observe_hidden(self.layer, x)
+                for e in part:  # compute, grouped by expert; combine as we go
+                    token_idx, slot = torch.where(routing.ids == e)
+                    y = experts[e].forward(x[token_idx])
+                    w = routing.weights[token_idx, slot, None]
+                    out.index_add_(0, token_idx, (y * w).to(out.dtype))
+            finally:
+                provider.release(self.layer, part)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -68,6 +68,8 @@ _TYPES = [
     GGMLType(34, "tq1_0", QK_K, 2 + 4 * 13),
     GGMLType(35, "tq2_0", QK_K, 2 + 64),
     GGMLType(39, "mxfp4", 32, 1 + 16),
+    GGMLType(40, "nvfp4", 64, 4 + 32),
+    GGMLType(41, "q1_0", 128, 2 + 16),
 ]
 GGML_TYPES: dict[int, GGMLType] = {t.id: t for t in _TYPES}
 GGML_TYPE_BY_NAME: dict[str, GGMLType] = {t.name: t for t in _TYPES}
@@ -217,7 +219,7 @@ def _deq_q3_k(blocks: np.ndarray) -> np.ndarray:
     s = blocks[:, 96:108]
     d = _f16(blocks, 108)
     low4 = np.concatenate([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1)  # [nb, 16]
-    hi2 = (s[:, 8:12][:, None, :] >> _SHIFTS_2BIT[0, 0][:, None] * 1) & 3  # [nb, 4(i//4), 4(i%4)]
+    hi2 = (s[:, None, 8:12] >> _SHIFTS_2BIT.reshape(1, 4, 1)) & 3  # [nb, i // 4, i % 4]
     scales = (low4 | (hi2.reshape(-1, 16) << 4)).astype(np.int8) - np.int8(32)
     q = ((qs[:, :, None, :] >> _SHIFTS_2BIT) & 3).astype(np.int8)  # [nb, 2, 4, 32]
     bit = np.arange(8, dtype=np.uint8).reshape(1, 2, 4, 1)  # bit 4h + j
@@ -265,8 +267,10 @@ def dequantize(raw: np.ndarray | bytes | memoryview, type_id: int, n_elements: i
         name = t.name if t is not None else f"id {type_id}"
         supported = ", ".join(GGML_TYPES[i].name for i in sorted(DEQUANTIZERS))
         raise ValueError(f"cannot dequantize ggml type {name}; supported: {supported}")
-    buf = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
-    buf = buf.reshape(-1)
+    if isinstance(raw, np.ndarray):
+        buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    else:
+        buf = np.frombuffer(raw, dtype=np.uint8)
     if n_elements % t.block_size or buf.size != n_elements // t.block_size * t.type_size:
         raise ValueError(
             f"{t.name}: {buf.size} bytes do not hold {n_elements} elements "

@@ -1,0 +1,367 @@
+"""The device expert cache: the fetch stage of every sparse layer (an ExpertProvider).
+
+Slots: one preallocated uint8 pool of ``device_budget // slot_bytes`` expert blobs on the compute
+device (CPU memory on a machine without a GPU, so the whole mechanism runs and is tested there).
+Quantized expert tensors are zero-copy views into their slot.
+
+Invariants:
+- a key is *resident* when its bytes are complete in its slot; *loading* while a copy runs;
+- a slot whose key is pinned (acquired by the running step) or loading is never chosen as a
+  victim, so a running step never sees its weights overwritten;
+- every demand miss and every wait on an in-flight prefetch is counted as stall time.
+
+Misses are served by copying from the ExpertSource (RAM tier / loaders) into a slot, or, when
+``miss_compute`` says so, computed on the CPU straight from the RAM tier's bytes (no transfer).
+Prefetch applies the next sparse layers' routers to the current hidden state and starts loads
+for the experts they would pick, on worker threads, overlapping the current layer's compute.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from engine.errors import CacheCapacityError, ConfigError
+from engine.experts.policy import PinnedPolicy, make_policy
+from engine.experts.tiers import ExpertSource, Key, TierCounters, align_up
+from engine.layers.moe import ExpertProvider
+
+MISS_MODES = ("transfer", "cpu", "auto")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    device_budget: int  # bytes for device slots
+    policy: str = "lfu"  # eviction policy of the device tier: lru | lfu
+    pinned: frozenset = frozenset()  # always-resident keys (filled at start)
+    prefetch_depth: int = 1  # sparse layers ahead to predict; 0 = off
+    miss_compute: str = "transfer"  # transfer | cpu | auto (cost model)
+    io_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.device_budget <= 0:
+            raise ConfigError(f"device_budget must be > 0 bytes, got {self.device_budget}")
+        if self.miss_compute not in MISS_MODES:
+            raise ConfigError(f"miss_compute={self.miss_compute!r}; allowed: {', '.join(MISS_MODES)}")
+        if self.prefetch_depth < 0:
+            raise ConfigError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.io_threads < 1:
+            raise ConfigError(f"io_threads must be >= 1, got {self.io_threads}")
+
+
+@dataclass
+class LayerMetrics:
+    hits: int = 0
+    misses: int = 0
+    late_prefetch: int = 0  # needed while its prefetch was still in flight
+    cpu_computed: int = 0  # misses computed on the CPU from RAM instead of transferred
+    bytes_to_device: int = 0
+    stall_s: float = 0.0
+    predicted_tp: int = 0
+    predicted_fp: int = 0
+    predicted_fn: int = 0
+
+
+@dataclass
+class CacheMetrics:
+    layers: dict[int, LayerMetrics] = field(default_factory=dict)
+    tokens: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+
+    def layer(self, i: int) -> LayerMetrics:
+        return self.layers.setdefault(i, LayerMetrics())
+
+    def total(self) -> LayerMetrics:
+        t = LayerMetrics()
+        for m in self.layers.values():
+            for k in vars(t):
+                setattr(t, k, getattr(t, k) + getattr(m, k))
+        return t
+
+    def summary(self, tiers: Mapping[str, TierCounters] = {}) -> dict[str, float]:
+        t = self.total()
+        acc = t.hits + t.misses
+        tok = max(self.tokens, 1)
+        out = {
+            "device_hit_rate": t.hits / acc if acc else 0.0,
+            "device_hits": t.hits, "device_misses": t.misses,
+            "cpu_computed": t.cpu_computed,
+            "bytes_to_device_per_token": t.bytes_to_device / tok,
+            "stall_s": t.stall_s,
+            "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
+            "prefetch_precision": t.predicted_tp / max(t.predicted_tp + t.predicted_fp, 1),
+            "prefetch_recall": t.predicted_tp / max(t.predicted_tp + t.predicted_fn, 1),
+            "tokens": self.tokens,
+        }
+        for name, c in tiers.items():
+            out[f"{name}_hits"] = c.hits
+            out[f"{name}_misses"] = c.misses
+            out[f"{name}_bytes_per_token"] = c.bytes_in / tok
+        return out
+
+
+class QuantizedExpert:
+    """A routed expert as three quantized tensors (views into a slot or a RAM buffer)."""
+
+    def __init__(self, gate, up, down, on_cpu: bool = False) -> None:
+        self.gate, self.up, self.down = gate, up, down
+        self.on_cpu = on_cpu  # computed on the CPU although the model may live on the GPU
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.quant.kernels import expert_forward
+
+        if self.on_cpu and x.device.type != "cpu":
+            return expert_forward(x.cpu(), self.gate, self.up, self.down).to(x.device, x.dtype)
+        return expert_forward(x, self.gate, self.up, self.down).to(x.dtype)
+
+
+class ExpertCache(ExpertProvider):
+    def __init__(self, store, source: ExpertSource, config: CacheConfig,
+                 routers: Mapping[int, torch.Tensor] | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.store, self.source, self.config = store, source, config
+        self.device = torch.device(device)
+        self.slot_bytes = align_up(store.expert_nbytes)
+        self.num_slots = config.device_budget // self.slot_bytes
+        top_k = store.config.moe.top_k
+        if self.num_slots < top_k:
+            raise CacheCapacityError(
+                f"device budget {config.device_budget} bytes holds {self.num_slots} expert slots of "
+                f"{self.slot_bytes} bytes; one token needs top_k={top_k}: give at least "
+                f"{top_k * self.slot_bytes} bytes")
+        self.slots = torch.empty(self.num_slots, self.slot_bytes, dtype=torch.uint8, device=self.device)
+        policy = make_policy(config.policy)
+        self.policy = PinnedPolicy(policy, config.pinned) if config.pinned else policy
+        self.slot_of: dict[Key, int] = {}
+        self.views: dict[int, QuantizedExpert] = {}
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.loading: dict[Key, Future] = {}
+        self.prefetched: set[Key] = set()  # loaded by prefetch and not used yet
+        self.pins: dict[Key, int] = {}
+        self.needed: set[Key] = set()  # routed by the running layer: never a prefetch victim
+        self.predicted: dict[int, set[int]] = {}
+        self.routers = dict(routers or {})
+        self.sparse_layers = sorted(store.config.moe_layers)
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="expert-io")
+        self.metrics = CacheMetrics()
+        self.clock = 0
+        # cost model for miss_compute="auto": seconds per byte moved vs per byte computed on CPU
+        self._transfer_s_per_byte = 1 / 10e9
+        self._cpu_s_per_byte = 1 / 10e9
+        self._cpu_calibrated = False
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if config.pinned:
+            self._fill_pinned(config.pinned)
+
+    # ---- sizing --------------------------------------------------------------------------
+    @property
+    def max_experts_per_acquire(self) -> int:
+        return self.num_slots - len(self.config.pinned)
+
+    def _fill_pinned(self, keys) -> None:
+        if len(keys) > self.num_slots - self.store.config.moe.top_k:
+            raise CacheCapacityError(
+                f"{len(keys)} pinned experts leave fewer than top_k free slots of {self.num_slots}")
+        for key in sorted(keys):
+            slot = self.free_slots.pop()
+            self._copy_in(key, slot)
+            self.slot_of[key] = slot
+
+    # ---- the ExpertProvider interface ------------------------------------------------------
+    def acquire(self, layer: int, expert_ids: list[int]):
+        keys = [(layer, e) for e in expert_ids]
+        m = self.metrics.layer(layer)
+        self._score_prediction(layer, expert_ids, m)
+        t0 = time.perf_counter()
+        waits: list[tuple[Key, Future]] = []
+        cpu_keys: list[Key] = []
+        with self.lock:
+            self.clock += 1
+            self.needed = set(keys)
+            for key in keys:
+                self.pins[key] = self.pins.get(key, 0) + 1
+            for key in keys:
+                if key in self.slot_of and key not in self.loading:
+                    m.hits += 1
+                    self.policy.on_hit(key, self.clock)
+                    if key in self.prefetched:
+                        self.prefetched.discard(key)
+                        self.metrics.prefetch_used += 1
+                elif key in self.loading:
+                    m.late_prefetch += 1
+                    m.misses += 1
+                    self.prefetched.discard(key)
+                    waits.append((key, self.loading[key]))
+                elif self._compute_on_cpu(len(keys)):
+                    m.misses += 1
+                    m.cpu_computed += 1
+                    cpu_keys.append(key)
+                else:
+                    m.misses += 1
+                    slot = self._reserve(key, protect=set(keys))
+                    waits.append((key, self._start_load(key, slot)))
+        try:
+            for key, fut in waits:
+                fut.result()
+        except BaseException:
+            self.release(layer, expert_ids)
+            raise
+        out = {key[1]: self.views[self.slot_of[key]] for key in keys if key not in cpu_keys}
+        for key in cpu_keys:
+            out[key[1]] = self._cpu_expert(key)
+        if waits:
+            m.stall_s += time.perf_counter() - t0
+        return out
+
+    def release(self, layer: int, expert_ids: list[int]) -> None:
+        with self.lock:
+            for e in expert_ids:
+                key = (layer, e)
+                n = self.pins.get(key, 0) - 1
+                if n > 0:
+                    self.pins[key] = n
+                else:
+                    self.pins.pop(key, None)
+
+    def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
+        """Predict the next sparse layers' experts from this layer's MoE input and prefetch."""
+        depth = self.config.prefetch_depth
+        if not depth or not self.routers:
+            return
+        idx = self.sparse_layers.index(layer)
+        top_k = self.store.config.moe.top_k
+        for nxt in self.sparse_layers[idx + 1: idx + 1 + depth]:
+            w = self.routers.get(nxt)
+            if w is None:
+                continue
+            logits = hidden.to(w.dtype) @ w.T  # [T, E]
+            picks = torch.topk(logits, top_k, dim=-1).indices.unique().tolist()
+            self.predicted[nxt] = set(picks)
+            with self.lock:
+                for e in picks:
+                    key = (nxt, e)
+                    if key in self.slot_of:
+                        continue
+                    try:
+                        slot = self._reserve(key, protect=self.needed | {(nxt, p) for p in picks},
+                                             prefetch=True)
+                    except CacheCapacityError:
+                        break  # nothing evictable now: skip the rest of this prediction
+                    self.prefetched.add(key)
+                    self.metrics.prefetch_issued += 1
+                    self._start_load(key, slot)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _score_prediction(self, layer: int, expert_ids: list[int], m: LayerMetrics) -> None:
+        pred = self.predicted.pop(layer, None)
+        if pred is None:
+            return
+        actual = set(expert_ids)
+        m.predicted_tp += len(pred & actual)
+        m.predicted_fp += len(pred - actual)
+        m.predicted_fn += len(actual - pred)
+
+    def _reserve(self, key: Key, protect: set[Key], prefetch: bool = False) -> int:
+        """Under the lock: a slot for ``key`` (free, or a victim's), marked as holding ``key``."""
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            protected = set(self.pins) | set(self.loading) | protect
+            victim = self.policy.victim(self.slot_of.keys(), protected, self.clock)
+            if victim is None:
+                raise CacheCapacityError(
+                    f"all {self.num_slots} device slots are pinned or loading; a step needs more "
+                    f"distinct experts at once than the device budget holds")
+            slot = self.slot_of.pop(victim)
+            self.policy.on_remove(victim)
+            self.prefetched.discard(victim)
+        self.slot_of[key] = slot
+        self.policy.on_insert(key, self.clock)
+        return slot
+
+    def _start_load(self, key: Key, slot: int) -> Future:
+        fut = self.pool.submit(self._load, key, slot)
+        self.loading[key] = fut
+        return fut
+
+    def _load(self, key: Key, slot: int) -> None:
+        try:
+            self._copy_in(key, slot)
+        except BaseException:
+            with self.lock:
+                self.loading.pop(key, None)
+                if self.slot_of.get(key) == slot:
+                    del self.slot_of[key]
+                    self.policy.on_remove(key)
+                    self.free_slots.append(slot)
+                self.prefetched.discard(key)
+            raise
+        with self.lock:
+            self.loading.pop(key, None)
+
+    def _copy_in(self, key: Key, slot: int) -> None:
+        t0 = time.perf_counter()
+        nbytes = self.store.entry(*key).nbytes
+        if self.copy_stream is not None:
+            with torch.cuda.stream(self.copy_stream):
+                self.source.read_into(key, self.slots[slot])
+            self.copy_stream.synchronize()
+        else:
+            self.source.read_into(key, self.slots[slot])
+        self.views[slot] = self._unpack(key, self.slots[slot])
+        dt = time.perf_counter() - t0
+        self._transfer_s_per_byte = 0.8 * self._transfer_s_per_byte + 0.2 * dt / nbytes
+        with self.lock:
+            self.metrics.layer(key[0]).bytes_to_device += nbytes
+
+    def _unpack(self, key: Key, buf: torch.Tensor, on_cpu: bool = False) -> QuantizedExpert:
+        g, u, d = self.store.expert_tensors(*key, buf)
+        return QuantizedExpert(g, u, d, on_cpu=on_cpu)
+
+    def _compute_on_cpu(self, n_needed: int) -> bool:
+        mode = self.config.miss_compute
+        if mode == "transfer":
+            return False
+        if mode == "cpu":
+            return True
+        # auto: moving the blob costs bytes * transfer; computing on the CPU costs one pass over
+        # the weights (memory-bound at small token counts). Both are measured: the transfer on
+        # every copy (EMA), the CPU pass once, on the first resident expert.
+        if not self._cpu_calibrated and self.views:
+            self._calibrate_cpu()
+        return self._cpu_s_per_byte < self._transfer_s_per_byte
+
+    def _calibrate_cpu(self) -> None:
+        slot, view = next(iter(self.views.items()))
+        key = next(k for k, s in self.slot_of.items() if s == slot)
+        nbytes = self.store.entry(*key).nbytes
+        cpu_view = self._unpack(key, self.slots[slot].cpu(), on_cpu=True)
+        x = torch.zeros(1, self.store.config.hidden_size)
+        cpu_view.forward(x)  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(3):
+            cpu_view.forward(x)
+        self._cpu_s_per_byte = (time.perf_counter() - t0) / 3 / nbytes
+        self._cpu_calibrated = True
+
+    def _cpu_expert(self, key: Key) -> QuantizedExpert:
+        # The RAM-tier view is only valid while pinned: copy the blob out for the compute. This
+        # is a host memcpy, not a device transfer; the GPU path would compute in place.
+        with self.source.host_view(key) as view:
+            n = self.store.entry(*key).nbytes
+            buf = view[:n].clone()
+        return self._unpack(key, buf, on_cpu=True)
+
+    def resident_keys(self) -> set[Key]:
+        with self.lock:
+            return {k for k in self.slot_of if k not in self.loading}
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

@@ -1,0 +1,60 @@
+"""Build a model whose routed experts stream from an expert store through the tiered cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import TokenizerNotFoundError
+from engine.experts.cache import CacheConfig, ExpertCache
+from engine.experts.tiers import ExpertSource, HostTier
+from engine.models.base import CausalLM
+from engine.models.load import build_model
+
+
+@dataclass
+class StoreModel:
+    model: CausalLM
+    tokenizer: object
+    cache: ExpertCache | None
+    store: object
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+        self.store.close()
+
+
+def load_from_store(store_path, *, device_budget: int | None = None, ram_budget: int | None = None,
+                    policy: str = "lfu", prefetch_depth: int = 1, miss_compute: str = "transfer",
+                    pinned=frozenset(), dtype: torch.dtype = torch.float32,
+                    source: ExpertSource | None = None, device: str = "cpu") -> StoreModel:
+    """Budgets default to "everything fits" (every expert resident after first use)."""
+    from engine.store.reader import ExpertStore
+
+    store = ExpertStore(store_path)
+    cfg = store.config
+    cache = None
+    dense = store.dense_source()
+    if cfg.moe is not None:
+        total = store.num_experts_total
+        slot = _slot_bytes(store)
+        source = source or HostTier(store, ram_budget if ram_budget is not None else total * slot)
+        cache_cfg = CacheConfig(device_budget=device_budget if device_budget is not None else total * slot,
+                                policy=policy, prefetch_depth=prefetch_depth,
+                                miss_compute=miss_compute, pinned=frozenset(pinned))
+        routers = {l: dense.get(f"model.layers.{l}.mlp.gate.weight").float() for l in cfg.moe_layers}
+        cache = ExpertCache(store, source, cache_cfg, routers=routers, device=device)
+    model = build_model(cfg, dense, dtype=dtype, provider=cache)
+    try:
+        tokenizer = store.tokenizer()
+    except TokenizerNotFoundError:
+        tokenizer = None  # token-id level use (tests, benchmarks) needs none
+    return StoreModel(model, tokenizer, cache, store)
+
+
+def _slot_bytes(store) -> int:
+    from engine.experts.tiers import align_up
+
+    return align_up(store.expert_nbytes)

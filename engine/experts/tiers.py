@@ -1,0 +1,164 @@
+"""Host tiers below the device cache: a RAM tier of fixed slots in front of the NVMe store.
+
+The device cache (engine.experts.cache) asks an :class:`ExpertSource` for an expert's bytes.
+:class:`HostTier` is the in-process source: a preallocated block of RAM slots (pinned memory when
+CUDA is present, so host->device copies are DMA) with its own eviction policy, filled from the
+store with digests checked when a blob first enters RAM. The Ray loader actors implement the same
+interface over shared memory (services.expert_loader).
+
+Shapes: every slot is one expert blob, ``slot_bytes`` = the store's largest blob rounded up to 4 KiB.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from engine.errors import CacheCapacityError
+from engine.experts.policy import make_policy
+
+Key = tuple[int, int]  # (layer, expert)
+ALIGN = 4096
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0  # served from this tier
+    misses: int = 0  # had to go to the tier below
+    bytes_in: int = 0  # bytes that entered this tier from below
+
+
+class ExpertSource(ABC):
+    """Where the device cache gets expert bytes from."""
+
+    slot_bytes: int
+
+    @abstractmethod
+    def read_into(self, key: Key, out: torch.Tensor) -> str:
+        """Copy the expert's blob into ``out`` (uint8, >= blob size, any device) and return the
+        tier that served it ("ram" or "nvme"). Thread-safe."""
+
+    @abstractmethod
+    @contextmanager
+    def host_view(self, key: Key) -> Iterator[torch.Tensor]:
+        """A CPU uint8 view of the blob, valid inside the ``with`` (the slot is pinned)."""
+
+    def counters(self) -> dict[str, TierCounters]:
+        return {}
+
+
+class HostTier(ExpertSource):
+    """RAM slots in front of an ExpertStore. ``budget`` bytes -> budget // slot_bytes slots."""
+
+    def __init__(self, store, budget: int, *, policy: str = "lru", verify: bool = True,
+                 pin_memory: bool | None = None) -> None:
+        self.store = store
+        self.slot_bytes = align_up(store.expert_nbytes)
+        self.num_slots = budget // self.slot_bytes
+        if self.num_slots < 1:
+            raise CacheCapacityError(
+                f"RAM budget {budget} bytes is smaller than one expert ({self.slot_bytes} bytes); "
+                f"give --ram-budget of at least {self.slot_bytes}")
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.buf = torch.empty(self.num_slots, self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.verify = verify
+        self.policy = make_policy(policy)
+        self.slot_of: dict[Key, int] = {}
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.loading: dict[Key, Future] = {}
+        self.pins: dict[Key, int] = {}
+        self.lock = threading.Lock()
+        self.clock = 0
+        self.ram = TierCounters()
+        self.nvme = TierCounters()
+
+    def counters(self) -> dict[str, TierCounters]:
+        return {"ram": self.ram, "nvme": self.nvme}
+
+    def _acquire_slot(self, key: Key) -> tuple[int, Future | None, bool]:
+        """Under the lock: (slot, future to wait on or None, whether we must load it)."""
+        self.clock += 1
+        if key in self.slot_of:
+            fut = self.loading.get(key)
+            self.pins[key] = self.pins.get(key, 0) + 1
+            if fut is None:
+                self.policy.on_hit(key, self.clock)
+                self.ram.hits += 1
+            return self.slot_of[key], fut, False
+        self.ram.misses += 1
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            victim = self.policy.victim(self.slot_of.keys(), set(self.pins) | set(self.loading), self.clock)
+            if victim is None:
+                raise CacheCapacityError(
+                    f"RAM tier: all {self.num_slots} slots are in use by running copies; "
+                    f"raise --ram-budget")
+            slot = self.slot_of.pop(victim)
+            self.policy.on_remove(victim)
+        self.slot_of[key] = slot
+        self.policy.on_insert(key, self.clock)
+        fut: Future = Future()
+        self.loading[key] = fut
+        self.pins[key] = 1
+        return slot, fut, True
+
+    def _unpin(self, key: Key) -> None:
+        with self.lock:
+            n = self.pins[key] - 1
+            if n:
+                self.pins[key] = n
+            else:
+                del self.pins[key]
+
+    @contextmanager
+    def host_view(self, key: Key) -> Iterator[torch.Tensor]:
+        with self.lock:
+            slot, fut, must_load = self._acquire_slot(key)
+        try:
+            if must_load:
+                self._load(key, slot, fut)
+            elif fut is not None:
+                fut.result()
+            yield self.buf[slot]
+        finally:
+            self._unpin(key)
+
+    def _load(self, key: Key, slot: int, fut: Future) -> None:
+        layer, expert = key
+        try:
+            view = self.store.read_expert(layer, expert, out=self.buf[slot], verify=self.verify)
+            with self.lock:
+                self.nvme.hits += 1
+                self.nvme.bytes_in += len(view)
+                self.ram.bytes_in += len(view)
+                del self.loading[key]
+            fut.set_result(slot)
+        except BaseException as e:
+            with self.lock:  # forget the slot: the bytes in it are not the expert's
+                self.loading.pop(key, None)
+                self.slot_of.pop(key, None)
+                self.policy.on_remove(key)
+                self.free_slots.append(slot)
+            fut.set_exception(e)
+            raise
+
+    def read_into(self, key: Key, out: torch.Tensor) -> str:
+        with self.lock:
+            hit = key in self.slot_of and key not in self.loading
+        with self.host_view(key) as view:
+            n = self.store.entry(*key).nbytes
+            out[:n].copy_(view[:n], non_blocking=out.is_cuda)
+            if out.is_cuda:
+                torch.cuda.current_stream().synchronize()  # the RAM slot may be reused after this
+        return "ram" if hit else "nvme"
