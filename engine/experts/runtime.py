@@ -54,6 +54,14 @@ def load_from_store(store_path, *, device_budget: int | None = None, ram_budget:
     return StoreModel(model, tokenizer, cache, store)
 
 
+def store_expert_bytes(store_path) -> int:
+    """Device/RAM bytes that hold every routed expert of a store (the 100% budget)."""
+    from engine.store.reader import ExpertStore
+
+    with ExpertStore(store_path) as store:
+        return store.num_experts_total * _slot_bytes(store) if store.config.moe else 0
+
+
 def _slot_bytes(store) -> int:
     from engine.experts.tiers import align_up
 

@@ -37,3 +37,20 @@ def make_checkpoint(arch: str, out: Path, seed: int = 0, vocab: int = 96, **over
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(out)
     return model
+
+
+def add_mixtral_tokenizer(out: Path) -> None:
+    """Mixtral-8x7B's real sentencepiece tokenizer (32000 pieces, from mistral-common)."""
+    import json
+    import shutil
+
+    from engine.assets import mixtral_tokenizer_model
+
+    shutil.copy(mixtral_tokenizer_model(), out / "tokenizer.model")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
+        "chat_template": "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+                         "[INST] {{ m['content'] }} [/INST]{% else %}{{ m['content'] }}</s>"
+                         "{% endif %}{% endfor %}",
+    }))

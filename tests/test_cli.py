@@ -1,0 +1,55 @@
+"""The command line end to end on a tiny Mixtral with Mixtral's real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from services.cli import main
+from tests.engine.models.hf_tiny import add_mixtral_tokenizer, make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli") / "hf"
+    make_checkpoint("mixtral", d, vocab=32000, hidden_size=64, intermediate_size=64, head_dim=16,
+                    num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=3)
+    add_mixtral_tokenizer(d)
+    return d
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_convert_then_generate_from_store_matches_checkpoint(tiny_mixtral, tmp_path):
+    store = tmp_path / "store"
+    r = run("convert", tiny_mixtral, "--out", store, "--quant", "bf16", "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert "per expert" in r.output
+    direct = run("generate", "--model", tiny_mixtral, "--max-tokens", 12, "Hello there")
+    assert direct.exit_code == 0, direct.output
+    for budget in ("100%", "25%"):
+        streamed = run("generate", "--store", store, "--device-budget", budget, "--ram-budget", "50%",
+                       "--max-tokens", 12, "Hello there")
+        assert streamed.exit_code == 0, streamed.output
+        assert streamed.stdout == direct.stdout  # bf16 experts of a random model: same greedy text
+        assert "expert hit rate" in streamed.stderr and "/token to device" in streamed.stderr
+
+
+def test_info_reports_parameters_and_bytes_per_token(tiny_mixtral):
+    r = run("info", tiny_mixtral)
+    assert r.exit_code == 0, r.output
+    assert "mixtral" in r.output and "active per token" in r.output and "4-bit" in r.output
+
+
+def test_bad_inputs_are_one_line_errors(tiny_mixtral, tmp_path):
+    r = run("generate", "--model", tiny_mixtral, "--temperature", "nan", "hi")
+    assert r.exit_code == 2 and "temperature" in r.stderr
+    r = run("generate", "--model", tiny_mixtral, "--max-tokens", 100000, "hi")
+    assert r.exit_code == 2 and "exceeds the model's context" in r.stderr
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    r = run("info", tmp_path)
+    assert r.exit_code == 2 and "supported: " in r.stderr
+    r = run("generate", "--store", tmp_path, "hi")
+    assert r.exit_code == 2 and "manifest" in r.stderr
