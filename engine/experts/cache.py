@@ -151,6 +151,7 @@ class ExpertCache(ExpertProvider):
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="expert-io")
         self.metrics = CacheMetrics()
+        self.restrict_to_resident = False  # set while drafting self-speculatively
         self.clock = 0
         # cost model for miss_compute="auto": seconds per byte moved vs per byte computed on CPU
         self._transfer_s_per_byte = 1 / 10e9
@@ -229,6 +230,13 @@ class ExpertCache(ExpertProvider):
                     self.pins[key] = n
                 else:
                     self.pins.pop(key, None)
+
+    def allowed_experts(self, layer: int) -> list[int] | None:
+        if not self.restrict_to_resident:
+            return None
+        with self.lock:
+            ids = sorted(e for (l, e), _ in self.slot_of.items() if l == layer and (l, e) not in self.loading)
+        return ids or None  # nothing resident in this layer: route freely (a miss is unavoidable)
 
     def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """Predict the next sparse layers' experts from this layer's MoE input and prefetch."""

@@ -61,6 +61,11 @@ class ExpertProvider(ABC):
     def release(self, layer: int, expert_ids: list[int]) -> None:
         """Unpin what ``acquire`` pinned (no-op for providers that never evict)."""
 
+    def allowed_experts(self, layer: int) -> list[int] | None:
+        """Experts the router may pick in ``layer`` right now; None = all. Self-speculative
+        drafting restricts routing to device-resident experts so drafts move no bytes."""
+        return None
+
     def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """Called with a sparse layer's MoE input once its first experts are acquired, before
         they compute: prefetching for the next layers overlaps this layer's compute."""
@@ -90,9 +95,16 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.top_k, self.normalize = top_k, normalize
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+    def forward(self, x: torch.Tensor, allowed: list[int] | None = None) -> Routing:
+        logits = F.linear(x, self.weight).float()
+        top_k = self.top_k
+        if allowed is not None:  # restricted routing (self-speculative drafts): mask the rest
+            mask = torch.full_like(logits, float("-inf"))
+            mask[:, allowed] = 0.0
+            logits = logits + mask
+            top_k = max(1, min(top_k, len(allowed)))
+        probs = F.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(weights, ids)
@@ -121,7 +133,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         provider = self.provider
         assert provider is not None, "experts not attached (engine.models.load.build_model)"
-        routing = self.gate(x)  # route
+        routing = self.gate(x, provider.allowed_experts(self.layer))  # route
         for observe in self.observers:
             observe(self.layer, routing.ids)
         ids = sorted(torch.unique(routing.ids).tolist())
