@@ -1,0 +1,220 @@
+"""The tiered expert cache on a store larger than its RAM budget.
+
+    python bench/expert_cache.py                       # 24 layers x 64 experts, top-8, int4 g64
+    python bench/expert_cache.py --layers 8 --tokens 16   # quick look
+
+Builds (once, cached under ~/.cache/moestream/bench) a random Qwen3-MoE checkpoint written
+layer by layer as a sharded safetensors directory, converts it to an int4 store, then generates
+greedily at device budgets of 10/25/50/100% of the experts with a RAM tier smaller than the
+store, printing per budget: tok/s, device hit rate, RAM-tier hit rate, bytes per token from NVMe
+and into the device tier, stall time, and two rooflines: the compute roofline (all weights
+resident: memory bandwidth / active bytes per token) and the transfer-bound roofline for the
+bytes this run actually moved. Routing here is a random model's (near uniform): trained MoEs
+route with more skew and locality (see the simulator rows on skewed synthetic traces).
+Then replays the routing trace recorded at the 100% budget through the simulator (LRU, LFU,
+Belady) at the same budgets, and synthetic traces with skew for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def build_checkpoint(out: Path, layers: int, experts: int, top_k: int, hidden: int, inter: int,
+                     vocab: int, seed: int = 0) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    heads, kv_heads, head_dim = hidden // 64, max(hidden // 256, 1), 64
+    cfg = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=vocab,
+               hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+               num_key_value_heads=kv_heads, head_dim=head_dim, num_experts=experts,
+               num_experts_per_tok=top_k, moe_intermediate_size=inter, intermediate_size=4 * hidden,
+               norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
+               rope_theta=10000.0, tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=0.02):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    weight_map = {}
+    shards = {"model-dense.safetensors": {
+        "model.embed_tokens.weight": rnd(vocab, hidden), "lm_head.weight": rnd(vocab, hidden),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t = {p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+             p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+             p + "self_attn.q_proj.weight": rnd(heads * head_dim, hidden),
+             p + "self_attn.k_proj.weight": rnd(kv_heads * head_dim, hidden),
+             p + "self_attn.v_proj.weight": rnd(kv_heads * head_dim, hidden),
+             p + "self_attn.o_proj.weight": rnd(hidden, heads * head_dim),
+             p + "self_attn.q_norm.weight": torch.ones(head_dim, dtype=torch.bfloat16),
+             p + "self_attn.k_norm.weight": torch.ones(head_dim, dtype=torch.bfloat16),
+             p + "mlp.gate.weight": rnd(experts, hidden, scale=0.5)}
+        for e in range(experts):
+            q = f"{p}mlp.experts.{e}."
+            t[q + "gate_proj.weight"] = rnd(inter, hidden)
+            t[q + "up_proj.weight"] = rnd(inter, hidden)
+            t[q + "down_proj.weight"] = rnd(hidden, inter)
+        shards[f"model-layer{i:03d}.safetensors"] = t
+    for name, tensors in shards.items():
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def ensure_store(args) -> Path:
+    from engine.quant.formats import QuantFormat
+    from engine.store import convert
+
+    root = Path(os.environ.get("MOESTREAM_CACHE", Path.home() / ".cache" / "moestream")) / "bench"
+    tag = f"qwen3moe-L{args.layers}-E{args.experts}-k{args.top_k}-h{args.hidden}-i{args.inter}"
+    hf, store = root / (tag + "-hf"), root / (tag + "-int4")
+    if not (store / "manifest.json").exists():
+        if not (hf / "config.json").exists():
+            print(f"building random checkpoint {hf} ...", flush=True)
+            build_checkpoint(hf, args.layers, args.experts, args.top_k, args.hidden, args.inter, args.vocab)
+        print(f"converting to {store} ...", flush=True)
+        print(convert(hf, store, fmt=QuantFormat("int4", 64), progress=True))
+    return store
+
+
+def disk_read_bandwidth(store: Path) -> float:
+    """O_DIRECT read rate of the store's expert files (bypasses the page cache)."""
+    from engine.store import ExpertStore
+
+    with ExpertStore(store) as s:
+        buf = s.empty_buffer()
+        keys = [(e.layer, e.expert) for e in s.manifest.experts][::7][:200]
+        t = time.perf_counter()
+        n = 0
+        for l, e in keys:
+            n += len(s.read_expert(l, e, out=buf, verify=False))
+        return n / (time.perf_counter() - t)
+
+
+def memory_bandwidth() -> float:
+    x = torch.ones(2**28, dtype=torch.float32)
+    x.sum()
+    t = time.perf_counter()
+    for _ in range(3):
+        x.sum()
+    return 3 * x.numel() * 4 / (time.perf_counter() - t)
+
+
+def run_budget(store: Path, frac: float, ram_budget: int, prompt: list[int], tokens: int, recorder=None):
+    from engine.experts.runtime import load_from_store, store_expert_bytes
+    from engine.generate import generate_ids
+    from engine.layers.sampler import SamplingConfig
+
+    total = store_expert_bytes(store)
+    sm = load_from_store(store, device_budget=int(total * frac), ram_budget=ram_budget, policy="lfu",
+                         prefetch_depth=1)
+    if recorder is not None:
+        for block in sm.model.moe_blocks:
+            block.observers.append(recorder)
+    try:
+        t = time.perf_counter()
+        stats = None
+        for _, _, stats in generate_ids(sm.model, prompt, SamplingConfig(max_tokens=tokens, ignore_eos=True)):
+            pass
+        wall = time.perf_counter() - t
+        m = sm.cache.metrics
+        m.tokens = len(prompt) + tokens
+        s = m.summary(sm.cache.source.counters())
+        return dict(frac=frac, slots=sm.cache.num_slots, decode_tps=stats.decode_tps, wall=wall, **s)
+    finally:
+        sm.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--inter", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per budget")
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--ram", default="25%", help="RAM tier: bytes or a share of the store's experts")
+    ap.add_argument("--budgets", default="0.1,0.25,0.5,1.0")
+    args = ap.parse_args()
+
+    from engine.experts.runtime import store_expert_bytes
+    from engine.experts.simulate import sweep
+    from engine.experts.synthetic import synthetic_trace
+    from engine.experts.trace import TraceRecorder
+    from engine.store import ExpertStore
+    from engine.units import format_bytes, parse_bytes
+
+    store = ensure_store(args)
+    with ExpertStore(store) as s:
+        cfg, expert_nbytes = s.config, s.expert_nbytes
+        store_bytes = sum(e.nbytes for e in s.manifest.experts)
+    total = store_expert_bytes(store)
+    ram = parse_bytes(args.ram, total=total, name="--ram")
+    mem_bw, disk_bw = memory_bandwidth(), disk_read_bandwidth(store)
+    counts = cfg.parameter_counts()
+    dense_active = (counts["active"] - counts["routed_active"]) * 4  # fp32 dense weights
+    expert_active = cfg.moe.top_k * len(cfg.moe_layers) * expert_nbytes
+    compute_roof = mem_bw / (dense_active + expert_active)
+    print(f"store {store}: {len(cfg.moe_layers)} layers x {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}, "
+          f"int4 g64, {format_bytes(expert_nbytes)} per expert, {format_bytes(store_bytes)} of experts; "
+          f"RAM tier {format_bytes(ram)} ({ram / total:.0%} of the experts)")
+    print(f"threads {torch.get_num_threads()}, memory read {mem_bw / 1e9:.1f} GB/s, store O_DIRECT read "
+          f"{disk_bw / 1e9:.2f} GB/s, active bytes/token {format_bytes(dense_active + expert_active)} "
+          f"(experts {format_bytes(expert_active)}) -> compute roofline {compute_roof:.1f} tok/s")
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    rec = TraceRecorder(cfg.num_layers, cfg.moe.num_experts, cfg.moe.top_k)
+    token_index = {"n": 0}
+
+    def record(layer, ids):
+        first = min(cfg.moe_layers)
+        if layer == first:
+            base = token_index["n"]
+            token_index["n"] += ids.shape[0]
+        else:
+            base = token_index["n"] - ids.shape[0]
+        for t in range(ids.shape[0]):
+            rec.record(base + t, layer, ids[t].tolist())
+
+    rows = []
+    budgets = [float(b) for b in args.budgets.split(",")]
+    for frac in budgets:
+        rows.append(run_budget(store, frac, ram, prompt, args.tokens, recorder=record if frac == 1.0 else None))
+    print("\n| device budget | slots | decode tok/s | device hit | RAM hit | NVMe B/token | to-device B/token | "
+          "stall s | prefetch P/R | transfer-bound roofline tok/s | compute roofline tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ram_acc = r["ram_hits"] + r["ram_misses"]
+        moved = (dense_active + expert_active) / mem_bw + r["nvme_bytes_per_token"] / disk_bw + \
+            r["bytes_to_device_per_token"] / mem_bw
+        print(f"| {r['frac']:.0%} | {r['slots']} | {r['decode_tps']:.2f} | {r['device_hit_rate']:.1%} | "
+              f"{(r['ram_hits'] / ram_acc if ram_acc else 0):.1%} | {format_bytes(r['nvme_bytes_per_token'])} | "
+              f"{format_bytes(r['bytes_to_device_per_token'])} | {r['stall_s']:.2f} | "
+              f"{r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f} | {1 / moved:.1f} | {compute_roof:.1f} |")
+
+    print("(live hit rates count one access per distinct expert per layer per step, so a prefill of "
+          "T tokens is one access per expert it routes to; the simulator counts every token's picks.)")
+    slots = [r["slots"] for r in rows]
+    print("\nsimulator on the trace recorded at the 100% budget (hit rate):")
+    if 1.0 in budgets:
+        print(sweep(rec.trace(), ["lru", "lfu", "belady"], slots).format())
+    for zipf in (0.0, 1.2):
+        tr = synthetic_trace(400, len(cfg.moe_layers), cfg.moe.num_experts, cfg.moe.top_k, zipf=zipf,
+                             locality=0.3, seed=0)
+        print(f"\nsimulator on a synthetic trace, zipf {zipf}, locality 0.3 (hit rate):")
+        print(sweep(tr, ["lru", "lfu", "belady"], slots).format())
+
+
+if __name__ == "__main__":
+    main()
