@@ -48,6 +48,11 @@ def main() -> None:
               help="Sparse layers ahead to predict and prefetch (0 = off).")
 @click.option("--miss-compute", type=click.Choice(["transfer", "cpu", "auto"]), default="transfer",
               show_default=True, help="On a device miss: copy the expert in, or compute it on the CPU.")
+@click.option("--address", default=None,
+              help="Generate through a running deployment (moestream serve): 'auto' for a driver "
+                   "on the cluster, ray://HOST:10001 for the Ray client.")
+@click.option("--namespace", default="moestream", show_default=True, help="Ray namespace of the deployment.")
+@click.option("--json", "as_json", is_flag=True, help="With --address: print the final result as JSON.")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
@@ -58,7 +63,8 @@ def main() -> None:
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16 compute.")
 def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, prefetch_depth,
-             miss_compute, chat, max_tokens, temperature, top_k, top_p, min_p, seed, stop, dtype):
+             miss_compute, address, namespace, as_json, chat, max_tokens, temperature, top_k, top_p,
+             min_p, seed, stop, dtype):
     """Generate text from PROMPT, streaming it, then print one line of figures."""
     from engine.assets import smollm2_gguf
     from engine.generate import generate_text
@@ -67,6 +73,14 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
     if prompt is None:
         prompt = "What is the capital of France?"
         chat = True
+    if address is not None:
+        from services.cli_serve import generate_remote
+
+        sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k,
+                    "top_p": top_p, "min_p": min_p, "seed": seed, "stop": list(stop)}
+        generate_remote(address, prompt, chat=chat, namespace=namespace, sampling=sampling,
+                        as_json=as_json)
+        return
     sampling = SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, min_p=min_p, seed=seed, stop=tuple(stop))
     loaded = None
@@ -149,9 +163,11 @@ def _human(n: float, unit: str = "") -> str:
 
 
 def _register() -> None:
+    from services.cli_serve import COMMANDS
     from services.cli_store import convert
 
-    main.add_command(convert)
+    for command in (convert, *COMMANDS):
+        main.add_command(command)
 
 
 _register()

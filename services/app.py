@@ -1,0 +1,270 @@
+"""Wiring: start or join a Ray cluster and lay the pipeline out as named, detached actors.
+
+    router (TokenizerRouter) --> decode (DecodeService) --> loader-0 .. loader-{N-1} (ExpertLoader)
+
+All actors live in ``config.namespace`` with ``lifetime="detached"`` and ``max_restarts=-1``, so
+they outlive the process that deployed them and come back after a crash. Loader fetches are
+idempotent (``max_task_retries=-1``); generation calls are not (0). Service actors ask for
+``num_cpus=0`` (a 2-core node would otherwise be exhausted) and the decode actor for one GPU
+where the cluster has one. Loaders are placed on the decode actor's node: their RAM tier is
+node-local shared memory.
+
+    app = deploy(DeployConfig(store="store/", loaders=2))   # or connect("auto")
+    app.scale(3); app.status(); app.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from services.config import DeployConfig
+
+log = logging.getLogger(__name__)
+
+ROUTER, DECODE, LOADER_PREFIX = "router", "decode", "loader-"
+_LOADER_RE = re.compile(r"^loader-(\d+)$")
+STARTUP_TIMEOUT_S = 300.0
+
+
+def _ray():
+    import ray
+
+    return ray
+
+
+def init_ray(config: DeployConfig | None = None, *, address: str | None = None,
+             namespace: str = "moestream") -> bool:
+    """Connect this process to Ray; returns True when it started a new local cluster (which
+    then lives only as long as this process). Joins when ``address`` (or config.address) is
+    given; otherwise starts a local cluster with explicit CPUs, object store size and loopback
+    binds. A process already connected is left as it is."""
+    ray = _ray()
+    if ray.is_initialized():
+        return False
+    ns = config.namespace if config else namespace
+    address = address or (config.address if config else None)
+    if address:
+        ray.init(address=address, namespace=ns, log_to_driver=False)
+        return False
+    cfg = config or DeployConfig.model_construct(host="127.0.0.1", include_dashboard=False,
+                                                 num_cpus=None, object_store_memory=512 << 20)
+    import os
+
+    ray.init(namespace=ns, num_cpus=cfg.num_cpus or os.cpu_count(),
+             object_store_memory=cfg.object_store_memory, include_dashboard=cfg.include_dashboard,
+             dashboard_host=cfg.host, _node_ip_address=cfg.host, log_to_driver=False)
+    return True
+
+
+def loader_names(namespace: str) -> list[str]:
+    """Names of the loader actors registered in ``namespace``, by index."""
+    ray = _ray()
+    found = []
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        m = _LOADER_RE.match(a["name"]) if a.get("namespace") == namespace else None
+        if m:
+            found.append((int(m.group(1)), a["name"]))
+    return [n for _, n in sorted(found)]
+
+
+def get_loader_handles(namespace: str, names: list[str] | None = None) -> dict[str, Any]:
+    ray = _ray()
+    names = loader_names(namespace) if names is None else names
+    return {n: ray.get_actor(n, namespace=namespace) for n in names}
+
+
+def _node_for_decode(num_gpus: int) -> str | None:
+    """The node the decode actor (and so the loaders) go on: a GPU node when asked for one,
+    else the head node."""
+    ray = _ray()
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if num_gpus:
+        alive = [n for n in alive if n.get("Resources", {}).get("GPU", 0) >= num_gpus] or alive
+    for n in alive:
+        if "node:__internal_head__" in n.get("Resources", {}):
+            return n["NodeID"]
+    return alive[0]["NodeID"] if alive else None
+
+
+@dataclass
+class App:
+    """Handles to a running deployment."""
+
+    namespace: str
+    config: DeployConfig
+    owns_cluster: bool = False
+
+    # ---- handles -----------------------------------------------------------------------------
+    @property
+    def router(self):
+        return _ray().get_actor(ROUTER, namespace=self.namespace)
+
+    @property
+    def decode(self):
+        return _ray().get_actor(DECODE, namespace=self.namespace)
+
+    def loaders(self) -> dict[str, Any]:
+        return get_loader_handles(self.namespace)
+
+    # ---- operations --------------------------------------------------------------------------
+    def scale(self, n: int, timeout_s: float = STARTUP_TIMEOUT_S) -> list[str]:
+        """Run exactly ``n`` loaders. Ownership re-shards (rendezvous hashing: only the keys a
+        joining/leaving loader gains/loses move); fetches in flight on a removed loader are
+        retried on the new owner, so no request is lost and no token changes."""
+        ray = _ray()
+        if not 1 <= n <= 64:
+            raise ValueError(f"loaders={n}; allowed: 1..64")
+        names = loader_names(self.namespace)
+        if n > len(names):
+            taken = {int(_LOADER_RE.match(x).group(1)) for x in names}
+            new, i = [], 0
+            while len(names) + len(new) < n:
+                if i not in taken:
+                    new.append(f"{LOADER_PREFIX}{i}")
+                i += 1
+            handles = [self._start_loader(name, n) for name in new]
+            ray.get([h.check_health.remote() for h in handles], timeout=timeout_s)
+            names = sorted(names + new, key=lambda x: int(x.split("-")[1]))
+            ray.get(self.decode.set_loaders.remote(names), timeout=timeout_s)
+        elif n < len(names):
+            keep, drop = names[:n], names[n:]
+            ray.get(self.decode.set_loaders.remote(keep), timeout=timeout_s)
+            for name in drop:
+                self._stop_actor(name)
+            names = keep
+        return names
+
+    def health(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """HealthReply of every actor (or the error reaching it), by actor name."""
+        from protocol import decode as decode_frames
+
+        ray = _ray()
+        actors = {ROUTER: None, DECODE: None, **{n: None for n in loader_names(self.namespace)}}
+        refs = {}
+        for name in actors:
+            try:
+                refs[name] = ray.get_actor(name, namespace=self.namespace).health.remote()
+            except Exception as e:
+                actors[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        for name, ref in refs.items():
+            try:
+                reply, _ = decode_frames(ray.get(ref, timeout=timeout_s))
+                actors[name] = reply.model_dump()
+            except Exception as e:
+                actors[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+        return actors
+
+    def status(self) -> dict[str, Any]:
+        ray = _ray()
+        return {"namespace": self.namespace, "store": str(self.config.store),
+                "loaders": loader_names(self.namespace),
+                "cluster": {k: v for k, v in ray.cluster_resources().items()
+                            if not k.startswith("node:")},
+                "actors": self.health()}
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop every actor of the deployment and unlink the loaders' shared memory; a local
+        cluster this process started is shut down too."""
+        from services.expert_loader import sweep_segments
+
+        for name in [ROUTER, DECODE, *loader_names(self.namespace)]:
+            self._stop_actor(name, timeout_s)
+        sweep_segments(f"moestream-{self.namespace}-")
+        if self.owns_cluster:
+            _ray().shutdown()
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _start_loader(self, name: str, count: int):
+        from engine.store.reader import ExpertStore
+        from engine.experts.tiers import align_up
+        from services.expert_loader import ExpertLoader
+
+        ray = _ray()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        with ExpertStore(self.config.store) as store:
+            slot, total = align_up(store.expert_nbytes), store.num_experts_total
+        cfg = self.config.model_copy(update={"loaders": count})
+        budget = cfg.loader_ram_budget(slot, total)
+        opts: dict[str, Any] = dict(name=name, namespace=self.namespace, lifetime="detached",
+                                    max_restarts=-1, max_task_retries=-1, num_cpus=0)
+        try:  # co-locate with the decode actor: the RAM tier is node-local shared memory
+            node = ray.get(self.decode.node_id.remote(), timeout=60)
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        except Exception:
+            node = _node_for_decode(0)
+            if node:
+                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        return ray.remote(ExpertLoader).options(**opts).remote(
+            name, str(self.config.store), budget, self.namespace, self.config.ram_policy)
+
+    def _stop_actor(self, name: str, timeout_s: float = 30.0) -> None:
+        ray = _ray()
+        try:
+            h = ray.get_actor(name, namespace=self.namespace)
+        except ValueError:
+            return
+        try:
+            ray.get(h.close.remote(), timeout=timeout_s)
+        except Exception as e:
+            log.warning("closing %s: %s", name, e)
+        ray.kill(h, no_restart=True)
+
+
+def deploy(config: DeployConfig, timeout_s: float = STARTUP_TIMEOUT_S) -> App:
+    """Start (or join) the cluster and create the actors; returns when all are healthy.
+    An existing deployment in the namespace is joined, not duplicated."""
+    ray = _ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from engine.experts.tiers import align_up
+    from engine.store.reader import ExpertStore
+    from services.decode import DecodeService
+    from services.expert_loader import ExpertLoader, segment_prefix, sweep_segments
+    from services.tokenizer_router import TokenizerRouter
+
+    owns = init_ray(config)
+    ns = config.namespace
+    existing = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a.get("namespace") == ns}
+    if ROUTER in existing:
+        log.info("namespace %s already has a deployment; joining it", ns)
+        return connect(namespace=ns)
+    num_gpus = config.num_gpus
+    if num_gpus is None:
+        num_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    node = _node_for_decode(num_gpus)
+    affinity = NodeAffinitySchedulingStrategy(node, soft=False) if node else "DEFAULT"
+    with ExpertStore(config.store) as store:
+        slot, total = align_up(store.expert_nbytes), store.num_experts_total
+    budget = config.loader_ram_budget(slot, total)
+    sweep_segments(segment_prefix(ns, ""))  # leftovers of a crashed deployment
+    common = dict(namespace=ns, lifetime="detached", max_restarts=-1, num_cpus=0)
+    names = [f"{LOADER_PREFIX}{i}" for i in range(config.loaders)]
+    loaders = [ray.remote(ExpertLoader).options(name=n, max_task_retries=-1,
+                                                scheduling_strategy=affinity, **common)
+               .remote(n, str(config.store), budget, ns, config.ram_policy) for n in names]
+    ray.get([h.check_health.remote() for h in loaders], timeout=timeout_s)
+    cfg_json = config.model_dump_json()
+    decode = ray.remote(DecodeService).options(name=DECODE, num_gpus=num_gpus, max_task_retries=0,
+                                              scheduling_strategy=affinity, **common
+                                              ).remote(cfg_json, names)
+    ray.get(decode.check_health.remote(), timeout=timeout_s)
+    router = ray.remote(TokenizerRouter).options(name=ROUTER, max_task_retries=0, **common
+                                                 ).remote(cfg_json)
+    ray.get(router.check_health.remote(), timeout=timeout_s)
+    return App(ns, config, owns_cluster=owns)
+
+
+def connect(address: str | None = None, namespace: str = "moestream") -> App:
+    """Attach to a running deployment (address: None = already connected or 'auto')."""
+    ray = _ray()
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", namespace=namespace, log_to_driver=False)
+    router = ray.get_actor(ROUTER, namespace=namespace)
+    config = DeployConfig.model_validate_json(ray.get(router.deploy_config.remote(), timeout=60))
+    return App(namespace, config)

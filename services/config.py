@@ -1,0 +1,120 @@
+"""Deploy configuration of the Ray pipeline: one pydantic model, a description on every field.
+
+Sizes are bytes, given as an int or a string with a unit ("2GiB", "512MB", "64KiB"). Errors name
+the bad value and what is allowed (DESIGN §7.8).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+          "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """``2GiB`` -> 2147483648; ints pass through; None stays None. Raises ValueError naming
+    the value and the accepted units."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"size {value!r} is not a number of bytes")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size {value} is negative; give bytes >= 0")
+        return value
+    if isinstance(value, float):
+        if value < 0 or value != value:
+            raise ValueError(f"size {value!r} is invalid; give bytes >= 0")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"size {value!r} must be an int or a string like '2GiB'")
+    m = _SIZE.match(value)
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"size {value!r} is not understood; give an int or a number with a unit "
+                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '2GiB'")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
+OptBytes = Annotated[int | None, BeforeValidator(parse_bytes)]
+
+
+class DeployConfig(BaseModel):
+    """How ``moestream serve`` lays the pipeline out on Ray."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    store: Path = Field(description="Expert store directory made by `moestream convert`.")
+    namespace: str = Field("moestream", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                           description="Ray namespace holding the named, detached actors.")
+    address: str | None = Field(
+        None, description="Ray cluster to join: 'auto' (a running `ray start` head on this "
+        "machine), 'HOST:6379', or None to start a local cluster in this process.")
+    loaders: int = Field(2, ge=1, le=64, description="Number of expert-loader actors; each owns "
+                         "a shard of the store (rendezvous hash of (layer, expert)).")
+    device_budget: OptBytes = Field(
+        None, description="Bytes of device memory for expert slots (the device cache); None = "
+        "every expert fits.")
+    ram_budget: OptBytes = Field(
+        None, description="Bytes of host RAM for the loaders' shared-memory tier, split evenly "
+        "between the loaders; None = every expert fits.")
+    kv_budget: Bytes = Field("256MiB", description="Bytes for the paged KV cache.")
+    kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    policy: Literal["lru", "lfu", "lfu-pure"] = Field(
+        "lfu", description="Eviction policy of the device expert cache.")
+    ram_policy: Literal["lru", "lfu", "lfu-pure"] = Field(
+        "lru", description="Eviction policy of each loader's RAM tier.")
+    prefetch_depth: int = Field(1, ge=0, le=8, description="Sparse layers ahead whose experts "
+                                "are predicted and prefetched; 0 turns prefetch off.")
+    io_threads: int = Field(2, ge=1, le=32, description="Decode-side threads copying experts "
+                            "into device slots.")
+    direct_reads: bool = Field(
+        True, description="Let the decode process copy RAM-tier hits straight out of the "
+        "loaders' shared memory (validated by a per-slot sequence number) without an actor "
+        "call; False sends every device miss through the owning loader.")
+    queue_size: int = Field(64, ge=1, le=100_000, description="Requests the router admits at "
+                            "once (queued + running); beyond it requests get BUSY.")
+    max_num_seqs: int = Field(16, ge=1, le=4096, description="Sequences the decode engine runs "
+                              "in one batch.")
+    max_batched_tokens: int = Field(512, ge=1, le=1 << 20, description="Tokens per engine step.")
+    request_timeout_s: float = Field(300.0, gt=0, le=86400, description="Seconds a request may "
+                                     "take end to end before it is aborted with TIMEOUT.")
+    fetch_timeout_s: float = Field(5.0, gt=0, le=600, description="Seconds the decode side waits "
+                                   "for one expert fetch from a loader before retrying.")
+    fetch_attempts: int = Field(6, ge=1, le=100, description="Attempts per expert fetch (owner "
+                                "re-resolved each time) before ExpertLoadError.")
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Compute dtype of the "
+                                                    "dense weights and the KV cache.")
+    host: str = Field("127.0.0.1", description="Address every listening socket binds to "
+                      "(Ray node IP, dashboard). Keep loopback unless the cluster spans machines.")
+    include_dashboard: bool = Field(False, description="Start the dashboard/Jobs server "
+                                    "(needed for `ray job submit`) when starting a local cluster.")
+    num_cpus: int | None = Field(None, ge=1, le=4096, description="Logical CPUs of a locally "
+                                 "started cluster (None = os.cpu_count()).")
+    object_store_memory: OptBytes = Field(
+        "512MiB", description="Object store size of a locally started cluster; set explicitly, "
+        "Ray's default varies with free RAM.")
+    num_gpus: int | None = Field(None, ge=0, le=64, description="GPUs for the decode actor: None "
+                                 "= 1 when the cluster has a GPU, else 0 (decode runs on CPU).")
+
+    @field_validator("store")
+    @classmethod
+    def _store_exists(cls, v: Path) -> Path:
+        if not (v / "manifest.json").is_file():
+            raise ValueError(f"store {str(v)!r} has no manifest.json; make one with "
+                             f"`moestream convert <model> --out {v}`")
+        return v.resolve()
+
+    def loader_ram_budget(self, slot_bytes: int, num_experts: int) -> int:
+        """Each loader's share of the RAM tier (at least 4 slots, so a direct read racing an
+        eviction cannot starve)."""
+        total = self.ram_budget if self.ram_budget is not None else num_experts * slot_bytes
+        return max(total // self.loaders, 4 * slot_bytes)

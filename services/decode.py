@@ -1,0 +1,378 @@
+"""The decode actor: owns the device expert cache, the paged KV cache and the engine loop.
+
+One per GPU (num_gpus=1 where CUDA exists; num_cpus=0 otherwise so a 2-core node is not
+exhausted by service actors). The engine (engine.runner.Engine) runs on one thread that only
+this module touches; the actor's asyncio loop takes requests in and streams protocol frames out
+(TokenChunk ... GenerateResult, or ErrorReply), one asyncio.Queue per request:
+
+    actor loop:  generate(rid) --add--> EngineLoop.cmds          EngineLoop thread:
+                 q[rid] <--call_soon_threadsafe-- outputs         drain cmds; step(); dispatch
+
+Cancellation (client gone, router timeout, explicit abort) becomes Engine.abort: the request
+finishes "abort" and its KV blocks are freed. Expert pins are taken and released inside each
+MoE layer's forward, so nothing stays pinned between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import torch
+
+from engine.errors import MoestreamError
+from engine.layers.sampler import SamplingConfig
+from protocol import ErrorReply, GenerateResult, HealthReply, SamplingParams, TokenChunk, Usage, encode
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class EngineDeadError(MoestreamError):
+    """The engine loop is gone (its thread died); protocol code ENGINE_DEAD."""
+
+
+def sampling_config(p: SamplingParams | dict) -> SamplingConfig:
+    """Wire sampling parameters -> the engine's SamplingConfig (validated again there)."""
+    p = p if isinstance(p, SamplingParams) else SamplingParams.model_validate(p)
+    return SamplingConfig(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
+                          top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                          seed=p.seed, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
+                          logprobs=p.logprobs)
+
+
+@dataclass
+class _Tracked:
+    """Per-request figures the loop keeps to build Usage."""
+
+    sink: Callable[[Any], None]
+    prompt_tokens: int
+    t_add: float
+    hits0: int
+    misses0: int
+    bytes0: int
+    gen0: int
+    t_first: float | None = None
+    t_last: float | None = None
+    tokens: int = 0
+
+
+@dataclass
+class Finished:
+    """The last output of a request, with its usage figures."""
+
+    output: Any  # engine.runner.RequestOutput
+    usage: Usage
+
+
+class EngineLoop:
+    """Runs ``Engine.step()`` on one thread. Everything that touches the engine happens here;
+    callers talk to it through ``add``/``abort`` and get outputs through their sink."""
+
+    def __init__(self, engine, cache=None) -> None:
+        self.engine, self.cache = engine, cache
+        self.cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self.tracked: dict[str, _Tracked] = {}
+        self.steps = 0
+        self.error: BaseException | None = None
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self.thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() and not self._stop
+
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingConfig,
+            sink: Callable[[Any], None]) -> None:
+        if not self.alive:
+            raise EngineDeadError(f"the engine loop is not running ({self.error!r})")
+        self.cmds.put(("add", request_id, prompt_ids, sampling, sink))
+
+    def abort(self, request_id: str) -> None:
+        self.cmds.put(("abort", request_id))
+
+    def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn`` on the engine thread (for consistent stats); returns its result."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self.cmds.put(("call", fn, done))
+        ok, value = done.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._stop = True
+        self.cmds.put(("stop",))
+        self.thread.join(timeout=10)
+
+    # ---- the thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                block = not self.engine.has_unfinished()
+                try:
+                    cmd = self.cmds.get(timeout=0.5) if block else self.cmds.get_nowait()
+                except queue.Empty:
+                    cmd = None
+                while cmd is not None:
+                    self._command(cmd)
+                    try:
+                        cmd = self.cmds.get_nowait()
+                    except queue.Empty:
+                        cmd = None
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # a bug in the loop itself: fail everyone, stay dead
+            self.error = e
+            log.exception("engine loop died")
+            for rid, t in list(self.tracked.items()):
+                t.sink(EngineDeadError(f"engine loop died: {type(e).__name__}: {e}"))
+            self.tracked.clear()
+            raise
+
+    def _command(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, sampling, sink = cmd
+            try:
+                self.engine.add_request(rid, prompt, sampling)
+            except Exception as e:  # validation / capacity: this request only
+                sink(e)
+                return
+            hits, misses, nbytes = self._cache_totals()
+            self.tracked[rid] = _Tracked(sink, len(prompt), time.perf_counter(), hits, misses,
+                                         nbytes, self.engine._generated_tokens)
+        elif kind == "abort":
+            out = self.engine.abort(cmd[1])
+            if out is not None:
+                self._deliver(out)
+        elif kind == "call":
+            _, fn, done = cmd
+            try:
+                done.put((True, fn()))
+            except Exception as e:
+                done.put((False, e))
+        elif kind == "stop":
+            self._stop = True
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a failed forward (expert load error, ...): its requests fail
+            log.warning("engine step failed: %s: %s", type(e).__name__, e)
+            for rid in list(self.tracked):
+                self.engine.abort(rid)  # frees their KV blocks
+                self.tracked.pop(rid).sink(e)
+            return
+        self.steps += 1
+        for out in outputs:
+            self._deliver(out)
+
+    def _deliver(self, out) -> None:
+        t = self.tracked.get(out.request_id)
+        if t is None:
+            return
+        now = time.perf_counter()
+        if out.new_token_ids:
+            t.tokens += len(out.new_token_ids)
+            t.t_first = t.t_first or now
+            t.t_last = now
+        if not out.finished:
+            t.sink(out)
+            return
+        del self.tracked[out.request_id]
+        t.sink(Finished(out, self._usage(t)))
+
+    def _cache_totals(self) -> tuple[int, int, int]:
+        if self.cache is None:
+            return 0, 0, 0
+        with self.cache.lock:
+            m = self.cache.metrics.total()
+        return m.hits, m.misses, m.bytes_to_device
+
+    def _usage(self, t: _Tracked) -> Usage:
+        hits, misses, nbytes = self._cache_totals()
+        dh, dm = hits - t.hits0, misses - t.misses0
+        generated = self.engine._generated_tokens - t.gen0  # all sequences: bytes are shared
+        prefill_s = (t.t_first - t.t_add) if t.t_first else 0.0
+        decode_s = (t.t_last - t.t_first) if t.t_first and t.t_last else 0.0
+        return Usage(
+            prompt_tokens=t.prompt_tokens, completion_tokens=t.tokens,
+            prefill_tokens_per_s=t.prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
+            decode_tokens_per_s=(t.tokens - 1) / decode_s if decode_s > 0 and t.tokens > 1 else 0.0,
+            expert_hit_rate=dh / (dh + dm) if self.cache is not None and dh + dm else None,
+            expert_bytes_per_token=(nbytes - t.bytes0) / generated
+            if self.cache is not None and generated else None)
+
+
+@dataclass
+class _Stream:
+    ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+
+
+class DecodeService:
+    """Ray actor (async): thin shell over Engine + ExpertCache + PagedKVCache.
+
+    ``source`` injects the ExpertSource (tests without Ray pass a HostTier); by default it is a
+    LoaderPoolSource over the named loader actors of the namespace.
+    """
+
+    def __init__(self, config_json: str, loader_names: list[str] | None = None, *,
+                 source=None) -> None:
+        from engine.experts.runtime import load_from_store
+        from engine.kv.paged import PagedKVCache
+        from engine.runner import Engine
+        from engine.scheduler import SchedulerConfig
+        from engine.store.reader import ExpertStore
+        from services.config import DeployConfig
+
+        self.config = cfg = DeployConfig.model_validate_json(config_json)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.meta_store = ExpertStore(cfg.store)
+        if source is None:
+            from services.expert_loader import LoaderPoolSource
+
+            source = LoaderPoolSource(self.meta_store, self._resolve(loader_names),
+                                      fetch_timeout_s=cfg.fetch_timeout_s,
+                                      fetch_attempts=cfg.fetch_attempts,
+                                      direct_reads=cfg.direct_reads)
+        self.source = source
+        dtype = DTYPES[cfg.dtype]
+        self.sm = load_from_store(cfg.store, device_budget=cfg.device_budget, policy=cfg.policy,
+                                  prefetch_depth=cfg.prefetch_depth, source=source,
+                                  device=self.device, dtype=dtype)
+        model_cfg = self.sm.store.config
+        self.kv = PagedKVCache.from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size,
+                                           dtype=dtype, device=self.device)
+        self.engine = Engine(self.sm.model, self.sm.tokenizer, self.kv,
+                             SchedulerConfig(max_num_batched_tokens=cfg.max_batched_tokens,
+                                             max_num_seqs=cfg.max_num_seqs))
+        self.loop = EngineLoop(self.engine, self.sm.cache).start()
+        self.started = time.time()
+
+    def _resolve(self, names: list[str] | None) -> dict[str, Any]:
+        from services.app import get_loader_handles
+
+        return get_loader_handles(self.config.namespace, names)
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       sampling: dict) -> AsyncIterator[list[bytes]]:
+        """Stream frames for one request: TokenChunk per step that produced tokens, then the
+        GenerateResult; or an ErrorReply (after which a GenerateResult with finish_reason
+        "error" follows if tokens had been streamed). Never raises."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        acc = _Stream()
+        done = False
+        try:
+            params = SamplingParams.model_validate(sampling)
+            self.loop.add(request_id, list(prompt_ids), sampling_config(params),
+                          lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        except Exception as e:
+            done = True
+            yield encode(ErrorReply.from_exception(e, request_id))
+            return
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    yield encode(ErrorReply.from_exception(item, request_id))
+                    if acc.ids:
+                        yield encode(self._result(request_id, acc, "error", None, len(prompt_ids)))
+                    return
+                out = item.output if isinstance(item, Finished) else item
+                if out.new_token_ids or out.new_text:
+                    acc.ids += out.new_token_ids
+                    acc.text.append(out.new_text)
+                    lps = [float(lp["logprob"]) for lp in out.logprobs] if out.logprobs else None
+                    yield encode(TokenChunk(request_id=request_id, token_ids=out.new_token_ids,
+                                            text=out.new_text, logprobs=lps))
+                if isinstance(item, Finished):
+                    done = True
+                    yield encode(self._result(request_id, acc, out.finish_reason or "stop",
+                                              item.usage, len(prompt_ids)))
+                    return
+        finally:
+            if not done:  # the consumer went away (cancelled / disconnected): free its KV
+                self.loop.abort(request_id)
+
+    @staticmethod
+    def _result(rid: str, acc: _Stream, reason: str, usage: Usage | None, n_prompt: int) -> GenerateResult:
+        usage = usage or Usage(prompt_tokens=n_prompt, completion_tokens=len(acc.ids),
+                               prefill_tokens_per_s=0.0, decode_tokens_per_s=0.0)
+        return GenerateResult(request_id=rid, text="".join(acc.text), token_ids=acc.ids,
+                              finish_reason=reason, usage=usage)
+
+    async def abort(self, request_id: str) -> None:
+        """Finish ``request_id`` with reason "abort" and free its KV blocks (no-op if unknown)."""
+        self.loop.abort(request_id)
+
+    # ---- membership and knobs ----------------------------------------------------------------
+    async def set_loaders(self, names: list[str]) -> list[str]:
+        """Route expert fetches to exactly these loader actors from now on."""
+        handles = self._resolve(names)
+        self.source.set_loaders(handles)
+        return sorted(handles)
+
+    async def set_direct_reads(self, enabled: bool) -> None:
+        self.source.direct_reads = bool(enabled)
+
+    # ---- health and figures ------------------------------------------------------------------
+    async def check_health(self) -> None:
+        """Raises when the engine cannot serve; Ray's health checks call this."""
+        if not self.loop.alive:
+            raise EngineDeadError(f"engine loop is dead: {self.loop.error!r}")
+
+    async def stats(self) -> dict[str, Any]:
+        def snapshot() -> dict[str, Any]:
+            kv = self.kv.metrics()
+            cache = self.sm.cache
+            with cache.lock:
+                pins, loading = dict(cache.pins), len(cache.loading)
+            summary = cache.metrics.summary(self.source.counters())
+            sched = self.engine.scheduler
+            return {"kv_blocks_used": kv.blocks_used, "kv_blocks_total": kv.blocks_total,
+                    "kv_sequences": kv.num_sequences, "expert_pins": sum(pins.values()),
+                    "experts_loading": loading, "running": len(sched.running),
+                    "waiting": len(sched.waiting), "steps": self.loop.steps,
+                    "device_hit_rate": summary["device_hit_rate"],
+                    "device_misses": summary["device_misses"],
+                    "bytes_to_device_per_token": summary["bytes_to_device_per_token"],
+                    "source": self.source.stats() if hasattr(self.source, "stats") else {},
+                    "device": self.device}
+
+        return await asyncio.to_thread(self.loop.call, snapshot)
+
+    async def health(self) -> list[bytes]:
+        ok = self.loop.alive
+        detail: dict[str, Any] = {"device": self.device, "uptime_s": round(time.time() - self.started, 1)}
+        if ok:
+            s = await self.stats()
+            detail.update({k: v for k, v in s.items() if isinstance(v, (int, float, str))})
+        else:
+            detail["error"] = repr(self.loop.error)[:1000]
+        return encode(HealthReply(service="decode", ok=ok, detail=detail))
+
+    async def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    async def close(self) -> None:
+        self.loop.stop()
+        self.sm.close()
+        self.meta_store.close()

@@ -1,0 +1,270 @@
+"""The tokenizer/router actor: the pipeline's front door.
+
+    frames --codec.decode (size/depth/version limits)--> GenerateRequest (pydantic, strict)
+           --chat template + tokenize (thread)--> admit (bounded: full -> BUSY)
+           --decode.generate (Ray streaming generator)--> TokenChunk ... GenerateResult
+           --forward frames (stream) or only the result (stream=False)--> caller
+
+Every failure becomes an ErrorReply (protocol.errors maps engine and Ray exceptions by name);
+nothing a client sends can take the actor down. Text is detokenized inside the decode engine
+(its IncrementalDetokenizer + StopStringMatcher), because stop strings must end generation where
+tokens are produced; this actor forwards it.
+
+Two ways out, same frames:
+  * ``submit_frames`` / ``generate``: async generators (Ray streaming generators) for drivers;
+  * ``open`` + ``poll``: a long-poll pair for the Ray client, which cannot consume streaming
+    generators ("not currently supported when using Ray Client", Ray 2.60).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from engine.errors import RequestValidationError
+from protocol import (
+    ErrorCode,
+    ErrorReply,
+    GenerateRequest,
+    GenerateResult,
+    HealthReply,
+    ProtocolError,
+    TokenChunk,
+    decode,
+    encode,
+)
+from protocol.codec import DEFAULT_MAX_FRAME_BYTES
+
+log = logging.getLogger(__name__)
+
+TERMINAL = (GenerateResult, ErrorReply)
+
+
+@dataclass
+class _Polled:
+    """A request opened with ``open``: frames wait here until ``poll`` takes them."""
+
+    frames: list[list[bytes]] = field(default_factory=list)
+    done: bool = False
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+    touched: float = field(default_factory=time.monotonic)
+
+
+class TokenizerRouter:
+    """Ray actor (async). ``decode`` is the decode actor's handle (default: the named one)."""
+
+    def __init__(self, config_json: str, *, decode_handle=None, tokenizer=None,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        from services.config import DeployConfig
+
+        self.config = DeployConfig.model_validate_json(config_json)
+        if tokenizer is None:
+            from engine.store.reader import ExpertStore
+
+            with ExpertStore(self.config.store) as store:
+                try:
+                    tokenizer = store.tokenizer()
+                except FileNotFoundError:
+                    tokenizer = None  # token-id requests only
+        self.tokenizer = tokenizer
+        if decode_handle is None:
+            import ray
+
+            decode_handle = ray.get_actor("decode", namespace=self.config.namespace)
+        self.decode = decode_handle
+        self.max_frame_bytes = max_frame_bytes
+        self.active: set[str] = set()
+        self.polled: dict[str, _Polled] = {}
+        self.counts = {"admitted": 0, "busy": 0, "protocol_errors": 0, "invalid": 0,
+                       "errors": 0, "timeouts": 0, "cancelled": 0, "completed": 0}
+
+    # ---- entry points ------------------------------------------------------------------------
+    async def submit_frames(self, frames: list) -> AsyncIterator[list[bytes]]:
+        """Raw wire frames in (one GenerateRequest), frames out. Bad frames -> one ErrorReply."""
+        try:
+            req, _ = decode(frames, expect=GenerateRequest, max_frame_bytes=self.max_frame_bytes)
+        except ProtocolError as e:
+            key = "invalid" if e.code is ErrorCode.INVALID_REQUEST else "protocol_errors"
+            self.counts[key] += 1
+            yield encode(ErrorReply.for_code(e.code, e.message))
+            return
+        async for out in self._run(req):
+            yield out
+
+    async def generate(self, request: GenerateRequest | dict) -> AsyncIterator[list[bytes]]:
+        """Typed API: a GenerateRequest (or its dict form) in, frames out."""
+        try:
+            req = request if isinstance(request, GenerateRequest) else GenerateRequest.model_validate(request)
+        except Exception as e:
+            self.counts["invalid"] += 1
+            yield encode(ErrorReply.from_exception(e))
+            return
+        async for out in self._run(req):
+            yield out
+
+    async def open(self, frames: list) -> str | list[bytes]:
+        """Start a request for ``poll`` (Ray client path). Returns its id, or the ErrorReply
+        frames when it failed before admission."""
+        try:
+            req, _ = decode(frames, expect=GenerateRequest, max_frame_bytes=self.max_frame_bytes)
+        except ProtocolError as e:
+            self.counts["protocol_errors"] += 1
+            return encode(ErrorReply.for_code(e.code, e.message))
+        if req.request_id in self.polled or req.request_id in self.active:
+            return encode(ErrorReply.for_code(ErrorCode.INVALID_REQUEST,
+                                              f"request id {req.request_id!r} is already in use",
+                                              req.request_id))
+        p = _Polled()
+        self.polled[req.request_id] = p
+
+        async def pump() -> None:
+            try:
+                async for out in self._run(req):
+                    p.frames.append(out)
+                    p.event.set()
+            finally:
+                p.done = True
+                p.event.set()
+
+        p.task = asyncio.get_running_loop().create_task(pump())
+        return req.request_id
+
+    async def poll(self, request_id: str, max_wait_s: float = 1.0) -> tuple[list[list[bytes]], bool]:
+        """Frames produced since the last poll (waits up to ``max_wait_s`` for at least one) and
+        whether the request is over. Unknown ids -> ([ErrorReply NOT_FOUND], True)."""
+        p = self.polled.get(request_id)
+        if p is None:
+            return [encode(ErrorReply.for_code(ErrorCode.NOT_FOUND,
+                                               f"no open request {request_id!r}", None))], True
+        p.touched = time.monotonic()
+        if not p.frames and not p.done:
+            try:
+                await asyncio.wait_for(p.event.wait(), timeout=max(0.0, min(max_wait_s, 30.0)))
+            except asyncio.TimeoutError:
+                pass
+        out, p.frames = p.frames, []
+        p.event.clear()
+        if p.done and not p.frames:
+            self.polled.pop(request_id, None)
+            return out, True
+        return out, False
+
+    async def cancel(self, request_id: str) -> bool:
+        """Abort a request (streamed or polled); its KV blocks are freed by the decode actor."""
+        p = self.polled.get(request_id)
+        known = request_id in self.active or p is not None
+        if known:
+            self.counts["cancelled"] += 1
+        await self.decode.abort.remote(request_id)
+        return known
+
+    # ---- the request path --------------------------------------------------------------------
+    async def _run(self, req: GenerateRequest) -> AsyncIterator[list[bytes]]:
+        rid = req.request_id
+        if rid in self.active:
+            self.counts["invalid"] += 1
+            yield encode(ErrorReply.for_code(ErrorCode.INVALID_REQUEST,
+                                              f"request id {rid!r} is already in use", rid))
+            return
+        if len(self.active) >= self.config.queue_size:
+            self.counts["busy"] += 1
+            yield encode(ErrorReply.for_code(
+                ErrorCode.BUSY, f"{len(self.active)} requests in flight, the queue holds "
+                f"{self.config.queue_size}; retry later", rid))
+            return
+        self.active.add(rid)
+        self.counts["admitted"] += 1
+        finished = False
+        deadline = time.monotonic() + self.config.request_timeout_s
+        try:
+            try:
+                prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+            except Exception as e:
+                finished = True
+                self.counts["invalid"] += 1
+                yield encode(ErrorReply.from_exception(e, rid))
+                return
+            stream = self.decode.generate.remote(rid, prompt_ids, req.sampling.model_dump())
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    if remaining <= 0:
+                        raise asyncio.TimeoutError
+                    ref = await asyncio.wait_for(stream.__anext__(), timeout=remaining)
+                    frames = await ref
+                except StopAsyncIteration:
+                    finished = True  # the decode stream ended without a result: engine gone
+                    yield encode(ErrorReply.for_code(ErrorCode.ENGINE_DEAD,
+                                                      "decode stream ended early", rid))
+                    return
+                except asyncio.TimeoutError:
+                    self.counts["timeouts"] += 1
+                    finished = True
+                    self.decode.abort.remote(rid)
+                    yield encode(ErrorReply.for_code(
+                        ErrorCode.TIMEOUT, f"request took longer than request_timeout_s="
+                        f"{self.config.request_timeout_s}; aborted", rid))
+                    return
+                msg, _ = decode(frames)
+                if isinstance(msg, TERMINAL):
+                    finished = True
+                if isinstance(msg, TokenChunk) and not req.stream:
+                    continue
+                if isinstance(msg, ErrorReply):
+                    self.counts["errors"] += 1
+                    yield frames
+                    if not req.stream:
+                        return
+                    continue  # a GenerateResult("error") may follow with the partial output
+                yield frames
+                if isinstance(msg, GenerateResult):
+                    self.counts["completed"] += 1
+                    return
+        except Exception as e:  # Ray errors (decode actor died, ...) -> mapped by name
+            finished = True
+            self.counts["errors"] += 1
+            yield encode(ErrorReply.from_exception(e, rid))
+        finally:
+            self.active.discard(rid)
+            if not finished:  # our consumer went away mid-stream
+                self.decode.abort.remote(rid)
+
+    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.sampling.n != 1:
+            raise RequestValidationError(f"n={req.sampling.n} is not supported by this "
+                                         f"deployment; allowed: 1")
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        if self.tokenizer is None:
+            raise RequestValidationError("this model's store has no tokenizer; send "
+                                         "prompt_token_ids instead of text")
+        if req.messages is not None:
+            return self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+        return self.tokenizer.encode(req.prompt)
+
+    # ---- health and figures ------------------------------------------------------------------
+    async def check_health(self) -> None:
+        """Raises when the router cannot reach a live decode actor."""
+        await asyncio.wait_for(self.decode.check_health.remote(), timeout=30)
+
+    async def health(self) -> list[bytes]:
+        detail: dict[str, Any] = {"active": len(self.active), "queue_size": self.config.queue_size}
+        detail.update(self.counts)
+        return encode(HealthReply(service="router", ok=True, detail=detail))
+
+    async def stats(self) -> dict[str, Any]:
+        return {"active": sorted(self.active), "polled": len(self.polled), **self.counts}
+
+    async def close(self) -> None:
+        """Cancel open polled requests (shutdown)."""
+        for rid, p in list(self.polled.items()):
+            if p.task is not None:
+                p.task.cancel()
+
+    async def deploy_config(self) -> str:
+        """The DeployConfig this deployment runs with, as JSON (scale/status read it)."""
+        return self.config.model_dump_json()
