@@ -1,0 +1,356 @@
+"""C++ source of the AVX-512 CPU kernels (built by ``kernels.py`` with cpp_extension.load).
+
+Shape legend: weight ``[N, K]`` (out, in), groups of ``G`` along K, 4-bit blocks of 32 (byte j of a
+block = code j | code j+16 << 4, see formats.py); ``x`` ``[T, K]`` float32; ``out`` ``[T, N]``.
+
+Two loop nests:
+- direct (small T, decode): a tile of 8 rows x 2 tokens keeps 16 16-lane accumulators in
+  registers; each 32-weight block is dequantized into two vectors and FMA'd against the tokens;
+  further token pairs re-read the tile's codes from L1, so memory is read once.
+  4-bit formats dequantize with one table lookup (vpermps) into a per-(row, group) 16-entry table
+  ``lut[c] = base[c] * scale + min`` (int4: base = 0..15; nf4: base = code book, min = 0), so a
+  block costs one byte->dword expansion, one shift and two permutes.
+- scratch (larger T): R rows are dequantized into an fp32 scratch (L1/L2 resident) and an
+  R x TT register-tiled FMA micro-kernel runs over all tokens, so dequantization is paid once per
+  weight per call.
+Rows are split over torch's intra-op threads (at::parallel_for).
+"""
+
+CPP_SOURCE = r"""
+// Light headers on purpose (not torch/extension.h): the build takes ~10 s instead of ~30 s.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+enum { F_INT4 = 0, F_NF4 = 1, F_INT8 = 2, F_BF16 = 3 };
+
+alignas(64) const float NF4_CB[16] = {
+  -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+  -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+  0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+  0.44070982985687256f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+alignas(64) const float IOTA16[16] = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
+
+struct QW {            // one quantized weight [N, K]
+  int fmt; int64_t G, N, K;
+  const uint8_t* codes;      // int4/nf4: [N, K/2]; int8: [N, K] (int8); bf16: [N, K] (2 bytes each)
+  const uint16_t* scales;    // [N, K/G] fp16 (not bf16)
+  const uint16_t* mins;      // [N, K/G] fp16 (int4 only)
+};
+
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+// Per-(row, group) state and the dequantization of one 32-weight block into two vectors.
+template <int FMT> struct Deq {
+  __m512 lut; __m512 sc;
+  inline void group(const QW& w, int64_t n, int64_t g) {
+    const int64_t ng = w.K / w.G;
+    if (FMT == F_INT4) {
+      lut = _mm512_fmadd_ps(_mm512_load_ps(IOTA16), _mm512_set1_ps(h2f(w.scales[n * ng + g])),
+                            _mm512_set1_ps(h2f(w.mins[n * ng + g])));
+    } else if (FMT == F_NF4) {
+      lut = _mm512_mul_ps(_mm512_load_ps(NF4_CB), _mm512_set1_ps(h2f(w.scales[n * ng + g])));
+    } else if (FMT == F_INT8) {
+      sc = _mm512_set1_ps(h2f(w.scales[n * ng + g]));
+    }
+  }
+  // k: index of the block's first weight in the row
+  // prefetch the cache line of row n holding weight k (called once per 64 bytes of codes)
+  static inline void prefetch(const QW& w, int64_t n, int64_t k) {
+    if (n >= w.N) return;
+    const char* p = FMT == F_INT4 || FMT == F_NF4 ? (const char*)(w.codes + n * (w.K / 2) + k / 2)
+                  : FMT == F_INT8 ? (const char*)(w.codes + n * w.K + k) : (const char*)(w.codes + (n * w.K + k) * 2);
+    _mm_prefetch(p, _MM_HINT_T0);
+  }
+  static constexpr int64_t WEIGHTS_PER_LINE = FMT == F_INT4 || FMT == F_NF4 ? 128 : FMT == F_INT8 ? 64 : 32;
+  inline void block(const QW& w, int64_t n, int64_t k, __m512& w0, __m512& w1) const {
+    if (FMT == F_INT4 || FMT == F_NF4) {
+      __m128i b = _mm_loadu_si128((const __m128i*)(w.codes + n * (w.K / 2) + k / 2));
+      __m512i v = _mm512_cvtepu8_epi32(b);
+      w0 = _mm512_permutexvar_ps(v, lut);                       // vpermps uses index bits 3:0
+      w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+    } else if (FMT == F_INT8) {
+      const int8_t* p = (const int8_t*)w.codes + n * w.K + k;
+      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))), sc);
+      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16)))), sc);
+    } else {
+      const uint16_t* p = (const uint16_t*)w.codes + n * w.K + k;
+      w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+      w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p + 16))), 16));
+    }
+  }
+};
+
+// group size for grouping purposes (bf16 has none: treat the whole row as one group)
+static inline int64_t eff_group(const QW& w) { return w.fmt == F_BF16 ? w.K : w.G; }
+
+// Direct tile: rows [n0, n0+R), tokens [t0, t0+TT). out[t, n] (+)= sum_k x[t, k] * w[n, k]
+static int64_t g_pf_rows = 16;  // software prefetch distance in rows (tunable for the bench)
+
+static inline void prefetch_meta(const QW& w, int64_t n0, int R) {
+  if (w.fmt == F_BF16 || n0 >= w.N) return;
+  const int64_t ng = w.K / w.G;
+  int64_t nr = n0 + R <= w.N ? R : w.N - n0;
+  const char* s = (const char*)(w.scales + n0 * ng);
+  for (int64_t b = 0; b < nr * ng * 2; b += 64) _mm_prefetch(s + b, _MM_HINT_T0);
+  if (w.fmt == F_INT4) {
+    const char* m = (const char*)(w.mins + n0 * ng);
+    for (int64_t b = 0; b < nr * ng * 2; b += 64) _mm_prefetch(m + b, _MM_HINT_T0);
+  }
+}
+
+template <int FMT, int R, int TT>
+static void tile_direct(const QW& w, int64_t n0, const float* x, int64_t t0, float* out, int64_t ldo) {
+  const int64_t K = w.K, G = eff_group(w), NG = K / G;
+  const int64_t pf = g_pf_rows;
+  if (pf > 0) prefetch_meta(w, n0 + pf, R);
+  __m512 acc[R][TT];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+  Deq<FMT> d[R];
+  for (int64_t g = 0; g < NG; g++) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) d[r].group(w, n0 + r, g);
+    for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+      if (pf > 0 && k % Deq<FMT>::WEIGHTS_PER_LINE == 0) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) Deq<FMT>::prefetch(w, n0 + pf + r, k);
+      }
+      __m512 xa[TT], xb[TT];
+#pragma GCC unroll 8
+      for (int t = 0; t < TT; t++) {
+        xa[t] = _mm512_loadu_ps(x + (t0 + t) * K + k);
+        xb[t] = _mm512_loadu_ps(x + (t0 + t) * K + k + 16);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; r++) {
+        __m512 w0, w1;
+        d[r].block(w, n0 + r, k, w0, w1);
+#pragma GCC unroll 8
+        for (int t = 0; t < TT; t++) {
+          acc[r][t] = _mm512_fmadd_ps(w0, xa[t], acc[r][t]);
+          acc[r][t] = _mm512_fmadd_ps(w1, xb[t], acc[r][t]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; t++) out[(t0 + t) * ldo + n0 + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+// Dequantize rows [n0, n0+R) into buf[R][K] (fp32).
+template <int FMT>
+static void deq_rows(const QW& w, int64_t n0, int R, float* buf) {
+  const int64_t K = w.K, G = eff_group(w), NG = K / G;
+  const int64_t pf = g_pf_rows;
+  if (pf > 0) prefetch_meta(w, n0 + pf, R);
+  for (int r = 0; r < R; r++) {
+    if (pf > 0)
+      for (int64_t k = 0; k < K; k += Deq<FMT>::WEIGHTS_PER_LINE) Deq<FMT>::prefetch(w, n0 + pf + r, k);
+    Deq<FMT> d;
+    float* b = buf + r * K;
+    for (int64_t g = 0; g < NG; g++) {
+      d.group(w, n0 + r, g);
+      for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+        __m512 w0, w1;
+        d.block(w, n0 + r, k, w0, w1);
+        _mm512_storeu_ps(b + k, w0);
+        _mm512_storeu_ps(b + k + 16, w1);
+      }
+    }
+  }
+}
+
+// Micro-kernel over a dequantized scratch: rows r in [0,R) of buf, tokens [t0, t0+TT).
+template <int R, int TT>
+static void micro(const float* buf, int64_t K, int64_t n0, const float* x, int64_t t0, float* out, int64_t ldo) {
+  __m512 acc[R][TT];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(buf + r * K + k);
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; t++) {
+      __m512 xv = _mm512_loadu_ps(x + (t0 + t) * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; t++) out[(t0 + t) * ldo + n0 + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+template <int R>
+static void micro_all_tokens(const float* buf, int64_t K, int64_t n0, const float* x, int64_t T, float* out, int64_t ldo) {
+  int64_t t = 0;
+  for (; t + 6 <= T; t += 6) micro<R, 6>(buf, K, n0, x, t, out, ldo);
+  switch (T - t) {
+    case 5: micro<R, 5>(buf, K, n0, x, t, out, ldo); break;
+    case 4: micro<R, 4>(buf, K, n0, x, t, out, ldo); break;
+    case 3: micro<R, 3>(buf, K, n0, x, t, out, ldo); break;
+    case 2: micro<R, 2>(buf, K, n0, x, t, out, ldo); break;
+    case 1: micro<R, 1>(buf, K, n0, x, t, out, ldo); break;
+    default: break;
+  }
+}
+
+constexpr int RS = 4;  // rows per scratch tile
+
+// Rows [nb, ne) of out = x @ w.T for all T tokens (one thread's share).
+template <int FMT>
+static void rows_range(const QW& w, int64_t nb, int64_t ne, const float* x, int64_t T, float* out, int64_t ldo,
+                       int64_t direct_max_t) {
+  if (T <= direct_max_t) {
+    // tiles of 8 rows; tokens in pairs (R*TT = 16 accumulators), the rows' codes stay in L1
+    // between the token pairs, so memory traffic is one pass whatever T is
+    int64_t n = nb;
+    for (; n + 8 <= ne; n += 8) {
+      int64_t t = 0;
+      for (; t + 2 <= T; t += 2) tile_direct<FMT, 8, 2>(w, n, x, t, out, ldo);
+      if (t < T) tile_direct<FMT, 8, 1>(w, n, x, t, out, ldo);
+    }
+    for (; n < ne; n++) {
+      int64_t t = 0;
+      for (; t + 2 <= T; t += 2) tile_direct<FMT, 1, 2>(w, n, x, t, out, ldo);
+      if (t < T) tile_direct<FMT, 1, 1>(w, n, x, t, out, ldo);
+    }
+    return;
+  }
+  std::vector<float> buf_v(RS * w.K + 16);
+  float* buf = buf_v.data();
+  int64_t n = nb;
+  for (; n + RS <= ne; n += RS) {
+    deq_rows<FMT>(w, n, RS, buf);
+    micro_all_tokens<RS>(buf, w.K, n, x, T, out, ldo);
+  }
+  for (; n < ne; n++) {
+    deq_rows<FMT>(w, n, 1, buf);
+    micro_all_tokens<1>(buf, w.K, n, x, T, out, ldo);
+  }
+}
+
+static void rows_dispatch(const QW& w, int64_t nb, int64_t ne, const float* x, int64_t T, float* out, int64_t ldo,
+                          int64_t direct_max_t) {
+  switch (w.fmt) {
+    case F_INT4: rows_range<F_INT4>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
+    case F_NF4:  rows_range<F_NF4>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
+    case F_INT8: rows_range<F_INT8>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
+    default:     rows_range<F_BF16>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
+  }
+}
+
+static QW make_qw(int64_t fmt, int64_t G, int64_t N, int64_t K, const at::Tensor& codes,
+                  const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(fmt >= 0 && fmt <= 3, "bad format id");
+  TORCH_CHECK(K % 32 == 0 && (fmt == F_BF16 || K % G == 0), "K must be a multiple of 32 and of G");
+  TORCH_CHECK(codes.is_contiguous(), "codes must be contiguous");
+  int64_t want = fmt == F_INT4 || fmt == F_NF4 ? N * K / 2 : fmt == F_INT8 ? N * K : N * K * 2;
+  TORCH_CHECK(codes.numel() * codes.element_size() == want, "codes have the wrong size");
+  QW w{(int)fmt, G, N, K, (const uint8_t*)codes.data_ptr(), nullptr, nullptr};
+  if (fmt != F_BF16) {
+    TORCH_CHECK(scales.is_contiguous() && scales.numel() == N * (K / G) && scales.element_size() == 2, "bad scales");
+    w.scales = (const uint16_t*)scales.data_ptr();
+  }
+  if (fmt == F_INT4) {
+    TORCH_CHECK(mins.is_contiguous() && mins.numel() == N * (K / G) && mins.element_size() == 2, "bad mins");
+    w.mins = (const uint16_t*)mins.data_ptr();
+  }
+  return w;
+}
+
+static at::Tensor as_f32_2d(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [T, ", K, "]");
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x;
+  return x.to(at::kFloat).contiguous();
+}
+
+// grain in rows: split over threads only when each share has enough work (~weight bytes x tokens)
+static int64_t row_grain(const QW& w, int64_t T, int64_t min_work) {
+  int64_t per_row = w.K * (T < 4 ? 4 : T);
+  int64_t g = min_work / (per_row > 0 ? per_row : 1);
+  return g < 8 ? 8 : g;
+}
+
+}  // namespace
+
+void set_prefetch_rows(int64_t rows) { g_pf_rows = rows; }
+
+at::Tensor qlinear(at::Tensor x, int64_t fmt, int64_t G, int64_t N, int64_t K, at::Tensor codes,
+                      at::Tensor scales, at::Tensor mins, int64_t direct_max_t, int64_t min_work) {
+  QW w = make_qw(fmt, G, N, K, codes, scales, mins);
+  at::Tensor xf = as_f32_2d(x, K);
+  const int64_t T = xf.size(0);
+  at::Tensor out = at::empty({T, N}, at::kFloat);
+  if (T == 0) return out;
+  const float* xp = xf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;  // other Python threads (disk readers) run meanwhile
+  at::parallel_for(0, N, row_grain(w, T, min_work), [&](int64_t b, int64_t e) {
+    // keep thread shares aligned to 8 rows so the register tiles stay full
+    int64_t bb = b == 0 ? 0 : (b + 7) / 8 * 8, ee = e == N ? N : (e + 7) / 8 * 8;
+    if (ee > N) ee = N;
+    if (bb < ee) rows_dispatch(w, bb, ee, xp, T, op, N, direct_max_t);
+  });
+  return out;
+}
+
+// SwiGLU expert: out[T, H] = (silu(x @ gate.T) * (x @ up.T)) @ down.T; gate/up [I, H], down [H, I].
+at::Tensor expert_forward(at::Tensor x, int64_t fmt, int64_t G, int64_t I, int64_t H,
+                             at::Tensor gc, at::Tensor gs, at::Tensor gm,
+                             at::Tensor uc, at::Tensor us, at::Tensor um,
+                             at::Tensor dc, at::Tensor ds, at::Tensor dm,
+                             int64_t direct_max_t, int64_t min_work) {
+  QW wg = make_qw(fmt, G, I, H, gc, gs, gm), wu = make_qw(fmt, G, I, H, uc, us, um),
+     wd = make_qw(fmt, G, H, I, dc, ds, dm);
+  at::Tensor xf = as_f32_2d(x, H);
+  const int64_t T = xf.size(0);
+  at::Tensor out = at::empty({T, H}, at::kFloat);
+  if (T == 0) return out;
+  at::Tensor hg = at::empty({T, I}, at::kFloat), hu = at::empty({T, I}, at::kFloat);
+  const float* xp = xf.data_ptr<float>();
+  float *gp = hg.data_ptr<float>(), *up = hu.data_ptr<float>(), *op = out.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
+  // gate and up rows of the same range go to the same thread, which then forms h for them
+  at::parallel_for(0, I, row_grain(wg, T, min_work / 2), [&](int64_t b, int64_t e) {
+    int64_t bb = b == 0 ? 0 : (b + 7) / 8 * 8, ee = e == I ? I : (e + 7) / 8 * 8;
+    if (ee > I) ee = I;
+    if (bb >= ee) return;
+    rows_dispatch(wg, bb, ee, xp, T, gp, I, direct_max_t);
+    rows_dispatch(wu, bb, ee, xp, T, up, I, direct_max_t);
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t i = bb; i < ee; i++) {
+        float g = gp[t * I + i];
+        gp[t * I + i] = g / (1.0f + std::exp(-g)) * up[t * I + i];
+      }
+  });
+  at::parallel_for(0, H, row_grain(wd, T, min_work), [&](int64_t b, int64_t e) {
+    int64_t bb = b == 0 ? 0 : (b + 7) / 8 * 8, ee = e == H ? H : (e + 7) / 8 * 8;
+    if (ee > H) ee = H;
+    if (bb < ee) rows_dispatch(wd, bb, ee, gp, T, op, H, direct_max_t);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &qlinear, "out[T, N] = x[T, K] @ w[N, K].T for a quantized w");
+  m.def("expert_forward", &expert_forward, "SwiGLU expert on quantized gate/up/down");
+  m.def("set_prefetch_rows", &set_prefetch_rows, "software prefetch distance in rows (bench)");
+}
+"""

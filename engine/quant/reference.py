@@ -1,0 +1,152 @@
+"""Torch reference implementations of the weight formats (see ``formats.py`` for the layouts).
+
+Straightforward and slow on purpose: every fast kernel is checked against these.
+
+Shape legend: weight ``w`` ``[N, K]`` (out, in); ``G`` group size; ``NG = K // G``; ``x`` ``[T, K]``.
+
+Quantization rules (scales/mins are rounded to fp16 first, then codes are chosen against the
+rounded values, so ``dequantize`` is exactly what the codes and stored metadata say):
+
+- int4: per group ``min``/``max``; ``scale = (max - min) / 15``; ``code = round((w - min) / scale)``
+  clamped to [0, 15]; ``w' = code * scale + min``.
+- nf4: per group ``absmax``; ``code = nearest NF4 value to w / absmax``; ``w' = NF4[code] * absmax``.
+- int8: per group ``absmax``; ``scale = absmax / 127``; ``code = round(w / scale)`` clamped to
+  [-127, 127]; ``w' = code * scale``.
+- bf16: ``w' = w.to(bfloat16)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import ConfigError
+from engine.quant.formats import NF4_CODEBOOK, PACK_BLOCK, QuantFormat, QuantizedTensor
+
+_FP16_MAX = 65504.0
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes in [0, 15] ``[N, K]`` -> packed ``[N, K/2]``: per block of 32, byte j = c[j] | c[j+16] << 4."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).reshape(n, k // PACK_BLOCK, 2, PACK_BLOCK // 2)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_nibbles`: ``[N, K/2]`` uint8 -> codes ``[N, K]`` uint8."""
+    n, k2 = packed.shape
+    b = packed.reshape(n, k2 // (PACK_BLOCK // 2), PACK_BLOCK // 2)
+    return torch.stack([b & 0xF, b >> 4], dim=2).reshape(n, k2 * 2)
+
+
+def _check_weight(w: torch.Tensor, fmt: QuantFormat) -> tuple[int, int]:
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        raise ConfigError(f"weight to quantize must be a floating-point tensor, got {type(w).__name__} "
+                          f"{getattr(w, 'dtype', '')}")
+    n, k = fmt.check_shape(tuple(w.shape))
+    if not bool(torch.isfinite(w).all()):
+        raise ConfigError(f"weight of shape {list(w.shape)} contains NaN or infinite values")
+    amax = float(w.abs().max())
+    if fmt.name != "bf16" and amax > _FP16_MAX:
+        raise ConfigError(f"weight of shape {list(w.shape)} has |w| = {amax:g} beyond the fp16 range "
+                          f"of the {fmt.name} scales ({_FP16_MAX:g})")
+    return n, k
+
+
+def _codebook() -> torch.Tensor:
+    return torch.tensor(NF4_CODEBOOK, dtype=torch.float32)
+
+
+def quantize(w: torch.Tensor, fmt: QuantFormat) -> QuantizedTensor:
+    """Quantize a float weight ``[N, K]`` into ``fmt``."""
+    n, k = _check_weight(w, fmt)
+    w = w.detach().to("cpu", torch.float32)
+    if fmt.name == "bf16":
+        return QuantizedTensor(fmt, (n, k), {"weight": w.to(torch.bfloat16).contiguous()})
+    g = fmt.group_size
+    wg = w.reshape(n, k // g, g)
+    if fmt.name == "int4":
+        mn, mx = wg.amin(-1), wg.amax(-1)
+        scale16 = ((mx - mn) / 15).to(torch.float16)
+        min16 = mn.to(torch.float16)
+        s, m = scale16.float()[..., None], min16.float()[..., None]
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        codes = torch.where(s > 0, torch.round((wg - m) / safe), torch.zeros_like(wg)).clamp_(0, 15)
+        codes = codes.to(torch.uint8).reshape(n, k)
+        return QuantizedTensor(fmt, (n, k), {"codes": pack_nibbles(codes), "scales": scale16.contiguous(),
+                                             "mins": min16.contiguous()})
+    absmax = wg.abs().amax(-1)
+    if fmt.name == "nf4":
+        scale16 = absmax.to(torch.float16)
+        s = scale16.float()[..., None]
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        normed = (wg / safe).clamp_(-1, 1)
+        cb = _codebook()
+        mids = (cb[1:] + cb[:-1]) / 2
+        codes = torch.bucketize(normed, mids).to(torch.uint8).reshape(n, k)  # nearest code book entry
+        return QuantizedTensor(fmt, (n, k), {"codes": pack_nibbles(codes), "scales": scale16.contiguous()})
+    # int8
+    scale16 = (absmax / 127).to(torch.float16)
+    s = scale16.float()[..., None]
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.where(s > 0, torch.round(wg / safe), torch.zeros_like(wg)).clamp_(-127, 127)
+    return QuantizedTensor(fmt, (n, k), {"codes": codes.to(torch.int8).reshape(n, k).contiguous(),
+                                         "scales": scale16.contiguous()})
+
+
+def unpack_codes(q: QuantizedTensor) -> torch.Tensor:
+    """Integer codes ``[N, K]`` (uint8 for int4/nf4, int8 for int8)."""
+    if q.fmt.name in ("int4", "nf4"):
+        return unpack_nibbles(q.parts["codes"])
+    if q.fmt.name == "int8":
+        return q.parts["codes"]
+    raise ConfigError(f"format {q.fmt.name} has no integer codes")
+
+
+def dequantize(q: QuantizedTensor) -> torch.Tensor:
+    """The weight ``[N, K]`` a QuantizedTensor stands for, as float32."""
+    n, k = q.shape
+    if q.fmt.name == "bf16":
+        return q.parts["weight"].float()
+    g = q.fmt.group_size
+    codes = unpack_codes(q).reshape(n, k // g, g)
+    s = q.parts["scales"].float()[..., None]
+    if q.fmt.name == "int4":
+        w = codes.float() * s + q.parts["mins"].float()[..., None]
+    elif q.fmt.name == "nf4":
+        w = _codebook()[codes.long()] * s
+    else:
+        w = codes.float() * s
+    return w.reshape(n, k)
+
+
+def linear_ref(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+    """``x @ dequantize(q).T`` in float32; ``x`` ``[..., K]`` -> ``[..., N]``."""
+    return x.float() @ dequantize(q).T
+
+
+def expert_ref(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor) -> torch.Tensor:
+    """SwiGLU expert in float32: ``(silu(x @ gate.T) * (x @ up.T)) @ down.T``."""
+    x = x.float()
+    h = torch.nn.functional.silu(linear_ref(x, gate)) * linear_ref(x, up)
+    return linear_ref(h, down)
+
+
+def quant_error(w: torch.Tensor, fmt: QuantFormat, x: torch.Tensor | None = None) -> dict[str, float]:
+    """Relative Frobenius errors of quantizing ``w``: of the weight and of ``x @ w.T``.
+
+    ``x`` defaults to 64 standard-normal rows. ``rel_err_w = |w' - w| / |w|``,
+    ``rel_err_wx = |x w'^T - x w^T| / |x w^T|``.
+    """
+    w = w.detach().float().cpu()
+    wq = dequantize(quantize(w, fmt))
+    if x is None:
+        x = torch.randn(64, w.shape[1], generator=torch.Generator().manual_seed(0))
+    x = x.float().reshape(-1, w.shape[1])
+    y, yq = x @ w.T, x @ wq.T
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        den = float(torch.linalg.vector_norm(b))
+        return float(torch.linalg.vector_norm(a - b)) / den if den > 0 else float(torch.linalg.vector_norm(a - b))
+
+    return {"rel_err_w": rel(wq, w), "rel_err_wx": rel(yq, y)}

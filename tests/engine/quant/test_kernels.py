@@ -1,0 +1,135 @@
+"""Every fast kernel equals the reference (reference.linear_ref / expert_ref) within tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.errors import ConfigError
+from engine.quant import FORMATS, GROUP_SIZES, QuantFormat, QuantizedTensor, quantize
+from engine.quant import kernels as K
+from engine.quant.reference import dequantize, expert_ref, linear_ref
+
+SHAPES = [(16, 128), (72, 256), (33, 384)]   # N not a multiple of the row tiles on purpose
+TOKENS = [1, 2, 3, 4, 17]   # direct (decode) loop, its odd tail, the scratch loop
+HAVE_CPP = K.load_extension() is not None
+
+
+def assert_close_to_ref(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> None:
+    """Tolerance stated in kernels.py: |y - ref| <= 1e-4 * (|x| @ |w|.T) + 1e-5, elementwise."""
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    bound = 1e-4 * (x.float().abs() @ w.abs().T) + 1e-5
+    excess = ((y - ref).abs() - bound).max().item()
+    assert excess <= 0, f"max excess over tolerance {excess:.3g}"
+
+
+@pytest.fixture
+def backend():
+    yield K.set_backend
+    K.set_backend(None)
+
+
+def _candidates(fmt_name: str) -> list[str]:
+    c = ["torch", "dequant_f32"]
+    if HAVE_CPP:
+        c.append("cpp")
+    if fmt_name == "int4":
+        c.append("torch_int4pack")
+    return c
+
+
+@pytest.mark.parametrize("g", GROUP_SIZES)
+@pytest.mark.parametrize("name", FORMATS)
+def test_qlinear_candidates_match_reference(name, g):
+    gen = torch.Generator().manual_seed(hash((name, g)) % 2**31)
+    fmt = QuantFormat(name, g)
+    for n, k in SHAPES:
+        q = quantize(torch.randn(n, k, generator=gen) * 0.05, fmt)
+        w = dequantize(q)
+        for t in TOKENS:
+            x = torch.randn(t, k, generator=gen)
+            ref = linear_ref(x, q)
+            for cand in _candidates(name):
+                if cand == "torch_int4pack" and not K.int4pack_supported(q):
+                    continue
+                fn = K.qlinear_torch if cand == "torch" else K.CANDIDATES[cand]
+                assert_close_to_ref(fn(x, q), x, w, ref)
+
+
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+def test_qlinear_public_entry(mode, backend):
+    backend(mode)
+    gen = torch.Generator().manual_seed(11)
+    for name in FORMATS:
+        q = quantize(torch.randn(40, 256, generator=gen), QuantFormat(name, 64))
+        assert K.backend_for(q) == ("cpp" if HAVE_CPP and mode == "auto" else "torch")
+        w = dequantize(q)
+        for t in (1, 5):
+            x = torch.randn(2, t, 256, generator=gen)           # leading dims are flattened
+            y = K.qlinear(x, q)
+            assert y.shape == (2, t, 40)
+            assert_close_to_ref(y.reshape(-1, 40), x.reshape(-1, 256), w, linear_ref(x.reshape(-1, 256), q))
+            xb = x.to(torch.bfloat16)                            # bf16 input: computed in fp32
+            assert_close_to_ref(K.qlinear(xb, q).reshape(-1, 40), xb.reshape(-1, 256), w,
+                                linear_ref(xb.reshape(-1, 256), q))
+
+
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_expert_forward_matches_reference(name, mode, backend):
+    backend(mode)
+    gen = torch.Generator().manual_seed(12)
+    i, h = 96, 128
+    fmt = QuantFormat(name, 32)
+    g, u, d = (quantize(torch.randn(*s, generator=gen) * 0.1, fmt) for s in ((i, h), (i, h), (h, i)))
+    for t in TOKENS:
+        x = torch.randn(t, h, generator=gen)
+        ref = expert_ref(x, g, u, d)
+        y = K.expert_forward(x, g, u, d)
+        # the bound of each linear propagates; the hidden activation is formed in fp32 either way
+        hid = torch.nn.functional.silu(linear_ref(x, g)) * linear_ref(x, u)
+        bound = 1e-4 * (hid.abs() @ dequantize(d).abs().T) * 4 + 1e-5
+        assert y.shape == (t, h) and ((y - ref).abs() <= bound).all()
+
+
+def test_kernels_on_zero_copy_views():
+    q = quantize(torch.randn(64, 256), QuantFormat("nf4", 128))
+    q2 = QuantizedTensor.from_buffer(q.to_bytes(), q.layout())   # read-only bytes: never written
+    x = torch.randn(3, 256)
+    assert torch.equal(K.qlinear(x, q2), K.qlinear(x, q))
+
+
+def test_fallback_when_extension_missing(monkeypatch, backend):
+    monkeypatch.setattr(K, "_ext", None)
+    monkeypatch.setattr(K, "_ext_error", "RuntimeError: no compiler (simulated)")
+    backend("auto")
+    q = quantize(torch.randn(16, 128), QuantFormat("int4", 32))
+    assert K.backend_for(q) == "torch"
+    x = torch.randn(2, 128)
+    assert_close_to_ref(K.qlinear(x, q), x, dequantize(q), linear_ref(x, q))
+    backend("cpp")
+    with pytest.raises(ConfigError, match="unavailable"):
+        K.qlinear(x, q)
+
+
+def test_bad_inputs():
+    q = quantize(torch.randn(16, 128), QuantFormat("int8", 32))
+    with pytest.raises(ConfigError, match="in-dim 128"):
+        K.qlinear(torch.randn(2, 64), q)
+    with pytest.raises(ConfigError, match="gate"):
+        K.expert_forward(torch.randn(1, 128), q, q, q)
+    with pytest.raises(ConfigError):
+        K.set_backend("gpu")
+
+
+def test_empty_token_batch():
+    q = quantize(torch.randn(16, 128), QuantFormat("int4", 64))
+    assert K.qlinear(torch.randn(0, 128), q).shape == (0, 16)
+
+
+def test_cpp_kernels_build_where_a_compiler_and_avx512_exist():
+    """Guard against a silent fallback: with g++ and AVX-512 present the C++ path must build."""
+    import shutil
+    if shutil.which("g++") is None or shutil.which("ninja") is None or not K.cpu_has_avx512():
+        pytest.skip("no g++/ninja/AVX-512 here: the torch fallback is expected")
+    assert K.load_extension() is not None, K.extension_error()
