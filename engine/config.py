@@ -49,6 +49,9 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # Per-frequency divisors of the inverse frequencies (GGUF ``rope_freqs.weight``: how
+    # llama.cpp stores Llama 3.x rope scaling); empty = none.
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.type not in SUPPORTED_ROPE_TYPES:
@@ -185,7 +188,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         d = dict(d)
-        d["rope"] = RopeConfig(**d["rope"])
+        rope = dict(d["rope"])
+        rope["freq_factors"] = tuple(rope.get("freq_factors", ()))
+        d["rope"] = RopeConfig(**rope)
         if d.get("moe") is not None:
             moe = dict(d["moe"])
             moe["mlp_only_layers"] = tuple(moe.get("mlp_only_layers", ()))
@@ -330,6 +335,7 @@ class ModelConfig:
                 original_max_position_embeddings=int(
                     get("rope.scaling.original_context_length", 8192) or 8192
                 ),
+                freq_factors=tuple(float(f) for f in meta.get("_rope_freq_factors", ())),
             )
             bos = meta.get("tokenizer.ggml.bos_token_id")
             eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")

@@ -367,9 +367,23 @@ class ExpertCache(ExpertProvider):
             buf = view[:n].clone()
         return self._unpack(key, buf, on_cpu=True)
 
+    def drain(self) -> None:
+        """Wait for every in-flight load (prefetches may outlive the step that issued them)."""
+        while True:
+            with self.lock:
+                pending = list(self.loading.values())
+            if not pending:
+                return
+            for fut in pending:
+                try:
+                    fut.result()
+                except Exception:
+                    pass  # the error belongs to whoever acquires that expert; drain only waits
+
     def resident_keys(self) -> set[Key]:
         with self.lock:
             return {k for k in self.slot_of if k not in self.loading}
 
     def close(self) -> None:
+        self.drain()
         self.pool.shutdown(wait=True)

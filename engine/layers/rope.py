@@ -14,6 +14,19 @@ from engine.config import RopeConfig
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [D/2] (float32) and the factor that scales cos/sin."""
+    inv, scale = _scaled_inv_frequencies(rope, head_dim)
+    if rope.freq_factors:
+        factors = torch.tensor(rope.freq_factors, dtype=torch.float32)
+        if factors.numel() != inv.numel():
+            from engine.errors import ConfigError
+
+            raise ConfigError(f"rope freq_factors has {factors.numel()} entries; head_dim {head_dim} "
+                              f"needs {inv.numel()}")
+        inv = inv / factors
+    return inv, scale
+
+
+def _scaled_inv_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     d = head_dim
     base = rope.theta
     inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))

@@ -463,10 +463,9 @@ class GGUFSource(TensorSource):
             meta["_tied_embeddings"] = "output.weight" not in self.tensor_infos
             meta["_attention_bias"] = "blk.0.attn_q.bias" in self.tensor_infos
             if "rope_freqs.weight" in self.tensor_infos:
-                # Llama 3.x GGUFs carry their rope scaling as per-frequency factors in a tensor,
-                # not as metadata; running them with plain rope would be silently wrong.
-                raise self._fail("per-frequency rope factors (rope_freqs.weight, Llama 3.x style) "
-                                 "are not supported yet; convert from the HF checkpoint instead")
+                # Llama 3.x GGUFs carry their rope scaling as per-frequency divisors in a tensor,
+                # not as metadata; the config applies them to the inverse frequencies.
+                meta["_rope_freq_factors"] = self._rope_freq_factors()
             try:
                 self.config: ModelConfig = ModelConfig.from_gguf_metadata(meta, source=self.path)
             except (ArithmeticError, AttributeError, KeyError) as e:
@@ -479,6 +478,14 @@ class GGUFSource(TensorSource):
         except BaseException:
             self._file.close()
             raise
+
+    def _rope_freq_factors(self) -> list[float]:
+        from engine.loading.gguf_quants import dequantize
+
+        info = self.tensor_infos["rope_freqs.weight"]
+        if len(info.shape) != 1 or info.n_elements > 4096:
+            raise self._fail(f"rope_freqs.weight has shape {list(info.shape)}; expected [head_dim / 2]")
+        return dequantize(self._file.raw("rope_freqs.weight"), info.type.id, info.n_elements).tolist()
 
     def _fail(self, problem: str) -> ModelFormatError:
         return ModelFormatError(self.path, problem)

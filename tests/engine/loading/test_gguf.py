@@ -391,6 +391,7 @@ def test_f16_and_bf16_keep_their_dtype(tmp_path):
         np.testing.assert_array_equal(n.float().numpy(), gguf.quants.dequantize(bf, QT.BF16))
         assert src.unmapped == ["rope_freqs.weight"] and "rope_freqs.weight" not in src.names()
         assert src.config.tie_word_embeddings
+        assert src.config.rope.freq_factors == (1.0,) * (D // 2)
 
 
 def test_get_after_close_and_tensor_owns_memory(tmp_path):
