@@ -6,18 +6,28 @@ import re
 
 from engine.errors import ConfigError
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# KB/MB/GB are decimal, KiB/MiB/GiB binary; a bare K/M/G/T is binary, as in memory flags (-Xmx2g).
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*|%)\s*$")
 
 
 def parse_bytes(text: str | int, *, total: int | None = None, name: str = "size") -> int:
     """'2GiB' -> 2147483648. 'N%' needs ``total`` (e.g. the store's expert bytes)."""
+    if isinstance(text, bool):
+        raise ConfigError(f"{name}={text!r} is not a number of bytes")
+    if isinstance(text, float):
+        if not text >= 0:
+            raise ConfigError(f"{name}={text!r} is invalid; give bytes >= 0")
+        return int(text)
     if isinstance(text, int):
         if text < 0:
             raise ConfigError(f"{name} must be >= 0 bytes, got {text}")
         return text
-    m = _RE.match(str(text))
+    if not isinstance(text, str):
+        raise ConfigError(f"{name}={text!r} must be an int or a string like '2GiB'")
+    m = _RE.match(text)
     if not m:
         raise ConfigError(f"{name}={text!r} is not a size; write e.g. 4096, 512MiB, 2GiB, 1.5GB or 25%")
     value, unit = float(m.group(1)), m.group(2).lower()
@@ -26,7 +36,8 @@ def parse_bytes(text: str | int, *, total: int | None = None, name: str = "size"
             raise ConfigError(f"{name}={text!r}: a percentage needs a total to be a share of")
         return int(total * value / 100)
     if unit not in _UNITS:
-        raise ConfigError(f"{name}={text!r}: unknown unit {m.group(2)!r}; use B, KiB, MiB, GiB, KB, MB, GB")
+        raise ConfigError(f"{name}={text!r}: unknown unit {m.group(2)!r}; use B, KiB, MiB, GiB, TiB, "
+                          f"KB, MB, GB, TB (or K/M/G/T = KiB/MiB/GiB/TiB)")
     return int(value * _UNITS[unit])
 
 

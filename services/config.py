@@ -6,41 +6,17 @@ the bad value and what is allowed (DESIGN §7.8).
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Literal
 
+from engine.units import parse_bytes as _parse_bytes
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-          "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-
 def parse_bytes(value: int | str | None) -> int | None:
-    """``2GiB`` -> 2147483648; ints pass through; None stays None. Raises ValueError naming
-    the value and the accepted units."""
+    """``2GiB`` -> 2147483648; ints pass through; None stays None (engine.units.parse_bytes)."""
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise ValueError(f"size {value!r} is not a number of bytes")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"size {value} is negative; give bytes >= 0")
-        return value
-    if isinstance(value, float):
-        if value < 0 or value != value:
-            raise ValueError(f"size {value!r} is invalid; give bytes >= 0")
-        return int(value)
-    if not isinstance(value, str):
-        raise ValueError(f"size {value!r} must be an int or a string like '2GiB'")
-    m = _SIZE.match(value)
-    unit = m.group(2).upper() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"size {value!r} is not understood; give an int or a number with a unit "
-                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '2GiB'")
-    return int(float(m.group(1)) * _UNITS[unit])
+    return _parse_bytes(value, name="size")
 
 
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]

@@ -29,7 +29,7 @@ def test_config_validation(store_path):
     assert cfg.kv_budget == 256 << 20 and cfg.object_store_memory == 512 << 20
     with pytest.raises(ValidationError, match="no manifest.json"):
         DeployConfig(store=store_path.parent)
-    with pytest.raises(ValidationError, match="not understood"):
+    with pytest.raises(ValidationError, match="is not a size"):
         DeployConfig(store=store_path, ram_budget="lots")
     with pytest.raises(ValidationError):
         DeployConfig(store=store_path, loaders=0)
