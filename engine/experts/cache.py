@@ -241,8 +241,8 @@ class ExpertCache(ExpertProvider):
     def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """Predict the next sparse layers' experts from this layer's MoE input and prefetch."""
         depth = self.config.prefetch_depth
-        if not depth or not self.routers:
-            return
+        if not depth or not self.routers or self.restrict_to_resident:
+            return  # drafting on resident experts must move no bytes
         idx = self.sparse_layers.index(layer)
         top_k = self.store.config.moe.top_k
         for nxt in self.sparse_layers[idx + 1: idx + 1 + depth]:

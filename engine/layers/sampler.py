@@ -88,12 +88,16 @@ def apply_penalties(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, state: SamplerState) -> int:
-    """logits [V] float32 -> next token id."""
+def distribution(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
+    """logits [V] -> the probabilities [V] float32 that ``sample`` draws from: penalties,
+    temperature, top-k, min-p, top-p, in that order. Greedy configs give a point mass on the
+    argmax. Speculative decoding's rejection rule uses the same function."""
     c = state.config
     logits = apply_penalties(logits.float().clone(), state)
     if c.greedy:
-        return int(torch.argmax(logits))
+        out = torch.zeros_like(logits)
+        out[int(torch.argmax(logits))] = 1.0
+        return out
     logits = logits / c.temperature
     if c.top_k and c.top_k < logits.numel():
         kth = torch.topk(logits, c.top_k).values[-1]
@@ -107,7 +111,15 @@ def sample(logits: torch.Tensor, state: SamplerState) -> int:
         drop = (cum - sorted_p) >= c.top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_p[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=state.generator))
+    return probs / probs.sum()
+
+
+def sample(logits: torch.Tensor, state: SamplerState) -> int:
+    """logits [V] float32 -> next token id."""
+    probs = distribution(logits, state)
+    if state.config.greedy:
+        return int(torch.argmax(probs))
+    return int(torch.multinomial(probs, 1, generator=state.generator))
 
 
 def top_logprobs(logits: torch.Tensor, token: int, k: int) -> dict:

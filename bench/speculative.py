@@ -1,0 +1,272 @@
+"""Speculative decoding against plain decoding, greedy, on this CPU.
+
+    python bench/speculative.py                         # SmolLM2 (a, b) + random MoE store (a, b, c)
+    python bench/speculative.py --models moe --new 48 --budget 0.25
+
+For each mode: acceptance rate, tokens per target forward (verify step), decode tok/s, speed-up
+over plain decoding of the same model in the same run, expert bytes moved to the device per
+generated token, and whether the tokens equal plain decoding's (they must: greedy is lossless).
+
+Modes
+    plain  engine.generate.generate_ids, the reference loop
+    a      NgramDrafter (prompt lookup, n=3)
+    b      DraftModelDrafter: SmolLM2 -> the same weights re-quantized to int4 (g32) through the
+           fast 4-bit kernels (a cheaper model sharing the tokenizer); MoE store -> the first half
+           of the layers of the same store loaded with every expert resident (layer-skip draft)
+    c      SelfSpecDrafter: the target routed to device-resident experts only (MoE store only)
+
+Physical limit: plain decode reads every active weight once per token, so tok/s <= bandwidth /
+active bytes (the roofline printed); a verify step reads them once for several tokens, which is
+how speculation can beat that figure. Every speculative mode uses the adaptive draft length
+(engine.speculative.DraftLengthController).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def measure_bandwidth(mib: int = 512) -> float:
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(3))
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+class Int4Linear(nn.Module):
+    """A Linear re-quantized to int4 (group 32), run by engine.quant.kernels.qlinear (bench-only
+    helper to build a cheaper draft model)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        from engine.quant.formats import QuantFormat
+        from engine.quant.reference import quantize
+
+        self.q = quantize(linear.weight.detach(), QuantFormat("int4", 32))
+        self.bias = linear.bias
+
+    def forward(self, x):
+        from engine.quant.kernels import qlinear
+
+        y = qlinear(x, self.q)
+        return y if self.bias is None else y + self.bias
+
+
+class EmulatedLink:
+    """Wraps the cache's ExpertSource: every host->device copy also occupies one shared link for
+    nbytes / bytes_per_s (a sleep, so prefetch threads overlap it with compute as DMA would).
+    On a CPU-only machine the "device" is host memory and a copy costs a memcpy; the link puts
+    back the price a PCIe transfer has on a GPU machine."""
+
+    def __init__(self, inner, bytes_per_s: float) -> None:
+        import threading
+
+        self.inner, self.bytes_per_s = inner, bytes_per_s
+        self.lock = threading.Lock()
+
+    def read_into(self, key, out):
+        tier = self.inner.read_into(key, out)
+        n = self.inner.store.entry(*key).nbytes
+        with self.lock:
+            time.sleep(n / self.bytes_per_s)
+        return tier
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def int4_copy(model):
+    d = copy.deepcopy(model)
+    for mod in list(d.modules()):
+        for name, child in list(mod.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(mod, name, Int4Linear(child))
+    return d
+
+
+def run_plain(model, prompt, new, cache=None):
+    from engine.generate import generate_ids
+    from engine.layers.sampler import SamplingConfig
+
+    b0 = _bytes(cache)
+    out, stats = [], None
+    for t, _, stats in generate_ids(model, prompt, SamplingConfig(max_tokens=new, ignore_eos=True)):
+        out.append(t)
+    return dict(tokens=out, tps=stats.decode_tps, acc=None, tps_step=1.0,
+                bytes_tok=(_bytes(cache) - b0) / new, extra=0, k="-")
+
+
+def run_spec(model, prompt, new, drafter, max_draft, cache=None):
+    from engine.layers.sampler import SamplingConfig
+    from engine.speculative import DraftLengthController, speculative_generate
+
+    b0 = _bytes(cache)
+    out, st = [], None
+    for t, st in speculative_generate(model, prompt, SamplingConfig(max_tokens=new, ignore_eos=True),
+                                      drafter, controller=DraftLengthController(max_draft=max_draft)):
+        out.append(t)
+    ks = [k for k in st.k_history if k]
+    return dict(tokens=out, tps=st.decode_tps, acc=st.acceptance_rate, tps_step=st.tokens_per_step,
+                bytes_tok=(_bytes(cache) - b0) / new, extra=st.extra_expert_bytes,
+                k=f"{sum(ks) / len(ks):.1f}" if ks else "-")
+
+
+def _bytes(cache) -> int:
+    return sum(m.bytes_to_device for m in cache.metrics.layers.values()) if cache is not None else 0
+
+
+def best_of(fn, repeats: int) -> dict:
+    """Best decode tok/s of ``repeats`` runs (the machine is shared: the best is the least
+    disturbed); the other figures are from that run."""
+    runs = [fn() for _ in range(repeats)]
+    return max(runs, key=lambda r: r["tps"])
+
+
+def roofline(cfg, dense_bytes_per_weight: float, expert_bytes_per_weight: float, bw: float) -> float:
+    """Plain decode's limit: tok/s <= bandwidth / active weight bytes per token."""
+    c = cfg.parameter_counts()
+    active = (c["active"] - c["routed_active"]) * dense_bytes_per_weight + \
+        c["routed_active"] * expert_bytes_per_weight
+    return bw / active
+
+
+def smollm2_rows(args, bw: float) -> list[tuple[str, str, dict]]:
+    from engine.assets import smollm2_gguf
+    from engine.loading import load_model
+    from engine.speculative import DraftModelDrafter, NgramDrafter
+
+    model, tok, cfg = load_model(smollm2_gguf())
+    prompt = tok.encode(
+        "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+        "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n    return a / b\n\n\n"
+        "Rewrite the four functions above with type hints:\n\n")
+    draft = int4_copy(model)
+    name = f"SmolLM2-135M fp32 ({len(prompt)}-token prompt)"
+    print(f"{name}: plain-decode roofline {roofline(cfg, 4, 4, bw):.1f} tok/s")
+    rows = [(name, "plain", best_of(lambda: run_plain(model, prompt, args.new), args.repeats))]
+    rows.append((name, "a ngram n=3", best_of(
+        lambda: run_spec(model, prompt, args.new, NgramDrafter(3, args.max_draft), args.max_draft), args.repeats)))
+    rows.append((name, "b draft: int4 copy", best_of(
+        lambda: run_spec(model, prompt, args.new, DraftModelDrafter(draft, args.max_draft), args.max_draft),
+        args.repeats)))
+    return rows
+
+
+def moe_rows(args, bw: float) -> list[tuple[str, str, dict]]:
+    import transformers as T
+
+    from engine.experts.runtime import load_from_store, store_expert_bytes
+    from engine.quant.formats import QuantFormat
+    from engine.speculative import DraftModelDrafter, NgramDrafter, SelfSpecDrafter, layer_skip_draft
+    from engine.store import convert
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        hf_cfg = T.Qwen3MoeConfig(vocab_size=4096, hidden_size=512, num_hidden_layers=6,
+                                  num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                  num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
+                                  intermediate_size=1024, norm_topk_prob=True,
+                                  max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+        torch.manual_seed(0)
+        hf = T.Qwen3MoeForCausalLM(hf_cfg).eval()
+        with torch.no_grad():  # random init leaves weights tiny: make routing and logits matter
+            for prm in hf.parameters():
+                prm.add_(torch.randn_like(prm) * 0.05)
+        hf.save_pretrained(d / "hf")
+        del hf
+        convert(d / "hf", d / "store", fmt=QuantFormat("int4", 32), progress=False)
+        total = store_expert_bytes(d / "store")
+        budget = int(total * args.budget)
+        g = torch.Generator().manual_seed(1)
+        base = torch.randint(3, 4096, (24,), generator=g).tolist()
+        prompt = base * 4  # repetitive: random weights then tend to loop, which n-grams catch
+        from engine.store import ExpertStore
+
+        with ExpertStore(d / "store") as st:
+            cfg = st.config
+        print(f"MoE store: plain-decode roofline {roofline(cfg, 4, QuantFormat('int4', 32).bits_per_weight / 8, bw):.1f} tok/s "
+              f"(fp32 dense, int4 g32 experts; device budget {budget / 2**20:.1f} of "
+              f"{total / 2**20:.1f} MiB, prefetch depth 1, LFU, emulated host->device link "
+              f"{args.link_gbps:.2f} GB/s)")
+        full = load_from_store(d / "store", prefetch_depth=0)  # the draft's own all-resident cache
+        draft = layer_skip_draft(full.model, 3)
+        name = (f"random Qwen3-MoE h512 L6 E32 top4 int4 ({total / 2**20:.0f} MiB experts), "
+                f"device budget {args.budget:.0%}")
+
+        def with_store(fn):
+            def go():
+                sm = load_from_store(d / "store", device_budget=budget, prefetch_depth=1)
+                if args.link_gbps > 0:
+                    sm.cache.source = EmulatedLink(sm.cache.source, args.link_gbps * 1e9)
+                try:
+                    return fn(sm)
+                finally:
+                    sm.close()
+            return best_of(go, args.repeats)
+
+        md = args.max_draft
+        rows.append((name, "plain", with_store(lambda sm: run_plain(sm.model, prompt, args.new, sm.cache))))
+        rows.append((name, "a ngram n=3", with_store(
+            lambda sm: run_spec(sm.model, prompt, args.new, NgramDrafter(3, md), md, sm.cache))))
+        rows.append((name, "b draft: layers 0-2, resident", with_store(
+            lambda sm: run_spec(sm.model, prompt, args.new, DraftModelDrafter(draft, md), md, sm.cache))))
+        rows.append((name, "c self-spec (resident experts)", with_store(
+            lambda sm: run_spec(sm.model, prompt, args.new, SelfSpecDrafter(sm.model, sm.cache, md), md,
+                                sm.cache))))
+        full.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2,moe")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--max-draft", type=int, default=8)
+    ap.add_argument("--budget", type=float, default=0.25, help="device budget, fraction of all experts")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--link-gbps", type=float, default=None,
+                    help="emulated host->device link for the MoE store, GB/s; default: this CPU's "
+                         "memory bandwidth x 25/1008 (PCIe 4.0 : 4090 VRAM); 0 = none (memcpy)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bw = measure_bandwidth()
+    if args.link_gbps is None:
+        args.link_gbps = bw * 25 / 1008 / 1e9
+    print(f"threads {torch.get_num_threads()}, memory read bandwidth {bw / 1e9:.1f} GB/s, greedy, "
+          f"{args.new} new tokens, max_draft {args.max_draft} (adaptive k), best of {args.repeats}")
+    rows = []
+    if "smollm2" in args.models:
+        rows += smollm2_rows(args, bw)
+    if "moe" in args.models:
+        rows += moe_rows(args, bw)
+    print("\n| model | mode | acceptance | tok/verify step | mean k | decode tok/s | speed-up | "
+          "expert bytes/tok | extra expert bytes | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    plain = {}
+    for model, mode, r in rows:
+        if mode == "plain":
+            plain[model] = r
+        p = plain[model]
+        acc = "-" if r["acc"] is None else f"{r['acc']:.0%}"
+        print(f"| {model} | {mode} | {acc} | {r['tps_step']:.2f} | {r['k']} | {r['tps']:.1f} | "
+              f"{r['tps'] / p['tps']:.2f}x | {r['bytes_tok'] / 1e3:.0f} kB | {r['extra'] / 1e3:.0f} kB | "
+              f"{'yes' if r['tokens'] == p['tokens'] else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,623 @@
+"""Lossless speculative decoding: a drafter proposes k tokens, one forward of the target model
+over [last token, d_1 .. d_k] checks them all, the longest acceptable prefix is emitted plus one
+token sampled by the target itself (a correction on rejection, a bonus when all k pass).
+
+Lossless means the emitted token stream has exactly the distribution of plain decoding
+(engine.generate.generate_ids):
+- greedy: a draft is accepted iff it equals the target's argmax (after penalties), so the output
+  is token-for-token identical to plain greedy decoding;
+- sampling: the standard speculative rejection rule (Leviathan et al. 2023, Chen et al. 2023).
+  With p the target's processed distribution at a position (penalties, temperature, top-k,
+  min-p, top-p, exactly as engine.layers.sampler.sample) and q the drafter's, draft x is accepted
+  with probability min(1, p(x) / q(x)); on rejection the token is drawn from
+  normalize(max(0, p - q)). For deterministic drafters (n-gram lookup, greedy drafting) q is a
+  point mass on x: accept with probability p(x), else draw from p with x removed.
+
+KV bookkeeping (shapes: one sequence, positions are absolute):
+    target KV holds positions [0, n) for history[:n]; history[n] (the last emitted token) is not
+    in it yet. A verify forward writes positions [n, n+k+1) for [history[n], d_1..d_k]; with a
+    accepted the valid prefix becomes n+a+1 and whatever lies beyond is stale. Stale entries are
+    never read (attention loads K/V for [0, start+len) only) and the next forward overwrites them,
+    so rejecting drafts needs no copy: we just resume from the accepted length.
+
+Drafters:
+    NgramDrafter       prompt lookup: copy what followed the latest earlier occurrence of the
+                       trailing n-gram (no model, no bytes)
+    DraftModelDrafter  a small model sharing the tokenizer, with its own KV cache kept in sync by
+                       longest-common-prefix against the accepted history (rollback = truncation)
+    SelfSpecDrafter    the target model itself routed only to device-resident experts
+                       (``ExpertCache.restrict_to_resident``): drafts move no expert bytes; its
+                       draft positions are written into the shared KV cache and then overwritten
+                       by the verify pass, which recomputes every one of them with the full model.
+
+The draft length is adaptive; see :class:`DraftLengthController` for the rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+import torch
+
+from engine.errors import ConfigError
+from engine.generate import validate_prompt
+from engine.kv.base import BatchLayout, ContiguousKVCache, KVCache
+from engine.layers.sampler import SamplerState, SamplingConfig, distribution, sample
+from engine.models.base import CausalLM
+
+__all__ = [
+    "DraftContext", "DraftLengthController", "DraftModelDrafter", "Drafter", "NgramDrafter",
+    "SelfSpecDrafter", "SpecStats", "layer_skip_draft", "processed_probs", "speculative_generate",
+]
+
+
+# ---- the target's sampling distribution ---------------------------------------------------------
+
+@dataclass
+class _PenaltyView:
+    """What apply_penalties reads from a SamplerState, with counts we may extend by drafts."""
+
+    config: SamplingConfig
+    counts: dict[int, int]
+    prompt_tokens: set[int]
+
+
+def _with_tokens(state, tokens: Sequence[int]) -> _PenaltyView:
+    counts = dict(state.counts)
+    for t in tokens:
+        counts[t] = counts.get(t, 0) + 1
+    return _PenaltyView(state.config, counts, state.prompt_tokens)
+
+
+def processed_probs(logits: torch.Tensor, state) -> torch.Tensor:
+    """logits [V] -> the distribution [V] that ``sample(logits, state)`` draws from (one
+    implementation: engine.layers.sampler.distribution)."""
+    return distribution(logits, state)
+
+
+# ---- drafters ------------------------------------------------------------------------------------
+
+@dataclass
+class DraftContext:
+    """What a drafter may use: the target's KV cache and sequence (self-speculation writes
+    draft positions there), the request's sampler state (penalty counts, generator)."""
+
+    kv: KVCache
+    seq_id: int
+    state: SamplerState
+    vocab_size: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.state.config.greedy
+
+    def choose(self, logits: torch.Tensor, drafts: Sequence[int],
+               sample_drafts: bool = True) -> tuple[int, torch.Tensor | None]:
+        """Pick the next draft token from a draft model's logits [V], with penalty counts as if
+        ``drafts`` had been accepted: greedy request or ``sample_drafts=False`` -> (argmax of the
+        processed logits, None: a point-mass q); else (x ~ q, q)."""
+        view = _with_tokens(self.state, drafts)
+        if self.greedy or not sample_drafts:
+            greedy_view = _PenaltyView(dataclasses.replace(self.state.config, temperature=0.0),
+                                       view.counts, view.prompt_tokens)
+            return sample(logits, greedy_view), None  # type: ignore[arg-type]
+        q = processed_probs(logits, view)
+        return int(torch.multinomial(q, 1, generator=self.state.generator)), q
+
+
+class Drafter(Protocol):
+    def begin(self, prompt_ids: Sequence[int], ctx: DraftContext) -> None:
+        """Called once after the target's prefill."""
+
+    def propose(self, history: Sequence[int], k: int, ctx: DraftContext
+                ) -> tuple[list[int], list[torch.Tensor] | None]:
+        """history = prompt + every emitted token (the last one is not in the target's KV yet).
+        Returns at most k draft tokens and, for sampled drafts, the distribution q [V] each was
+        drawn from (None: every draft is a point mass)."""
+
+    def end(self) -> None:
+        """Free per-sequence state."""
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting. For m = n, n-1, .., min_n: find the latest earlier occurrence of
+    the trailing m-gram of history and propose the tokens that followed it, copying
+    LZ77-style (the copy may run into the tokens it is producing, so a period shorter than
+    k is extended periodically). No match for any m: no drafts (a plain step)."""
+
+    def __init__(self, n: int = 3, max_draft: int = 8, min_n: int = 1) -> None:
+        if not (1 <= min_n <= n):
+            raise ConfigError(f"NgramDrafter needs 1 <= min_n <= n, got min_n={min_n}, n={n}")
+        if max_draft < 1:
+            raise ConfigError(f"max_draft must be >= 1, got {max_draft}")
+        self.n, self.min_n, self.max_draft = n, min_n, max_draft
+        self._index: dict[int, dict[tuple[int, ...], int]] = {}
+        self._indexed = 0  # n-grams ending at positions < _indexed are in the index
+
+    def begin(self, prompt_ids, ctx) -> None:
+        self._index = {m: {} for m in range(self.min_n, self.n + 1)}
+        self._indexed = 0
+
+    def _update(self, history: Sequence[int]) -> None:
+        # index every m-gram ending before the last position: index[m][gram] = its end (exclusive),
+        # the latest one wins. The trailing m-gram (ending at len) is never in the index.
+        for end in range(max(self._indexed, 1), len(history)):
+            for m, idx in self._index.items():
+                if end >= m:
+                    idx[tuple(history[end - m:end])] = end
+        self._indexed = max(self._indexed, len(history))
+
+    def propose(self, history, k, ctx):
+        self._update(history)
+        for m in range(self.n, self.min_n - 1, -1):
+            if len(history) < m:
+                continue
+            end = self._index[m].get(tuple(history[len(history) - m:]))
+            if end is None:
+                continue
+            seq = list(history)
+            drafts = []
+            for i in range(min(k, self.max_draft)):
+                seq.append(seq[end + i])
+                drafts.append(seq[-1])
+            return drafts, None
+        return [], None
+
+    def end(self) -> None:
+        self._index = {}
+
+
+class DraftModelDrafter:
+    """A separate (smaller) model sharing the tokenizer, on its own KV cache.
+
+    Sync rule: ``fed`` lists the tokens whose K/V the draft cache holds. Before drafting, the
+    longest common prefix of ``fed`` and the accepted history is kept (everything after it,
+    i.e. rejected drafts, is stale and will be overwritten) and the rest of history is fed."""
+
+    def __init__(self, draft_model: CausalLM, max_draft: int = 8, seq_id: int = 0,
+                 sample_drafts: bool = True) -> None:
+        self.model, self.max_draft, self.seq_id = draft_model, max_draft, seq_id
+        self.sample_drafts = sample_drafts  # False: argmax drafts even when sampling
+        cfg = draft_model.config
+        self.kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                    dtype=draft_model.model.embed_tokens.weight.dtype)
+        self.fed: list[int] = []
+
+    def begin(self, prompt_ids, ctx) -> None:
+        if self.model.config.vocab_size != ctx.vocab_size:
+            raise ConfigError(f"the draft model's vocabulary ({self.model.config.vocab_size}) differs "
+                              f"from the target's ({ctx.vocab_size}); they must share a tokenizer")
+        self.kv.free(self.seq_id)
+        self.fed = []
+        self._catch_up(list(prompt_ids)[:-1])  # the draft's prefill; the last token comes later
+
+    def _catch_up(self, history: list[int]) -> torch.Tensor | None:
+        keep = 0
+        for a, b in zip(self.fed, history):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(history) - 1) if history else 0  # feed >= 1 token to get logits
+        new = history[keep:]
+        self.fed = self.fed[:keep]
+        if not new:
+            return None
+        logits = self.model(torch.tensor(new, dtype=torch.long),
+                            BatchLayout.single(self.seq_id, len(new), keep), self.kv)[0]
+        self.fed += new
+        return logits
+
+    def propose(self, history, k, ctx):
+        k = min(k, self.max_draft)
+        logits = self._catch_up(list(history))
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(k):
+            tok, q = ctx.choose(logits, drafts, self.sample_drafts)
+            drafts.append(tok)
+            if q is not None:
+                qs.append(q)
+            if i + 1 < k:
+                logits = self.model(torch.tensor([tok]), BatchLayout.single(self.seq_id, 1, len(self.fed)),
+                                    self.kv)[0]
+                self.fed.append(tok)
+        return drafts, (qs if qs else None)
+
+    def end(self) -> None:
+        self.kv.free(self.seq_id)
+        self.fed = []
+
+
+@contextlib.contextmanager
+def _resident_only(cache):
+    """Route to device-resident experts only (the cache starts no prefetch meanwhile), so a
+    draft forward moves no bytes."""
+    if cache is None:
+        yield
+        return
+    cache.restrict_to_resident = True
+    try:
+        yield
+    finally:
+        cache.restrict_to_resident = False
+
+
+class SelfSpecDrafter:
+    """The target drafts for itself with routing restricted to device-resident experts.
+
+    Draft i (0-based) runs the target on one token at position n+i of the *shared* KV cache
+    (n = verified length), so positions [n, n+k) hold restricted-routing K/V after drafting;
+    the verify forward then writes positions [n, n+k] with the full model, overwriting every one
+    of them before anything reads them again. ``cache`` may be None (all experts resident:
+    the drafts equal the target's own tokens)."""
+
+    def __init__(self, model: CausalLM, cache=None, max_draft: int = 8,
+                 sample_drafts: bool = True) -> None:
+        self.model, self.cache, self.max_draft = model, cache, max_draft
+        self.sample_drafts = sample_drafts  # False: argmax drafts even when sampling
+
+    def begin(self, prompt_ids, ctx) -> None:
+        pass
+
+    def propose(self, history, k, ctx):
+        k = min(k, self.max_draft)
+        n = len(history) - 1
+        tok = history[-1]
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        with _resident_only(self.cache):
+            for i in range(k):
+                logits = self.model(torch.tensor([tok]), BatchLayout.single(ctx.seq_id, 1, n + i), ctx.kv)[0]
+                tok, q = ctx.choose(logits, drafts, self.sample_drafts)
+                drafts.append(tok)
+                if q is not None:
+                    qs.append(q)
+        return drafts, (qs if qs else None)
+
+    def end(self) -> None:
+        pass
+
+
+def layer_skip_draft(model: CausalLM, num_layers: int) -> CausalLM:
+    """A cheap draft model: the first ``num_layers`` decoder layers of ``model`` followed by its
+    final norm and LM head. Shares every weight tensor (no copy) and the experts' provider."""
+    cfg = model.config
+    if not (1 <= num_layers <= cfg.num_layers):
+        raise ConfigError(f"num_layers={num_layers}; allowed: 1..{cfg.num_layers}")
+    small = dataclasses.replace(cfg, num_layers=num_layers)
+    state = {name: t for name, t in model.state_dict(keep_vars=True).items()
+             if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
+    with torch.device("meta"):
+        draft = CausalLM(small)
+    draft.load_state_dict({k: v.detach() for k, v in state.items()}, assign=True, strict=True)
+    draft.rotary = model.rotary
+    for src, dst in zip(model.moe_blocks, draft.moe_blocks):
+        dst.provider = src.provider
+    return draft.eval()
+
+
+# ---- the draft-length controller ----------------------------------------------------------------
+
+class DraftLengthController:
+    r"""Chooses the draft length k of the next step to maximise emitted tokens per second.
+
+    Expected tokens per step. Acceptance is modelled as i.i.d. per draft position with
+    probability alpha, so a step with k drafts emits the accepted prefix plus one target token:
+
+        E(k) = sum_{i=0..k} alpha^i = (1 - alpha^(k+1)) / (1 - alpha)          (k + 1 at alpha = 1)
+
+    alpha is the maximum-likelihood estimate under that model with exponential forgetting:
+    A <- lam*A + accepted, R <- lam*R + [a draft was rejected], alpha = (A + 1) / (A + R + 2).
+
+    Cost of a step with k drafts, in seconds:
+
+        C(k) = V(k) + k * c_d + s * X(k)
+
+        V(k)  target compute seconds of a verify forward over k+1 tokens (wall time minus
+              expert-load stall), an EMA per k; V(0) = c0 is a plain one-token step.
+        X(k)  expert bytes that forward moves to the device (cache.metrics bytes_to_device),
+              an EMA per k; X(0) is a plain step's. X(k) - X(0) is the extra bytes the drafts
+              pull in: the union of the experts routed by k+1 tokens exceeds one token's, and
+              every byte of it must cross to the device before the step can finish.
+        c_d   drafting seconds per draft token (EMA).
+        s     the price of one byte moved, seconds/byte: ``seconds_per_byte`` if given (e.g.
+              1/25e9 for PCIe 4.0 x16), else measured as stall seconds / bytes moved.
+
+    A k not yet observed is extrapolated from the nearest observed k' as
+    V(k') + m_V * (k - k') (same for X with m_X), with m the slope between the smallest and
+    largest observed k >= 1, or before two such k are seen the priors m_V = c0 / 16 (a verify
+    token is cheap next to reading the weights) and m_X = X(0) / 4.
+
+        k* = argmax_{k in [min_draft, max_draft]} E(k) / C(k)
+
+    Plain steps (k = 0) measure c0 and X(0): the first decode step, every ``probe_every``-th
+    step, and steps where the drafter proposed nothing. Every ``probe_every``-th step offset by
+    half a period explores k* + 1. Without an expert cache X = 0. With ``fixed`` set, k = fixed
+    always (no probes, for tests and ablations).
+    """
+
+    def __init__(self, max_draft: int = 8, min_draft: int = 1, fixed: int | None = None,
+                 seconds_per_byte: float | None = None, probe_every: int = 16,
+                 accept_decay: float = 0.9, ema: float = 0.3) -> None:
+        if not (0 <= min_draft <= max_draft) or max_draft < 1:
+            raise ConfigError(f"need 0 <= min_draft <= max_draft and max_draft >= 1; got "
+                              f"min_draft={min_draft}, max_draft={max_draft}")
+        if fixed is not None and not (0 <= fixed <= max_draft):
+            raise ConfigError(f"fixed={fixed}; allowed: 0..max_draft={max_draft}")
+        if probe_every < 0:
+            raise ConfigError(f"probe_every={probe_every}; allowed: >= 0 (0 = never)")
+        self.max_draft, self.min_draft, self.fixed = max_draft, min_draft, fixed
+        self.seconds_per_byte = seconds_per_byte
+        self.probe_every, self.lam, self.ema = probe_every, accept_decay, ema
+        self.A = self.R = 0.0
+        self.V: dict[int, float] = {}  # k -> verify compute seconds (EMA)
+        self.X: dict[int, float] = {}  # k -> expert bytes moved by the verify forward (EMA)
+        self.cd: float | None = None
+        self.s_: float | None = seconds_per_byte
+        self.steps = 0
+        self._last = 1
+
+    @property
+    def alpha(self) -> float:
+        return (self.A + 1.0) / (self.A + self.R + 2.0)
+
+    @property
+    def c0(self) -> float | None:
+        return self.V.get(0)
+
+    @property
+    def s(self) -> float:
+        return self.s_ or 0.0
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.ema) * old + self.ema * new
+
+    @staticmethod
+    def expected_tokens(alpha: float, k: int) -> float:
+        return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+    @staticmethod
+    def _estimate(table: dict[int, float], k: int, prior_slope: float) -> float:
+        if k in table:
+            return table[k]
+        seen = sorted(j for j in table if j >= 1)
+        slope = prior_slope
+        if len(seen) >= 2:
+            slope = max((table[seen[-1]] - table[seen[0]]) / (seen[-1] - seen[0]), 0.0)
+        if not seen:
+            return table.get(0, 0.0) + slope * k
+        near = min(seen, key=lambda j: (abs(j - k), j))
+        return max(table[near] + slope * (k - near), table.get(0, 0.0))
+
+    def verify_seconds(self, k: int) -> float:
+        return self._estimate(self.V, k, (self.c0 or 1e-3) / 16)
+
+    def verify_bytes(self, k: int) -> float:
+        return self._estimate(self.X, k, self.X.get(0, 0.0) / 4)
+
+    def cost(self, k: int) -> float:
+        return self.verify_seconds(k) + k * (self.cd or 0.0) + self.s * self.verify_bytes(k)
+
+    def best(self) -> int:
+        a = self.alpha
+        return max(range(self.min_draft, self.max_draft + 1),
+                   key=lambda k: self.expected_tokens(a, k) / self.cost(k))
+
+    def choose(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        p = self.probe_every
+        if self.c0 is None or (p and self.steps % p == 0):
+            return 0  # a plain step: measures c0 and X(0)
+        k = self.best()
+        if p and self.steps % p == p // 2:
+            k = min(k + 1, self.max_draft)  # explore one longer
+        return k
+
+    def observe(self, k: int, accepted: int, t_draft: float, t_verify: float, stall: float,
+                nbytes: int) -> None:
+        """One step: k drafts verified (0: a plain step), ``accepted`` of them passed; the verify
+        forward took ``t_verify`` seconds of which ``stall`` waiting for ``nbytes`` expert bytes."""
+        self.steps += 1
+        if self.seconds_per_byte is None and nbytes > 0 and stall > 0:
+            self.s_ = self._avg(self.s_, stall / nbytes)
+        self.V[k] = self._avg(self.V.get(k), max(t_verify - stall, 0.0))
+        self.X[k] = self._avg(self.X.get(k), float(nbytes))
+        if k == 0:
+            return
+        self.A = self.lam * self.A + accepted
+        self.R = self.lam * self.R + (1.0 if accepted < k else 0.0)
+        self.cd = self._avg(self.cd, t_draft / k)
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+@dataclass
+class SpecStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    drafted: int = 0  # draft tokens proposed and verified
+    accepted: int = 0  # draft tokens accepted by verification
+    verify_steps: int = 0  # target forwards after prefill (plain steps included)
+    plain_steps: int = 0  # of which had no drafts (k = 0)
+    decode_expert_bytes: int = 0  # bytes moved to the device during decode (verify + drafts)
+    draft_expert_bytes: int = 0  # of which completed while drafting (prefetches the verify
+    #                              pass started may land then)
+    draft_expert_misses: int = 0  # cache misses of draft forwards (self-speculation: 0 unless a
+    #                               layer has no resident expert at all)
+    extra_expert_bytes: float = 0.0  # sum over verify steps of max(0, bytes - plain-step estimate)
+    k_history: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens emitted per target forward in decode (the first token comes from prefill)."""
+        return (self.generated_tokens - 1) / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds else 0.0
+
+    def summary(self) -> str:
+        return (f"generated {self.generated_tokens} tok, drafted {self.drafted}, accepted "
+                f"{self.accepted} ({self.acceptance_rate:.0%}), {self.tokens_per_step:.2f} tok/step "
+                f"over {self.verify_steps} steps, decode {self.decode_tps:.1f} tok/s, extra expert "
+                f"bytes {self.extra_expert_bytes:.0f}")
+
+
+def _cache_counters(cache) -> tuple[int, float, int]:
+    """(bytes moved to the device, stall seconds, misses) so far, over all layers."""
+    if cache is None:
+        return 0, 0.0, 0
+    layers = list(cache.metrics.layers.values())
+    return (sum(m.bytes_to_device for m in layers), sum(m.stall_s for m in layers),
+            sum(m.misses for m in layers))
+
+
+def _find_cache(model: CausalLM):
+    from engine.experts.cache import ExpertCache
+
+    for block in model.moe_blocks:
+        if isinstance(block.provider, ExpertCache):
+            return block.provider
+    return None
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+
+def speculative_generate(model: CausalLM, prompt_ids: Sequence[int], sampling: SamplingConfig,
+                         drafter: Drafter, eos_ids: Sequence[int] = (), *,
+                         controller: DraftLengthController | None = None, max_draft: int = 8,
+                         kv: KVCache | None = None, seq_id: int = 0,
+                         cache=None) -> Iterator[tuple[int, SpecStats]]:
+    """Yield (token, stats) per generated token, like generate_ids (same validation, same stop
+    rules: an EOS/stop id is emitted and ends the stream; never more than max_tokens tokens, even
+    when more drafts were accepted). ``cache``: the target's ExpertCache, found on the model when
+    omitted; its byte counters price draft length (DraftLengthController)."""
+    cfg = model.config
+    validate_prompt(prompt_ids, cfg.vocab_size, sampling.max_tokens, cfg.max_position_embeddings)
+    kv = kv or ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                 dtype=model.model.embed_tokens.weight.dtype)
+    controller = controller or DraftLengthController(max_draft=max_draft)
+    cache = cache if cache is not None else _find_cache(model)
+    state = SamplerState(sampling)
+    state.prompt_tokens = set(int(t) for t in prompt_ids)
+    stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_ids))
+    stats = SpecStats(prompt_tokens=len(prompt_ids))
+    ctx = DraftContext(kv, seq_id, state, cfg.vocab_size)
+    history = [int(t) for t in prompt_ids]
+    try:
+        t0 = time.perf_counter()
+        logits = model(torch.tensor(history, dtype=torch.long), BatchLayout.single(seq_id, len(history), 0), kv)[0]
+        token = sample(logits, state)
+        state.accept(token)
+        history.append(token)
+        stats.generated_tokens = 1
+        drafter.begin(history, ctx)  # a draft model's own prefill counts as prefill
+        stats.prefill_seconds = time.perf_counter() - t0
+        t_decode = time.perf_counter()
+        yield token, stats
+        if token in stop_ids or stats.generated_tokens >= sampling.max_tokens:
+            return
+        while True:
+            n = len(history) - 1  # target KV holds history[:n]
+            remaining = sampling.max_tokens - stats.generated_tokens
+            # k + 1 tokens can come out of a step: never draft past max_tokens
+            k = min(controller.choose(), remaining - 1)
+            b0, _, m0 = _cache_counters(cache)
+            t0 = time.perf_counter()
+            drafts, qs = drafter.propose(history, k, ctx) if k > 0 else ([], None)
+            drafts = drafts[:k]
+            t1 = time.perf_counter()
+            b1, s1, m1 = _cache_counters(cache)
+            logits = model(torch.tensor([history[-1]] + drafts, dtype=torch.long),
+                           BatchLayout.single(seq_id, len(drafts) + 1, n), kv, all_logits=True)
+            t2 = time.perf_counter()
+            b2, s2, _ = _cache_counters(cache)
+            out, accepted = _verify(logits, drafts, qs, state)
+            kd = len(drafts)
+            controller.observe(kd, accepted, t1 - t0, t2 - t1, s2 - s1, b2 - b1)
+            stats.verify_steps += 1
+            stats.plain_steps += kd == 0
+            stats.drafted += kd
+            stats.k_history.append(kd)
+            stats.draft_seconds += t1 - t0
+            stats.verify_seconds += t2 - t1
+            stats.decode_expert_bytes += b2 - b0
+            stats.draft_expert_bytes += b1 - b0
+            stats.draft_expert_misses += m1 - m0
+            if kd and 0 in controller.X:
+                stats.extra_expert_bytes += max(0.0, (b2 - b1) - controller.X[0])
+            for i, tok in enumerate(out):
+                history.append(tok)
+                stats.generated_tokens += 1
+                stats.accepted += i < accepted
+                stats.decode_seconds = time.perf_counter() - t_decode
+                yield tok, stats
+                if tok in stop_ids or stats.generated_tokens >= sampling.max_tokens:
+                    return
+    finally:
+        drafter.end()
+        kv.free(seq_id)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor | None, d: int) -> torch.Tensor:
+    """Unnormalised distribution of the correction after draft d was rejected: max(0, p - q),
+    with q a point mass on d for deterministic drafters (p with d removed)."""
+    if q is None:
+        r = p.clone()
+        r[d] = 0.0
+        return r
+    return torch.clamp(p - q, min=0.0)
+
+
+def _verify(logits: torch.Tensor, drafts: list[int], qs: list[torch.Tensor] | None,
+            state: SamplerState) -> tuple[list[int], int]:
+    """logits [k+1, V]: row i is the target's prediction after [last, d_1..d_i].
+    Returns (tokens to emit in order, number of accepted drafts); ``state`` has accepted them.
+    Row i is processed with the penalty counts of the tokens before it (all accepted so far)."""
+    out: list[int] = []
+    for i, d in enumerate(drafts):
+        row = logits[i]
+        if state.config.greedy:
+            t = sample(row, state)
+            state.accept(t)
+            out.append(t)
+            if t != d:
+                return out, i
+            continue
+        p = processed_probs(row, state)
+        q = qs[i] if qs is not None else None
+        u = float(torch.rand((), generator=state.generator))
+        if q is None:  # point-mass draft: accept with probability min(1, p(d) / 1)
+            ok = u < float(p[d])
+        else:
+            ok = u * float(q[d]) < float(p[d])
+        if ok:
+            state.accept(d)
+            out.append(d)
+            continue
+        residual = _residual(p, q, d)
+        total = float(residual.sum())
+        # total > 0 whenever a rejection has positive probability; guard float round-off
+        dist = residual / total if total > 0 else p
+        t = int(torch.multinomial(dist, 1, generator=state.generator))
+        state.accept(t)
+        out.append(t)
+        return out, i
+    t = sample(logits[len(drafts)], state)  # the bonus token
+    state.accept(t)
+    out.append(t)
+    return out, len(drafts)
