@@ -163,10 +163,11 @@ def _human(n: float, unit: str = "") -> str:
 
 
 def _register() -> None:
-    from services.cli_serve import COMMANDS
+    from services import cli_quality, cli_serve
     from services.cli_store import convert
+    from services.demo import demo
 
-    for command in (convert, *COMMANDS):
+    for command in (convert, demo, *cli_serve.COMMANDS, *cli_quality.COMMANDS):
         main.add_command(command)
 
 
