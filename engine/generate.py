@@ -101,9 +101,12 @@ def generate_ids(model: CausalLM, prompt_ids: Sequence[int], sampling: SamplingC
 
 
 def generate_text(model: CausalLM, tokenizer, prompt_ids: Sequence[int],
-                  sampling: SamplingConfig) -> Iterator[StreamEvent]:
+                  sampling: SamplingConfig, token_stream=None) -> Iterator[StreamEvent]:
     """Stream text: each event carries the text completed by one token (never half a UTF-8
-    character, never a prefix of a stop string), then one final event with the finish reason."""
+    character, never a prefix of a stop string), then one final event with the finish reason.
+
+    ``token_stream(eos_ids)`` replaces the plain loop (generate_ids) with any iterator of
+    (token, logits or None, stats), e.g. speculative decoding."""
     from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
     detok = IncrementalDetokenizer(tokenizer, prompt_ids=list(prompt_ids))
@@ -112,10 +115,12 @@ def generate_text(model: CausalLM, tokenizer, prompt_ids: Sequence[int],
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
     reason = "length"
 
-    gen = generate_ids(model, prompt_ids, sampling, eos_ids=sorted(eos))
+    gen = (token_stream(sorted(eos)) if token_stream is not None
+           else generate_ids(model, prompt_ids, sampling, eos_ids=sorted(eos)))
     stopped = False
     for token, logits, stats in gen:
-        lp = top_logprobs(logits, token, sampling.logprobs) if sampling.logprobs is not None else None
+        lp = (top_logprobs(logits, token, sampling.logprobs)
+              if sampling.logprobs is not None and logits is not None else None)
         if (token in eos and not sampling.ignore_eos) or token in sampling.stop_token_ids:
             reason = "stop"
             gen.close()

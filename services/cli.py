@@ -62,9 +62,12 @@ def main() -> None:
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16 compute.")
+@click.option("--speculative", default=None, metavar="ngram|self|draft:PATH",
+              help="Lossless speculative decoding: prompt-lookup n-grams, self-speculation on the "
+                   "device-resident experts (--store), or a draft model sharing the tokenizer.")
 def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, prefetch_depth,
              miss_compute, address, namespace, as_json, chat, max_tokens, temperature, top_k, top_p,
-             min_p, seed, stop, dtype):
+             min_p, seed, stop, dtype, speculative):
     """Generate text from PROMPT, streaming it, then print one line of figures."""
     from engine.assets import smollm2_gguf
     from engine.generate import generate_text
@@ -93,8 +96,9 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
 
         model, tok, _ = load_model(model_path or smollm2_gguf(), dtype=_dtype(dtype))
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    stream = _speculative_stream(speculative, model, ids, sampling, loaded, _dtype(dtype))
     try:
-        for ev in generate_text(model, tok, ids, sampling):
+        for ev in generate_text(model, tok, ids, sampling, token_stream=stream):
             if ev.text:
                 click.echo(ev.text, nl=False)
             if ev.finish_reason:
@@ -106,6 +110,31 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
     finally:
         if loaded is not None:
             loaded.close()
+
+
+def _speculative_stream(mode, model, ids, sampling, loaded, dtype):
+    """A token_stream for generate_text, or None for plain decoding."""
+    if mode is None:
+        return None
+    from engine import speculative as spec
+
+    if mode == "ngram":
+        drafter = spec.NgramDrafter()
+    elif mode == "self":
+        if loaded is None or loaded.cache is None:
+            raise click.UsageError("--speculative self drafts on the device-resident experts: give --store")
+        drafter = spec.SelfSpecDrafter(model, loaded.cache)
+    elif mode.startswith("draft:"):
+        from engine.loading import load_model
+
+        drafter = spec.DraftModelDrafter(load_model(mode[len("draft:"):], dtype=dtype)[0])
+    else:
+        raise click.BadParameter(f"{mode!r}; allowed: ngram, self, draft:PATH", param_hint="--speculative")
+
+    def stream(eos_ids):
+        for token, stats in spec.speculative_generate(model, ids, sampling, drafter, eos_ids=eos_ids):
+            yield token, None, stats
+    return stream
 
 
 def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype):

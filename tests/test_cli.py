@@ -53,3 +53,20 @@ def test_bad_inputs_are_one_line_errors(tiny_mixtral, tmp_path):
     assert r.exit_code == 2 and "supported: " in r.stderr
     r = run("generate", "--store", tmp_path, "hi")
     assert r.exit_code == 2 and "manifest" in r.stderr
+
+
+def test_speculative_decoding_gives_the_plain_greedy_text(tiny_mixtral, tmp_path):
+    plain = run("generate", "--model", tiny_mixtral, "--max-tokens", 16, "one two one two one two")
+    ngram = run("generate", "--model", tiny_mixtral, "--max-tokens", 16, "--speculative", "ngram",
+                "one two one two one two")
+    assert ngram.exit_code == 0, ngram.output
+    assert ngram.stdout == plain.stdout and "drafted" in ngram.stderr
+    store = tmp_path / "store"
+    assert run("convert", tiny_mixtral, "--out", store, "--quant", "bf16", "--no-progress").exit_code == 0
+    base = run("generate", "--store", store, "--device-budget", "50%", "--max-tokens", 16, "hello")
+    selfspec = run("generate", "--store", store, "--device-budget", "50%", "--max-tokens", 16,
+                   "--speculative", "self", "hello")
+    assert selfspec.exit_code == 0, selfspec.output
+    assert selfspec.stdout == base.stdout and "accepted" in selfspec.stderr
+    bad = run("generate", "--model", tiny_mixtral, "--speculative", "self", "hello")
+    assert bad.exit_code == 2 and "--store" in bad.stderr
