@@ -44,7 +44,7 @@ from typing import Iterator, Protocol, Sequence
 import torch
 
 from engine.errors import ConfigError
-from engine.generate import validate_prompt
+from engine.generate import GenerationStats, validate_prompt
 from engine.kv.base import BatchLayout, ContiguousKVCache, KVCache
 from engine.layers.sampler import SamplerState, SamplingConfig, distribution, sample
 from engine.models.base import CausalLM
@@ -437,11 +437,7 @@ class DraftLengthController:
 # ---- statistics ----------------------------------------------------------------------------------
 
 @dataclass
-class SpecStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+class SpecStats(GenerationStats):
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     drafted: int = 0  # draft tokens proposed and verified
@@ -464,11 +460,6 @@ class SpecStats:
     def tokens_per_step(self) -> float:
         """Tokens emitted per target forward in decode (the first token comes from prefill)."""
         return (self.generated_tokens - 1) / self.verify_steps if self.verify_steps else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        steps = max(self.generated_tokens - 1, 0)
-        return steps / self.decode_seconds if self.decode_seconds else 0.0
 
     def summary(self) -> str:
         return (f"generated {self.generated_tokens} tok, drafted {self.drafted}, accepted "
