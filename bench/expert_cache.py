@@ -110,14 +110,52 @@ def memory_bandwidth() -> float:
     return 3 * x.numel() * 4 / (time.perf_counter() - t)
 
 
-def run_budget(store: Path, frac: float, ram_budget: int, prompt: list[int], tokens: int, recorder=None):
+class ReplayRouting:
+    """Routes every sparse layer from a routing trace instead of the router (bench only): a
+    random model's routers send almost every token to the same experts, which says nothing about
+    a trained MoE; a synthetic trace with chosen skew and locality does. Weights are 1/K."""
+
+    def __init__(self, trace, layers: list[int]) -> None:
+        import numpy as np
+
+        self.k = trace.top_k
+        self.table = {}  # (token, layer ordinal) -> experts
+        for t, l, e in trace.records():
+            self.table[(int(t), int(l))] = list(e)
+        self.ordinal = {layer: i for i, layer in enumerate(layers)}
+        self.first = layers[0]
+        self.pos = 0
+        self.np = np
+
+    def install(self, model) -> None:
+        from engine.layers.moe import Routing
+
+        def make(block):
+            def route(x, allowed=None):
+                t = x.shape[0]
+                if block.layer == self.first:
+                    self.pos += t
+                start = self.pos - t
+                ids = torch.tensor([self.table[(start + i, self.ordinal[block.layer])] for i in range(t)])
+                return Routing(torch.full(ids.shape, 1.0 / self.k), ids)
+            return route
+
+        for block in model.moe_blocks:
+            block.gate.forward = make(block)
+
+
+def run_budget(store: Path, frac: float, ram_budget: int, prompt: list[int], tokens: int, recorder=None,
+               replay=None):
     from engine.experts.runtime import load_from_store, store_expert_bytes
     from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
 
     total = store_expert_bytes(store)
+    # Replayed routing is not what the routers would predict, so prefetch is off for it.
     sm = load_from_store(store, device_budget=int(total * frac), ram_budget=ram_budget, policy="lfu",
-                         prefetch_depth=1)
+                         prefetch_depth=0 if replay is not None else 1)
+    if replay is not None:
+        ReplayRouting(replay, sorted(sm.store.config.moe_layers)).install(sm.model)
     if recorder is not None:
         for block in sm.model.moe_blocks:
             block.observers.append(recorder)
@@ -135,6 +173,22 @@ def run_budget(store: Path, frac: float, ram_budget: int, prompt: list[int], tok
         sm.close()
 
 
+def print_rows(rows, dense_active, expert_active, mem_bw, disk_bw, compute_roof) -> None:
+    from engine.units import format_bytes
+
+    print("| device budget | slots | decode tok/s | device hit | RAM hit | NVMe B/token | to-device B/token | "
+          "stall s | prefetch P/R | transfer-bound roofline tok/s | compute roofline tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ram_acc = r["ram_hits"] + r["ram_misses"]
+        moved = (dense_active + expert_active) / mem_bw + r["nvme_bytes_per_token"] / disk_bw + \
+            r["bytes_to_device_per_token"] / mem_bw
+        print(f"| {r['frac']:.0%} | {r['slots']} | {r['decode_tps']:.2f} | {r['device_hit_rate']:.1%} | "
+              f"{(r['ram_hits'] / ram_acc if ram_acc else 0):.1%} | {format_bytes(r['nvme_bytes_per_token'])} | "
+              f"{format_bytes(r['bytes_to_device_per_token'])} | {r['stall_s']:.2f} | "
+              f"{r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f} | {1 / moved:.1f} | {compute_roof:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
@@ -147,6 +201,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--ram", default="25%", help="RAM tier: bytes or a share of the store's experts")
     ap.add_argument("--budgets", default="0.1,0.25,0.5,1.0")
+    ap.add_argument("--zipf", type=float, default=1.0, help="skew of the synthetic routing rows")
+    ap.add_argument("--locality", type=float, default=0.3, help="reuse of the previous token's experts")
     args = ap.parse_args()
 
     from engine.experts.runtime import store_expert_bytes
@@ -187,22 +243,16 @@ def main() -> None:
         for t in range(ids.shape[0]):
             rec.record(base + t, layer, ids[t].tolist())
 
-    rows = []
     budgets = [float(b) for b in args.budgets.split(",")]
-    for frac in budgets:
-        rows.append(run_budget(store, frac, ram, prompt, args.tokens, recorder=record if frac == 1.0 else None))
-    print("\n| device budget | slots | decode tok/s | device hit | RAM hit | NVMe B/token | to-device B/token | "
-          "stall s | prefetch P/R | transfer-bound roofline tok/s | compute roofline tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        ram_acc = r["ram_hits"] + r["ram_misses"]
-        moved = (dense_active + expert_active) / mem_bw + r["nvme_bytes_per_token"] / disk_bw + \
-            r["bytes_to_device_per_token"] / mem_bw
-        print(f"| {r['frac']:.0%} | {r['slots']} | {r['decode_tps']:.2f} | {r['device_hit_rate']:.1%} | "
-              f"{(r['ram_hits'] / ram_acc if ram_acc else 0):.1%} | {format_bytes(r['nvme_bytes_per_token'])} | "
-              f"{format_bytes(r['bytes_to_device_per_token'])} | {r['stall_s']:.2f} | "
-              f"{r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f} | {1 / moved:.1f} | {compute_roof:.1f} |")
-
+    synthetic = synthetic_trace(args.prompt + args.tokens, len(cfg.moe_layers), cfg.moe.num_experts,
+                                cfg.moe.top_k, zipf=args.zipf, locality=args.locality, seed=0)
+    for label, replay in (("the random model's own routing", None),
+                          (f"synthetic routing replayed (zipf {args.zipf}, locality {args.locality})", synthetic)):
+        rows = [run_budget(store, frac, ram, prompt, args.tokens,
+                           recorder=record if (frac == 1.0 and replay is None) else None, replay=replay)
+                for frac in budgets]
+        print(f"\nrouting: {label}")
+        print_rows(rows, dense_active, expert_active, mem_bw, disk_bw, compute_roof)
     print("(live hit rates count one access per distinct expert per layer per step, so a prefill of "
           "T tokens is one access per expert it routes to; the simulator counts every token's picks.)")
     slots = [r["slots"] for r in rows]
