@@ -221,3 +221,41 @@ def test_streamed_text_and_stop_strings_match_generate_text(sp_model):
             assert res.text == "".join(e.text for e in events)
             assert res.finish_reason == events[-1].finish_reason
     assert all(r.finish_reason == "stop" for r in results) and engine.kv.pool.num_used == 0
+
+
+def test_batching_through_the_expert_cache_matches_alone_and_frees_pins(tmp_path):
+    """The engine over a store whose device cache holds a fraction of the experts: batched greedy
+    tokens equal each request alone, aborts leave no expert pinned and no load in flight."""
+    from engine.experts.runtime import load_from_store
+    from engine.experts.tiers import align_up
+    from engine.quant.formats import QuantFormat
+    from engine.store import convert
+
+    make_checkpoint("qwen3_moe", tmp_path / "hf", hidden_size=64, head_dim=16, moe_intermediate_size=32,
+                    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    convert(tmp_path / "hf", tmp_path / "store", fmt=QuantFormat("int4", 32), progress=False)
+    ref = load_from_store(tmp_path / "store", prefetch_depth=0)  # every expert resident
+    small = load_from_store(tmp_path / "store", device_budget=3 * align_up(ref.store.expert_nbytes),
+                           prefetch_depth=1)
+    try:
+        reqs = requests(small.model.config.vocab_size, seed=3)
+        want = [alone(ref.model, r) for r in reqs]
+        engine = Engine(small.model, kv=paged(small.model, 64))
+        got = engine.generate(reqs)
+        assert [r.output_ids for r in got] == want
+        rng = random.Random(1)
+        for i in range(40):
+            engine.add_request(f"a{i}", [rng.randrange(3, 96) for _ in range(rng.randint(1, 12))],
+                               SamplingConfig(max_tokens=6, ignore_eos=True))
+            if rng.random() < 0.5:
+                engine.abort(f"a{rng.randrange(i + 1)}")
+            engine.step()
+        while engine.has_unfinished():
+            engine.step()
+        small.cache.drain()
+        assert small.cache.pins == {} and not small.cache.loading
+        assert small.cache.metrics.total().misses > 0  # the small cache really evicted and refetched
+        assert engine.kv.pool.num_free == engine.kv.num_blocks
+    finally:
+        ref.close()
+        small.close()
