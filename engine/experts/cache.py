@@ -314,6 +314,7 @@ class ExpertCache(ExpertProvider):
         with self.lock:
             self.loading.pop(key, None)
 
+    @torch.inference_mode()  # grad mode is per thread: slots made under inference_mode stay writable
     def _copy_in(self, key: Key, slot: int) -> None:
         t0 = time.perf_counter()
         nbytes = self.store.entry(*key).nbytes

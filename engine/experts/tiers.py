@@ -157,6 +157,7 @@ class HostTier(ExpertSource):
             fut.set_exception(e)
             raise
 
+    @torch.inference_mode()  # runs on I/O threads; see ExpertCache._copy_in
     def read_into(self, key: Key, out: torch.Tensor) -> str:
         with self.lock:
             hit = key in self.slot_of and key not in self.loading

@@ -143,3 +143,15 @@ def test_flipped_byte_raises_checksum_error_naming_layer_and_expert(store, tmp_p
 def generate_ids_all(sm):
     for start in range(0, 96, 8):
         list(generate_ids(sm.model, list(range(start, start + 8)), SamplingConfig(max_tokens=2)))
+
+
+def test_cache_built_inside_inference_mode_loads_on_worker_threads(store):
+    """Grad mode is per thread: slots allocated under inference_mode must still be writable by
+    the I/O threads (a real bug: in-place copy into an inference tensor outside inference mode)."""
+    slot, top_k = slot_bytes(store)
+    with torch.inference_mode():
+        sm = load_from_store(store, device_budget=top_k * slot, prefetch_depth=1)
+        try:
+            assert len(greedy(sm, n=4)) == 4
+        finally:
+            sm.close()
