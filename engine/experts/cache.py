@@ -206,7 +206,11 @@ class ExpertCache(ExpertProvider):
                     cpu_keys.append(key)
                 else:
                     m.misses += 1
-                    slot = self._reserve(key, protect=set(keys))
+                    try:
+                        slot = self._reserve(key, protect=set(keys))
+                    except CacheCapacityError:
+                        self._unpin(keys)  # nothing of this acquire stays pinned
+                        raise
                     waits.append((key, self._start_load(key, slot)))
         try:
             for key, fut in waits:
@@ -223,13 +227,16 @@ class ExpertCache(ExpertProvider):
 
     def release(self, layer: int, expert_ids: list[int]) -> None:
         with self.lock:
-            for e in expert_ids:
-                key = (layer, e)
-                n = self.pins.get(key, 0) - 1
-                if n > 0:
-                    self.pins[key] = n
-                else:
-                    self.pins.pop(key, None)
+            self._unpin([(layer, e) for e in expert_ids])
+
+    def _unpin(self, keys: list[Key]) -> None:
+        """Under the lock."""
+        for key in keys:
+            n = self.pins.get(key, 0) - 1
+            if n > 0:
+                self.pins[key] = n
+            else:
+                self.pins.pop(key, None)
 
     def allowed_experts(self, layer: int) -> list[int] | None:
         if not self.restrict_to_resident:

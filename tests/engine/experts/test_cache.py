@@ -155,3 +155,18 @@ def test_cache_built_inside_inference_mode_loads_on_worker_threads(store):
             assert len(greedy(sm, n=4)) == 4
         finally:
             sm.close()
+
+
+def test_acquiring_more_experts_than_slots_fails_cleanly(store):
+    """Asking one acquire for more distinct experts than the device holds is a typed error that
+    leaves nothing pinned (the MoE stage never does this: it chunks by max_experts_per_acquire)."""
+    slot, top_k = slot_bytes(store)
+    sm = load_from_store(store, device_budget=top_k * slot, prefetch_depth=0)
+    try:
+        with pytest.raises(CacheCapacityError):
+            sm.cache.acquire(0, list(range(top_k + 1)))
+        sm.cache.drain()
+        assert sm.cache.pins == {}
+        assert len(greedy(sm, n=3)) == 3  # and the cache still serves
+    finally:
+        sm.close()
