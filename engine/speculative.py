@@ -261,7 +261,7 @@ class SelfSpecDrafter:
         self.sample_drafts = sample_drafts  # False: argmax drafts even when sampling
 
     def begin(self, prompt_ids, ctx) -> None:
-        pass
+        """Nothing to set up: drafts run on the target's own KV cache."""
 
     def propose(self, history, k, ctx):
         k = min(k, self.max_draft)
@@ -279,7 +279,7 @@ class SelfSpecDrafter:
         return drafts, (qs if qs else None)
 
     def end(self) -> None:
-        pass
+        """Nothing to free: the verify pass owns every position drafts wrote."""
 
 
 def layer_skip_draft(model: CausalLM, num_layers: int) -> CausalLM:
