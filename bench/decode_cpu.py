@@ -77,7 +77,19 @@ def smollm2_rows(prompt_len: int, new: int, bw: float) -> list[dict]:
     roof = bw / active_weight_bytes(cfg, 4)
     rows = [run_row("SmolLM2-135M", "moestream", "fp32", lambda: time_ours(ours, prompt, new), roof),
             run_row("SmolLM2-135M", "transformers", "fp32", lambda: time_hf(hf, prompt, new), roof)]
+    del ours
+    for dense, nbytes in (("bf16", 2), ("int8", 8.25 / 8)):
+        m, _, _ = load_model(path, dense=dense)
+        rows.append(run_row("SmolLM2-135M", "moestream", f"{dense} dense (kernel)",
+                            lambda: time_ours(m, prompt, new), bw / dense_bytes(cfg, nbytes)))
+        del m
     return rows
+
+
+def dense_bytes(cfg, bytes_per_weight: float) -> float:
+    """Active weight bytes per token when the dense linears are stored at ``bytes_per_weight``
+    (embedding rows: fp32, one row per token; negligible)."""
+    return active_weight_bytes(cfg, bytes_per_weight)
 
 
 def qwen3_moe_rows(prompt_len: int, new: int, bw: float) -> list[dict]:
@@ -119,10 +131,12 @@ def qwen3_moe_rows(prompt_len: int, new: int, bw: float) -> list[dict]:
         rows.append(run_row(name, "moestream", "fp32", lambda: time_ours(ours, prompt, new), roof32))
         rows.append(run_row(name, "transformers", "fp32", lambda: time_hf(hf, prompt, new), roof32))
         del ours
-        sm = load_from_store(Path(tmp) / "store", prefetch_depth=0)
-        roof4 = bw / active_weight_bytes(cfg, 4, bits_per_weight(fmt) / 8)
-        rows.append(run_row(name, "moestream store", f"int4 g64 experts", lambda: time_ours(sm.model, prompt, new), roof4))
-        sm.close()
+        for dense, nbytes in (("fp32", 4), ("bf16", 2), ("int8", 8.25 / 8)):
+            sm = load_from_store(Path(tmp) / "store", prefetch_depth=0, dense=dense)
+            roof4 = bw / active_weight_bytes(cfg, nbytes, bits_per_weight(fmt) / 8)
+            rows.append(run_row(name, "moestream store", f"int4 g64 experts, {dense} dense",
+                                lambda: time_ours(sm.model, prompt, new), roof4))
+            sm.close()
     return rows
 
 

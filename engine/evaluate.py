@@ -91,7 +91,7 @@ def window_logits(model, ids: Sequence[int]) -> torch.Tensor:
 
     cfg = model.config
     kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                           dtype=model.lm_head.weight.dtype)
+                           dtype=model.model.embed_tokens.weight.dtype)
     return model(torch.tensor(list(ids), dtype=torch.long), BatchLayout.single(0, len(ids), 0), kv,
                  all_logits=True).float()
 
@@ -356,5 +356,5 @@ def expert_nbytes(loaded: Loaded) -> int:
     m = cfg.moe
     if m is None:
         return 0
-    elem = loaded.model.lm_head.weight.element_size()
+    elem = loaded.model.model.embed_tokens.weight.element_size()
     return 3 * cfg.hidden_size * m.expert_intermediate_size * elem

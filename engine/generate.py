@@ -74,7 +74,7 @@ def generate_ids(model: CausalLM, prompt_ids: Sequence[int], sampling: SamplingC
     cfg = model.config
     validate_prompt(prompt_ids, cfg.vocab_size, sampling.max_tokens, cfg.max_position_embeddings)
     kv = kv or ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                 dtype=model.lm_head.weight.dtype)
+                                 dtype=model.model.embed_tokens.weight.dtype)
     state = SamplerState(sampling)
     state.prompt_tokens = set(int(t) for t in prompt_ids)
     stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_ids))

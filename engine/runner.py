@@ -119,7 +119,7 @@ class Engine:
         if not plan.entries:
             assert not self.has_unfinished(), "scheduler stalled with requests queued"
             return []
-        tokens, layout = self._prepare(plan, self.model.lm_head.weight.device)
+        tokens, layout = self._prepare(plan, self.model.model.embed_tokens.weight.device)
         logits = self.model(tokens, layout, self.kv).cpu()  # [S, V]; samplers' generators are CPU
         self.scheduler.commit(plan)
         now = time.perf_counter()

@@ -62,12 +62,15 @@ def main() -> None:
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16 compute.")
+@click.option("--dense", type=click.Choice(["fp32", "bf16", "int8"]), default="bf16", show_default=True,
+              help="Format of the dense (attention, shared-expert, LM-head) weights: bf16 halves and "
+                   "int8 quarters the bytes each decoded token reads; fp32 is the exact reference.")
 @click.option("--speculative", default=None, metavar="ngram|self|draft:PATH",
               help="Lossless speculative decoding: prompt-lookup n-grams, self-speculation on the "
                    "device-resident experts (--store), or a draft model sharing the tokenizer.")
 def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, prefetch_depth,
              miss_compute, address, namespace, as_json, chat, max_tokens, temperature, top_k, top_p,
-             min_p, seed, stop, dtype, speculative):
+             min_p, seed, stop, dtype, dense, speculative):
     """Generate text from PROMPT, streaming it, then print one line of figures."""
     from engine.assets import smollm2_gguf
     from engine.generate import generate_text
@@ -89,12 +92,12 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
     loaded = None
     if store_path:
         loaded = _open_store(store_path, device_budget, ram_budget, policy, prefetch_depth,
-                             miss_compute, _dtype(dtype))
+                             miss_compute, _dtype(dtype), dense)
         model, tok = loaded.model, loaded.tokenizer
     else:
         from engine.loading import load_model
 
-        model, tok, _ = load_model(model_path or smollm2_gguf(), dtype=_dtype(dtype))
+        model, tok, _ = load_model(model_path or smollm2_gguf(), dtype=_dtype(dtype), dense=dense)
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     stream = _speculative_stream(speculative, model, ids, sampling, loaded, _dtype(dtype))
     try:
@@ -137,7 +140,7 @@ def _speculative_stream(mode, model, ids, sampling, loaded, dtype):
     return stream
 
 
-def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype):
+def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype, dense):
     from engine.experts.runtime import load_from_store, store_expert_bytes
     from engine.units import parse_bytes
 
@@ -145,7 +148,7 @@ def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_co
     return load_from_store(
         path, device_budget=parse_bytes(device_budget, total=total, name="--device-budget"),
         ram_budget=parse_bytes(ram_budget, total=total, name="--ram-budget"), policy=policy,
-        prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype)
+        prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype, dense=dense)
 
 
 def _cache_line(loaded, tokens: int) -> str:

@@ -48,6 +48,9 @@ class DeployConfig(BaseModel):
         "lfu", description="Eviction policy of the device expert cache.")
     ram_policy: Literal["lru", "lfu", "lfu-pure"] = Field(
         "lru", description="Eviction policy of each loader's RAM tier.")
+    dense_format: Literal["fp32", "bf16", "int8"] = Field(
+        "bf16", description="Format of the dense (non-expert) linears on the decode actor: bf16 "
+        "halves and int8 quarters the bytes each decoded token reads (fp32 keeps them as stored).")
     prefetch_depth: int = Field(1, ge=0, le=8, description="Sparse layers ahead whose experts "
                                 "are predicted and prefetched; 0 turns prefetch off.")
     io_threads: int = Field(2, ge=1, le=32, description="Decode-side threads copying experts "

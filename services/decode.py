@@ -252,7 +252,7 @@ class DecodeService:
         dtype = DTYPES[cfg.dtype]
         self.sm = load_from_store(cfg.store, device_budget=cfg.device_budget, policy=cfg.policy,
                                   prefetch_depth=cfg.prefetch_depth, source=source,
-                                  device=self.device, dtype=dtype)
+                                  device=self.device, dtype=dtype, dense=cfg.dense_format)
         model_cfg = self.sm.store.config
         self.kv = PagedKVCache.from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size,
                                            dtype=dtype, device=self.device)

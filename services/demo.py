@@ -72,7 +72,8 @@ def build(cfg: DemoConfig, root: Path | None = None, progress: bool = True, log=
 
 
 def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: str, loaders: int,
-             max_tokens: int, root: Path | None = None, progress: bool = True, out=None, err=None) -> dict:
+             max_tokens: int, root: Path | None = None, progress: bool = True, out=None, err=None,
+             dense: str = "bf16") -> dict:
     """Build (if needed), serve through Ray, stream the answer; returns the figures."""
     from engine.experts.runtime import store_expert_bytes
     from engine.units import format_bytes, parse_bytes
@@ -96,7 +97,7 @@ def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: 
         f"budget {format_bytes(dev)} ({dev / total:.0%}), RAM tier {format_bytes(ram)} ({ram / total:.0%})")
     namespace = f"moestream-demo-{os.getpid()}"
     app = deploy(DeployConfig(store=store, namespace=namespace, loaders=loaders, device_budget=dev,
-                              ram_budget=ram))
+                              ram_budget=ram, dense_format=dense))
     try:
         log(f"[demo] pipeline up ({loaders} loaders) in {time.perf_counter() - t0:.1f} s; asking: {question}")
         client = MoestreamClient(None, namespace=namespace)
@@ -143,12 +144,15 @@ def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: 
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default=str(DemoConfig.group_size),
               show_default=True)
 @click.option("--calib-tokens", type=int, default=DemoConfig.calib_tokens, show_default=True)
+@click.option("--dense", type=click.Choice(["fp32", "bf16", "int8"]), default="bf16", show_default=True,
+              help="Format of the dense (non-expert) linears on the decode actor.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Where the built model and store are kept (default: ~/.cache/moestream/demo).")
 def demo(question, max_tokens, device_budget, ram_budget, loaders, experts, top_k, shared_fraction,
-         quant, group_size, calib_tokens, cache_dir):
+         quant, group_size, calib_tokens, dense, cache_dir):
     """Build (first run) and serve a real MoE made from SmolLM2; answer QUESTION through Ray."""
     cfg = DemoConfig(experts=experts, top_k=top_k, shared_fraction=shared_fraction, quant=quant,
                      group_size=int(group_size), calib_tokens=calib_tokens)
     run_demo(question or DEFAULT_QUESTION, cfg, device_budget=device_budget, ram_budget=ram_budget,
-             loaders=loaders, max_tokens=max_tokens, root=Path(cache_dir) if cache_dir else None)
+             loaders=loaders, max_tokens=max_tokens, root=Path(cache_dir) if cache_dir else None,
+             dense=dense)

@@ -11,6 +11,7 @@ from engine.experts.cache import CacheConfig, ExpertCache
 from engine.experts.tiers import ExpertSource, HostTier
 from engine.models.base import CausalLM
 from engine.models.load import build_model
+from engine.quant.linear import quantize_dense
 
 
 @dataclass
@@ -29,14 +30,16 @@ class StoreModel:
 def load_from_store(store_path, *, device_budget: int | None = None, ram_budget: int | None = None,
                     policy: str = "lfu", prefetch_depth: int = 1, miss_compute: str = "transfer",
                     pinned=frozenset(), dtype: torch.dtype = torch.float32,
-                    source: ExpertSource | None = None, device: str = "cpu") -> StoreModel:
-    """Budgets default to "everything fits" (every expert resident after first use)."""
+                    source: ExpertSource | None = None, device: str = "cpu",
+                    dense: str = "fp32") -> StoreModel:
+    """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
+    format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8)."""
     from engine.store.reader import ExpertStore
 
     store = ExpertStore(store_path)
     cfg = store.config
     cache = None
-    dense = store.dense_source()
+    dense_source = store.dense_source()
     if cfg.moe is not None:
         total = store.num_experts_total
         slot = _slot_bytes(store)
@@ -44,9 +47,9 @@ def load_from_store(store_path, *, device_budget: int | None = None, ram_budget:
         cache_cfg = CacheConfig(device_budget=device_budget if device_budget is not None else total * slot,
                                 policy=policy, prefetch_depth=prefetch_depth,
                                 miss_compute=miss_compute, pinned=frozenset(pinned))
-        routers = {l: dense.get(f"model.layers.{l}.mlp.gate.weight").float() for l in cfg.moe_layers}
+        routers = {l: dense_source.get(f"model.layers.{l}.mlp.gate.weight").float() for l in cfg.moe_layers}
         cache = ExpertCache(store, source, cache_cfg, routers=routers, device=device)
-    model = build_model(cfg, dense, dtype=dtype, provider=cache)
+    model = quantize_dense(build_model(cfg, dense_source, dtype=dtype, provider=cache), dense)
     try:
         tokenizer = store.tokenizer()
     except TokenizerNotFoundError:

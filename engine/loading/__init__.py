@@ -50,10 +50,12 @@ def open_model_files(path: str | Path, validate: bool = True) -> ModelFiles:
     return ModelFiles(config, source, path)
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer, config) with every expert resident; the simplest way in."""
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, dense: str = "fp32"):
+    """(model, tokenizer, config) with every expert resident; the simplest way in. ``dense``:
+    format of the dense linears (fp32 as loaded, bf16 or int8: engine.quant.linear)."""
     from engine.models.load import build_model
+    from engine.quant.linear import quantize_dense
 
     files = open_model_files(path)
-    model = build_model(files.config, files.source, dtype=dtype)
+    model = quantize_dense(build_model(files.config, files.source, dtype=dtype), dense)
     return model, files.tokenizer(), files.config

@@ -1,0 +1,81 @@
+"""Dense linears on the quantized kernels: the quant layer swaps them into a built model.
+
+Decode reads every dense weight once per token, so their bytes bound tokens/s as much as the
+experts' do. ``quantize_dense(model, "bf16")`` halves them (and ``int8`` quarters them) by
+replacing each attention / dense-MLP / shared-expert / LM-head ``nn.Linear`` with a
+:class:`QuantLinear` computed by ``engine.quant.kernels.qlinear`` (fp32 activations, fp32
+accumulation). Embeddings, norms and routers stay as they are: routers decide which experts
+run, and their cost is negligible. The model code never knows (DESIGN.md §7, rule 2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.errors import ConfigError
+from engine.quant.formats import QuantFormat, QuantizedTensor
+
+DENSE_FORMATS = ("fp32", "bf16", "int8")
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequantize(q).T (+ bias), on the fastest kernel for ``q``."""
+
+    def __init__(self, q: QuantizedTensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.q = q
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: QuantFormat) -> "QuantLinear":
+        from engine.quant.reference import quantize
+
+        return cls(quantize(linear.weight.detach().float(), fmt), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.quant.kernels import qlinear
+
+        y = qlinear(x.float(), self.q)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, format={self.q.fmt.name}"
+
+
+def dense_linears(model) -> list[tuple[nn.Module, str]]:
+    """(parent module, attribute) of every dense linear that quantize_dense may swap."""
+    from engine.layers.mlp import SwiGLU
+    from engine.layers.moe import SparseMoE
+
+    out: list[tuple[nn.Module, str]] = []
+    for layer in model.model.layers:
+        out += [(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        mlps = [layer.mlp] if isinstance(layer.mlp, SwiGLU) else []
+        if isinstance(layer.mlp, SparseMoE) and layer.mlp.shared_expert is not None:
+            mlps.append(layer.mlp.shared_expert)
+        for mlp in mlps:
+            out += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+    out.append((model, "lm_head"))
+    return out
+
+
+def quantize_dense(model, fmt_name: str, group_size: int = 64):
+    """Swap the model's dense linears for ``fmt_name`` ("fp32" = leave them; "bf16"; "int8"
+    with ``group_size``, falling back to bf16 for a weight whose in-dim the group does not
+    divide). Returns the model."""
+    if fmt_name not in DENSE_FORMATS:
+        raise ConfigError(f"dense format {fmt_name!r}; allowed: {', '.join(DENSE_FORMATS)}")
+    if fmt_name == "fp32":
+        return model
+    fmt, fallback = QuantFormat(fmt_name, group_size), QuantFormat("bf16", group_size)
+    for parent, name in dense_linears(model):
+        linear = getattr(parent, name)
+        if not isinstance(linear, nn.Linear):
+            continue
+        use = fmt if not fmt.grouped or linear.in_features % group_size == 0 else fallback
+        setattr(parent, name, QuantLinear.from_linear(linear, use))
+    return model
