@@ -44,8 +44,9 @@ def main() -> None:
 @click.option("--ram-budget", default="100%", show_default=True,
               help="Host RAM tier, bytes or a share of the store's experts.")
 @click.option("--policy", type=click.Choice(["lru", "lfu"]), default="lfu", show_default=True)
-@click.option("--prefetch", "prefetch_depth", type=int, default=1, show_default=True,
-              help="Sparse layers ahead to predict and prefetch (0 = off).")
+@click.option("--prefetch", "prefetch_depth", type=int, default=None,
+              help="Sparse layers ahead to predict and prefetch (0 = off). Default: 1 on a GPU, 0 "
+                   "when the device tier is CPU memory (prefetch then competes with compute).")
 @click.option("--miss-compute", type=click.Choice(["transfer", "cpu", "auto"]), default="transfer",
               show_default=True, help="On a device miss: copy the expert in, or compute it on the CPU.")
 @click.option("--address", default=None,

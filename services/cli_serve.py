@@ -36,7 +36,8 @@ def _fail(message: str) -> None:
 @click.option("--ram-budget", default=None, help="RAM-tier bytes, all loaders together.")
 @click.option("--kv-budget", default="256MiB", show_default=True)
 @click.option("--policy", default="lfu", show_default=True)
-@click.option("--prefetch-depth", type=int, default=1, show_default=True)
+@click.option("--prefetch-depth", type=int, default=None,
+              help="Sparse layers ahead to prefetch; default 1 on a GPU, 0 on CPU.")
 @click.option("--queue-size", type=int, default=64, show_default=True)
 @click.option("--request-timeout", type=float, default=300.0, show_default=True)
 @click.option("--dtype", default="fp32", show_default=True)

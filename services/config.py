@@ -51,8 +51,9 @@ class DeployConfig(BaseModel):
     dense_format: Literal["fp32", "bf16", "int8"] = Field(
         "bf16", description="Format of the dense (non-expert) linears on the decode actor: bf16 "
         "halves and int8 quarters the bytes each decoded token reads (fp32 keeps them as stored).")
-    prefetch_depth: int = Field(1, ge=0, le=8, description="Sparse layers ahead whose experts "
-                                "are predicted and prefetched; 0 turns prefetch off.")
+    prefetch_depth: int | None = Field(None, ge=0, le=8, description="Sparse layers ahead whose "
+                                       "experts are predicted and prefetched; 0 turns prefetch off; "
+                                       "unset: 1 on a GPU, 0 when the device tier is CPU memory.")
     io_threads: int = Field(2, ge=1, le=32, description="Decode-side threads copying experts "
                             "into device slots.")
     direct_reads: bool = Field(
