@@ -214,13 +214,14 @@ class ExpertStore:
 
         e = self.entry(layer, expert)
         source = f"{self.path / e.file} (layer {layer} expert {expert})"
-        if isinstance(buf, torch.Tensor) and buf.device.type != "cpu":
-            return self._device_views(e, buf, source)
+        if isinstance(buf, torch.Tensor):
+            return self._tensor_views(e, buf, source)
         return unpack_expert(buf, e.layout, source=source)
 
-    def _device_views(self, e: ExpertEntry, buf: torch.Tensor, source: str):
-        """unpack_expert takes CPU buffers only: validate the layout on a CPU buffer once, then
-        take the same byte ranges of ``buf``."""
+    def _tensor_views(self, e: ExpertEntry, buf: torch.Tensor, source: str):
+        """Views of a uint8 tensor (CPU or device): the layout is validated once per distinct
+        layout, on a CPU probe (unpack_expert takes CPU buffers only), and the byte ranges it
+        yields are cached; every later expert costs three slicings (the cache's hot path)."""
         from engine.quant.formats import QuantizedTensor, unpack_expert
 
         if buf.dtype != torch.uint8 or not buf.is_contiguous():
