@@ -76,6 +76,27 @@ class _Union:
         return key in self.a or key in self.b
 
 
+def _first_eligible(heap: list, key_of: Callable, is_stale: Callable,
+                    protected: Collection[Key], resident: Collection[Key]) -> Key | None:
+    """The best key on a lazy-deletion heap that is resident and not protected: stale entries
+    are dropped on the way, protected / non-resident ones are put back afterwards."""
+    skipped, found = [], None
+    while heap:
+        entry = heap[0]
+        if is_stale(entry):
+            heapq.heappop(heap)
+            continue
+        key = key_of(entry)
+        if key in protected or key not in resident:
+            skipped.append(heapq.heappop(heap))
+            continue
+        found = key
+        break
+    for entry in skipped:
+        heapq.heappush(heap, entry)
+    return found
+
+
 class EvictionPolicy(ABC):
     """Ranks resident keys; see the module docstring for the contract."""
 
@@ -248,22 +269,10 @@ class LFUPolicy(EvictionPolicy):
 
     def _pick(self, resident, protected, now):
         heap = self._heap
-        skipped = []
-        found = None
-        while heap:
-            entry = heap[0]
-            key = entry[3]
-            if key not in self._tracked or self._version.get(key) != entry[2]:
-                heapq.heappop(heap)  # stale
-                continue
-            if key in protected or key not in resident:
-                skipped.append(heapq.heappop(heap))
-                continue
-            found = key
-            break
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        return found
+        return _first_eligible(
+            heap, lambda e: e[3],
+            lambda e: e[3] not in self._tracked or self._version.get(e[3]) != e[2],
+            protected, resident)
 
 
 def next_use_indices(future: Sequence[Key]) -> list[int]:
@@ -333,21 +342,9 @@ class BeladyPolicy(EvictionPolicy):
 
     def _pick(self, resident, protected, now):
         heap = self._heap
-        skipped = []
-        found = None
-        while heap:
-            neg, _, key = heap[0]
-            if self._next.get(key) != -neg:  # stale (re-touched or removed)
-                heapq.heappop(heap)
-                continue
-            if key in protected or key not in resident:
-                skipped.append(heapq.heappop(heap))
-                continue
-            found = key
-            break
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        return found
+        # stale: the key was re-touched or removed since this entry was pushed
+        return _first_eligible(heap, lambda e: e[2], lambda e: self._next.get(e[2]) != -e[0],
+                               protected, resident)
 
 
 class PinnedPolicy(EvictionPolicy):
