@@ -183,6 +183,7 @@ class ExpertCache(ExpertProvider):
         t0 = time.perf_counter()
         waits: list[tuple[Key, Future]] = []
         cpu_keys: list[Key] = []
+        to_load: list[Key] = []
         with self.lock:
             self.clock += 1
             self.needed = set(keys)
@@ -206,12 +207,9 @@ class ExpertCache(ExpertProvider):
                     cpu_keys.append(key)
                 else:
                     m.misses += 1
-                    try:
-                        slot = self._reserve(key, protect=set(keys))
-                    except CacheCapacityError:
-                        self._unpin(keys)  # nothing of this acquire stays pinned
-                        raise
-                    waits.append((key, self._start_load(key, slot)))
+                    to_load.append(key)
+        for key in to_load:
+            waits.append((key, self._load_on_demand(key, set(keys))))
         try:
             for key, fut in waits:
                 fut.result()
@@ -224,6 +222,30 @@ class ExpertCache(ExpertProvider):
         if waits:
             m.stall_s += time.perf_counter() - t0
         return out
+
+    def _load_on_demand(self, key: Key, needed: set[Key]) -> Future:
+        """Start loading a demand miss. When every slot is pinned or loading, a prefetch may be
+        holding the slot this step needs: wait for one to land (it becomes evictable) and retry;
+        only when nothing but this step's own experts is in the way is it a capacity error."""
+        while True:
+            with self.lock:
+                if key in self.loading:  # someone started it meanwhile
+                    return self.loading[key]
+                if key in self.slot_of:  # ... and finished it
+                    done: Future = Future()
+                    done.set_result(None)
+                    return done
+                try:
+                    return self._start_load(key, self._reserve(key, protect=needed))
+                except CacheCapacityError:
+                    others = [f for k, f in self.loading.items() if k not in needed]
+                    if not others:
+                        self._unpin(list(needed))  # nothing of this acquire stays pinned
+                        raise
+            try:
+                others[0].result()
+            except Exception:
+                pass  # that prefetch's error belongs to whoever needs its expert
 
     def release(self, layer: int, expert_ids: list[int]) -> None:
         with self.lock:

@@ -170,3 +170,46 @@ def test_acquiring_more_experts_than_slots_fails_cleanly(store):
         assert len(greedy(sm, n=3)) == 3  # and the cache still serves
     finally:
         sm.close()
+
+
+def test_demand_miss_waits_for_prefetches_holding_every_slot(store):
+    """Prefetches in flight may hold every free slot when a step's demand misses arrive: the
+    step waits for one to land and evicts it, it never fails (a race CI once hit with
+    prefetch depth 2 and a 5-slot cache)."""
+    import threading
+    import time as _time
+
+    slot, top_k = slot_bytes(store)
+    sm = load_from_store(store, device_budget=(top_k + 1) * slot, prefetch_depth=0)
+    cache = sm.cache
+    inner, gate = cache.source, threading.Event()
+
+    class SlowSource:  # prefetch copies block until the test lets them go
+        slot_bytes = inner.slot_bytes
+
+        def read_into(self, key, out):
+            if key[0] == 2:
+                gate.wait(5)
+            return inner.read_into(key, out)
+
+        def host_view(self, key):
+            return inner.host_view(key)
+
+        def counters(self):
+            return inner.counters()
+
+    cache.source = SlowSource()
+    try:
+        with cache.lock:  # what observe_hidden does for layer 2: reserve and start loads
+            for e in range(top_k + 1):
+                cache._start_load((2, e), cache._reserve((2, e), protect=set(), prefetch=True))
+        threading.Timer(0.3, gate.set).start()
+        t0 = _time.perf_counter()
+        out = cache.acquire(0, list(range(top_k)))  # every slot is loading: must wait, not raise
+        cache.release(0, list(range(top_k)))
+        assert set(out) == set(range(top_k)) and _time.perf_counter() - t0 >= 0.25
+        cache.drain()
+        assert cache.pins == {} and not cache.loading
+    finally:
+        gate.set()
+        sm.close()
