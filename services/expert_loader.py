@@ -53,7 +53,7 @@ import torch
 
 from engine.errors import ExpertLoadError
 from engine.experts.policy import make_policy
-from engine.experts.tiers import ALIGN, ExpertSource, Key, TierCounters, align_up
+from engine.experts.tiers import ALIGN, ExpertSource, Key, TierCounters, align_up, take_slot
 from protocol import (
     ErrorCode,
     ErrorReply,
@@ -149,12 +149,14 @@ class ShmRamTier:
             self.ram.hits += 1
             return self.slot_of[key], "ram"
         self.ram.misses += 1
-        slot = self._take_slot()
+        taken = take_slot(key, self.slot_of, self.free_slots, self.policy, set(self.loading), self.clock)
+        if taken is None:
+            raise ExpertLoadError(f"loader RAM tier: all {self.num_slots} slots are being "
+                                  f"loaded at once; raise --ram-budget")
+        slot = taken[0]
         h = self.hdr[slot:slot + 1]
         h["seq"] += 1  # odd: being written; readers reject it
         h["layer"], h["expert"], h["nbytes"] = -1, -1, 0
-        self.slot_of[key] = slot
-        self.policy.on_insert(key, self.clock)
         fut = asyncio.get_running_loop().create_future()
         self.loading[key] = fut
         try:
@@ -179,17 +181,6 @@ class ShmRamTier:
         del self.loading[key]
         fut.set_result(slot)
         return slot, "nvme"
-
-    def _take_slot(self) -> int:
-        if self.free_slots:
-            return self.free_slots.pop()
-        victim = self.policy.victim(self.slot_of.keys(), set(self.loading), self.clock)
-        if victim is None:
-            raise ExpertLoadError(f"loader RAM tier: all {self.num_slots} slots are being "
-                                  f"loaded at once; raise --ram-budget")
-        slot = self.slot_of.pop(victim)
-        self.policy.on_remove(victim)
-        return slot
 
     def offset_of(self, slot: int) -> int:
         return self.data_offset + slot * self.slot_bytes

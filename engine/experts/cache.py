@@ -28,7 +28,7 @@ import torch
 
 from engine.errors import CacheCapacityError, ConfigError
 from engine.experts.policy import PinnedPolicy, make_policy
-from engine.experts.tiers import ExpertSource, Key, TierCounters, align_up
+from engine.experts.tiers import ExpertSource, Key, TierCounters, align_up, take_slot
 from engine.layers.moe import ExpertProvider
 
 MISS_MODES = ("transfer", "cpu", "auto")
@@ -287,8 +287,7 @@ class ExpertCache(ExpertProvider):
                     if key in self.slot_of:
                         continue
                     try:
-                        slot = self._reserve(key, protect=self.needed | {(nxt, p) for p in picks},
-                                             prefetch=True)
+                        slot = self._reserve(key, protect=self.needed | {(nxt, p) for p in picks})
                     except CacheCapacityError:
                         break  # nothing evictable now: skip the rest of this prediction
                     self.prefetched.add(key)
@@ -305,22 +304,16 @@ class ExpertCache(ExpertProvider):
         m.predicted_fp += len(pred - actual)
         m.predicted_fn += len(actual - pred)
 
-    def _reserve(self, key: Key, protect: set[Key], prefetch: bool = False) -> int:
+    def _reserve(self, key: Key, protect: set[Key]) -> int:
         """Under the lock: a slot for ``key`` (free, or a victim's), marked as holding ``key``."""
-        if self.free_slots:
-            slot = self.free_slots.pop()
-        else:
-            protected = set(self.pins) | set(self.loading) | protect
-            victim = self.policy.victim(self.slot_of.keys(), protected, self.clock)
-            if victim is None:
-                raise CacheCapacityError(
-                    f"all {self.num_slots} device slots are pinned or loading; a step needs more "
-                    f"distinct experts at once than the device budget holds")
-            slot = self.slot_of.pop(victim)
-            self.policy.on_remove(victim)
-            self.prefetched.discard(victim)
-        self.slot_of[key] = slot
-        self.policy.on_insert(key, self.clock)
+        taken = take_slot(key, self.slot_of, self.free_slots, self.policy,
+                          set(self.pins) | set(self.loading) | protect, self.clock)
+        if taken is None:
+            raise CacheCapacityError(
+                f"all {self.num_slots} device slots are pinned or loading; a step needs more "
+                f"distinct experts at once than the device budget holds")
+        slot, victim = taken
+        self.prefetched.discard(victim)
         return slot
 
     def _start_load(self, key: Key, slot: int) -> Future:

@@ -38,6 +38,25 @@ class TierCounters:
     bytes_in: int = 0  # bytes that entered this tier from below
 
 
+def take_slot(key: Key, slot_of: dict[Key, int], free_slots: list[int], policy, protected,
+              clock: int) -> tuple[int, Key | None] | None:
+    """The slot bookkeeping both tiers share: a free slot, else the policy's victim's (removed
+    from ``slot_of`` and the policy); ``key`` is recorded in it. Returns (slot, evicted key or
+    None), or None when every resident key is protected. Caller holds its lock."""
+    victim = None
+    if free_slots:
+        slot = free_slots.pop()
+    else:
+        victim = policy.victim(slot_of.keys(), protected, clock)
+        if victim is None:
+            return None
+        slot = slot_of.pop(victim)
+        policy.on_remove(victim)
+    slot_of[key] = slot
+    policy.on_insert(key, clock)
+    return slot, victim
+
+
 class ExpertSource(ABC):
     """Where the device cache gets expert bytes from."""
 
@@ -100,18 +119,13 @@ class HostTier(ExpertSource):
                 self.ram.hits += 1
             return self.slot_of[key], fut, False
         self.ram.misses += 1
-        if self.free_slots:
-            slot = self.free_slots.pop()
-        else:
-            victim = self.policy.victim(self.slot_of.keys(), set(self.pins) | set(self.loading), self.clock)
-            if victim is None:
-                raise CacheCapacityError(
-                    f"RAM tier: all {self.num_slots} slots are in use by running copies; "
-                    f"raise --ram-budget")
-            slot = self.slot_of.pop(victim)
-            self.policy.on_remove(victim)
-        self.slot_of[key] = slot
-        self.policy.on_insert(key, self.clock)
+        taken = take_slot(key, self.slot_of, self.free_slots, self.policy,
+                          set(self.pins) | set(self.loading), self.clock)
+        if taken is None:
+            raise CacheCapacityError(
+                f"RAM tier: all {self.num_slots} slots are in use by running copies; "
+                f"raise --ram-budget")
+        slot = taken[0]
         fut: Future = Future()
         self.loading[key] = fut
         self.pins[key] = 1

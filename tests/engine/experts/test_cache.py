@@ -202,7 +202,7 @@ def test_demand_miss_waits_for_prefetches_holding_every_slot(store):
     try:
         with cache.lock:  # what observe_hidden does for layer 2: reserve and start loads
             for e in range(top_k + 1):
-                cache._start_load((2, e), cache._reserve((2, e), protect=set(), prefetch=True))
+                cache._start_load((2, e), cache._reserve((2, e), protect=set()))
         threading.Timer(0.3, gate.set).start()
         t0 = _time.perf_counter()
         out = cache.acquire(0, list(range(top_k)))  # every slot is loading: must wait, not raise
