@@ -116,7 +116,6 @@ def generate_remote(address: str | None, prompt: str | None = None, *, chat: boo
     """What ``moestream generate --address ADDR`` runs: stream the text to ``out`` and end with
     one line of figures on ``err``; returns the GenerateResult (exit code 2 semantics are the
     caller's: an ErrorReply raises MoestreamError with the reply's message)."""
-    from protocol import ErrorReply, GenerateResult, TokenChunk
     from services.client import MoestreamClient
 
     out = out or sys.stdout
@@ -129,17 +128,7 @@ def generate_remote(address: str | None, prompt: str | None = None, *, chat: boo
         kw["messages"] = [{"role": "user", "content": prompt}]
     else:
         kw["prompt"] = prompt
-    result = None
-    for msg in client.generate(sampling=sampling or {}, **kw):
-        if isinstance(msg, TokenChunk) and not as_json:
-            out.write(msg.text)
-            out.flush()
-        elif isinstance(msg, ErrorReply):
-            raise RemoteError(f"[{msg.code}] {msg.message}")
-        elif isinstance(msg, GenerateResult):
-            result = msg
-    if result is None:
-        raise RemoteError("the stream ended without a result")
+    result = stream_to(client.generate(sampling=sampling or {}, **kw), None if as_json else out)
     u = result.usage
     if as_json:
         out.write(result.model_dump_json() + "\n")
@@ -153,6 +142,25 @@ def generate_remote(address: str | None, prompt: str | None = None, *, chat: boo
 
 class RemoteError(MoestreamError):
     """The deployment answered with an ErrorReply."""
+
+
+def stream_to(messages, out: TextIO | None) -> Any:
+    """Drain a client stream: write each chunk's text to ``out`` (None: write nothing), raise
+    RemoteError for an ErrorReply, return the GenerateResult."""
+    from protocol import ErrorReply, GenerateResult, TokenChunk
+
+    result = None
+    for msg in messages:
+        if isinstance(msg, TokenChunk) and out is not None:
+            out.write(msg.text)
+            out.flush()
+        elif isinstance(msg, ErrorReply):
+            raise RemoteError(f"[{msg.code}] {msg.message}")
+        elif isinstance(msg, GenerateResult):
+            result = msg
+    if result is None:
+        raise RemoteError("the stream ended without a result")
+    return result
 
 
 @click.command("generate")

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import click
 
-from engine.errors import MoestreamError
 
 DEFAULT_QUESTION = "What is the capital of France?"
 
@@ -77,8 +76,8 @@ def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: 
     """Build (if needed), serve through Ray, stream the answer; returns the figures."""
     from engine.experts.runtime import store_expert_bytes
     from engine.units import format_bytes, parse_bytes
-    from protocol import ErrorReply, GenerateResult, TokenChunk
     from services.app import deploy
+    from services.cli_serve import stream_to
     from services.client import MoestreamClient
     from services.config import DeployConfig
 
@@ -101,19 +100,9 @@ def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: 
     try:
         log(f"[demo] pipeline up ({loaders} loaders) in {time.perf_counter() - t0:.1f} s; asking: {question}")
         client = MoestreamClient(None, namespace=namespace)
-        result = None
-        for msg in client.generate(messages=[{"role": "user", "content": question}],
-                                   sampling={"max_tokens": max_tokens, "temperature": 0.0}):
-            if isinstance(msg, TokenChunk):
-                out.write(msg.text)
-                out.flush()
-            elif isinstance(msg, ErrorReply):
-                raise MoestreamError(f"[{msg.code}] {msg.message}")
-            elif isinstance(msg, GenerateResult):
-                result = msg
+        result = stream_to(client.generate(messages=[{"role": "user", "content": question}],
+                                           sampling={"max_tokens": max_tokens, "temperature": 0.0}), out)
         out.write("\n")
-        if result is None:
-            raise MoestreamError("the stream ended without a result")
         u = result.usage
         figures = dict(text=result.text, prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                        decode_tps=u.decode_tokens_per_s, prefill_tps=u.prefill_tokens_per_s,
