@@ -146,7 +146,7 @@ class ExpertCache(ExpertProvider):
         self.pins: dict[Key, int] = {}
         self.needed: set[Key] = set()  # routed by the running layer: never a prefetch victim
         self.predicted: dict[int, set[int]] = {}
-        self.routers = dict(routers or {})
+        self.routers = {l: w.to(self.device) for l, w in (routers or {}).items()}
         self.sparse_layers = sorted(store.config.moe_layers)
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="expert-io")
@@ -158,6 +158,10 @@ class ExpertCache(ExpertProvider):
         self._cpu_s_per_byte = 1 / 10e9
         self._cpu_calibrated = False
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # CUDA: per slot, an event on the compute stream after the last kernel that read it was
+        # queued (recorded at release). Kernels run after the Python step that queued them has
+        # released its pins, so a copy into an evicted slot must wait for this, not for the pin.
+        self._slot_fence: dict[int, torch.cuda.Event] = {}
         if config.pinned:
             self._fill_pinned(config.pinned)
 
@@ -248,8 +252,17 @@ class ExpertCache(ExpertProvider):
                 pass  # that prefetch's error belongs to whoever needs its expert
 
     def release(self, layer: int, expert_ids: list[int]) -> None:
+        keys = [(layer, e) for e in expert_ids]
+        fence = None
+        if self.copy_stream is not None:
+            fence = torch.cuda.Event()
+            fence.record(torch.cuda.current_stream(self.device))
         with self.lock:
-            self._unpin([(layer, e) for e in expert_ids])
+            if fence is not None:
+                for key in keys:
+                    if key in self.slot_of:
+                        self._slot_fence[self.slot_of[key]] = fence
+            self._unpin(keys)
 
     def _unpin(self, keys: list[Key]) -> None:
         """Under the lock."""
@@ -341,7 +354,11 @@ class ExpertCache(ExpertProvider):
         t0 = time.perf_counter()
         nbytes = self.store.entry(*key).nbytes
         if self.copy_stream is not None:
+            with self.lock:
+                fence = self._slot_fence.pop(slot, None)
             with torch.cuda.stream(self.copy_stream):
+                if fence is not None:  # the slot's previous expert may still be read by queued kernels
+                    self.copy_stream.wait_event(fence)
                 self.source.read_into(key, self.slots[slot])
             self.copy_stream.synchronize()
         else:

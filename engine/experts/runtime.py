@@ -33,7 +33,9 @@ def load_from_store(store_path, *, device_budget: int | None = None, ram_budget:
                     source: ExpertSource | None = None, device: str = "cpu",
                     dense: str = "fp32") -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
-    format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8).
+    format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8). ``device``:
+    where the dense model and the expert slots live ("cuda" on a GPU: experts then run on the
+    fused Triton kernels, engine.quant.triton_kernels; the RAM tier is pinned host memory).
     ``prefetch_depth`` None: :func:`default_prefetch_depth` for the device."""
     if prefetch_depth is None:
         prefetch_depth = default_prefetch_depth(device)
@@ -53,6 +55,7 @@ def load_from_store(store_path, *, device_budget: int | None = None, ram_budget:
         routers = {l: dense_source.get(f"model.layers.{l}.mlp.gate.weight").float() for l in cfg.moe_layers}
         cache = ExpertCache(store, source, cache_cfg, routers=routers, device=device)
     model = quantize_dense(build_model(cfg, dense_source, dtype=dtype, provider=cache), dense)
+    model.to(device)  # the dense weights run where the expert slots live
     try:
         tokenizer = store.tokenizer()
     except TokenizerNotFoundError:

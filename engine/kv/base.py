@@ -62,7 +62,8 @@ class KVCache(ABC):
 
 
 class ContiguousKVCache(KVCache):
-    """One growable [L, 2, capacity, Nkv, D] tensor per sequence. Simple and exact."""
+    """One growable [L, 2, capacity, Nkv, D] tensor per sequence, on the device of the keys it is
+    given. Simple and exact."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, initial_capacity: int = 256) -> None:
@@ -71,13 +72,13 @@ class ContiguousKVCache(KVCache):
         self.initial_capacity = initial_capacity
         self._seqs: dict[int, torch.Tensor] = {}
 
-    def _ensure(self, seq_id: int, length: int) -> torch.Tensor:
+    def _ensure(self, seq_id: int, length: int, device: torch.device) -> torch.Tensor:
         buf = self._seqs.get(seq_id)
         cap = 0 if buf is None else buf.shape[2]
         if length > cap:
             new_cap = max(length, 2 * cap, self.initial_capacity)
             L, nkv, d = self.shape
-            grown = torch.empty(L, 2, new_cap, nkv, d, dtype=self.dtype)
+            grown = torch.empty(L, 2, new_cap, nkv, d, dtype=self.dtype, device=device)
             if buf is not None:
                 grown[:, :, :cap] = buf
             self._seqs[seq_id] = buf = grown
@@ -85,7 +86,7 @@ class ContiguousKVCache(KVCache):
 
     def store_and_load(self, layer, seq_id, start, k, v):
         end = start + k.shape[0]
-        buf = self._ensure(seq_id, end)
+        buf = self._ensure(seq_id, end, k.device)
         buf[layer, 0, start:end] = k
         buf[layer, 1, start:end] = v
         return buf[layer, 0, :end], buf[layer, 1, :end]

@@ -37,7 +37,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = torch.empty(t, self.nh, self.d, dtype=x.dtype)
+        out = torch.empty(t, self.nh, self.d, dtype=x.dtype, device=x.device)
         for seq_id, start, n, ctx in zip(layout.seq_ids, layout.offsets, layout.query_lens,
                                          layout.context_lens):
             sl = slice(start, start + n)
@@ -59,7 +59,8 @@ class Attention(nn.Module):
         scores = torch.matmul(qh, kh.transpose(1, 2)).float() * self.d ** -0.5  # [Nkv, g*n, total]
         if n > 1:
             # query i sits at absolute position ctx + i and may see keys 0 .. ctx + i
-            hidden = torch.arange(total)[None, :] > (torch.arange(n)[:, None] + ctx)  # [n, total]
+            ar = torch.arange(total, device=q.device)
+            hidden = ar[None, :] > (ar[:n, None] + ctx)  # [n, total]
             scores = scores.view(self.nkv, g, n, total).masked_fill(hidden, float("-inf"))
             scores = scores.view(self.nkv, g * n, total)
         probs = torch.softmax(scores, dim=-1).to(vh.dtype)

@@ -98,6 +98,8 @@ class Rotary:
         need = int(positions.max()) + 1 if positions.numel() else 0
         if need > self._cos.shape[0]:
             self._grow(max(need, 2 * self._cos.shape[0]))
+        if self._cos.device != positions.device:  # tables live where the model runs
+            self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
         return self._cos[positions], self._sin[positions]
 
 

@@ -91,9 +91,11 @@ def apply_penalties(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
 def distribution(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
     """logits [V] -> the probabilities [V] float32 that ``sample`` draws from: penalties,
     temperature, top-k, min-p, top-p, in that order. Greedy configs give a point mass on the
-    argmax. Speculative decoding's rejection rule uses the same function."""
+    argmax. Speculative decoding's rejection rule uses the same function. Runs on the CPU
+    whatever device made the logits (one [V] copy per token), so a seed draws the same tokens
+    on every device."""
     c = state.config
-    logits = apply_penalties(logits.float().clone(), state)
+    logits = apply_penalties(logits.detach().to("cpu", torch.float32, copy=True), state)
     if c.greedy:
         out = torch.zeros_like(logits)
         out[int(torch.argmax(logits))] = 1.0

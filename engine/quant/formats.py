@@ -199,7 +199,8 @@ def _as_u8(buf: Any) -> torch.Tensor:
 class QuantizedTensor:
     """A weight ``[out, in]`` in a :class:`QuantFormat`: its named parts (see module docstring).
 
-    Parts are CPU tensors, possibly views into a shared buffer (``from_buffer``). ``cache`` holds
+    Parts are tensors on one device (CPU, or e.g. views of a CUDA expert slot), possibly views
+    into a shared buffer (``from_buffer``, CPU buffers only). ``cache`` holds
     derived, kernel-specific data (e.g. a repacked copy for another backend); it is never
     serialized.
     """
@@ -228,6 +229,17 @@ class QuantizedTensor:
     @property
     def in_features(self) -> int:
         return self.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.parts.values())).device
+
+    def to(self, device: torch.device | str) -> "QuantizedTensor":
+        """The same weight with its parts on ``device`` (self when they are there already)."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        return QuantizedTensor(self.fmt, self.shape, {k: v.to(device) for k, v in self.parts.items()})
 
     @property
     def nbytes(self) -> int:

@@ -3,7 +3,8 @@
 Shape legend: ``x`` ``[T, K]`` (float32 or bf16; leading dims are flattened), weight ``[N, K]``
 (out, in), ``out`` ``[T, N]`` float32. Expert: gate/up ``[I, H]``, down ``[H, I]``, ``x`` ``[T, H]``.
 
-Backends (``MOESTREAM_QUANT_KERNEL`` = ``auto`` | ``cpp`` | ``torch``, or :func:`set_backend`):
+Backends (``MOESTREAM_QUANT_KERNEL`` = ``auto`` | ``cpp`` | ``triton`` | ``torch``, or
+:func:`set_backend`); the weight's device decides what ``auto`` means:
 
 - ``cpp`` (auto when available): our AVX-512 kernels (``_cpp_source.py``), built once with
   ``torch.utils.cpp_extension.load`` (source written into ``~/.cache/moestream/torch_extensions``,
@@ -11,7 +12,12 @@ Backends (``MOESTREAM_QUANT_KERNEL`` = ``auto`` | ``cpp`` | ``torch``, or :func:
   afterwards; ``MOESTREAM_CACHE`` moves the root). Used when the CPU has AVX-512
   and the build succeeds; any failure (no compiler, no ninja, no AVX-512) is logged once and the
   torch backend is used instead. They release the GIL while they run.
-- ``torch``: the reference-derived fallback, dequantize to float32 + ``F.linear``.
+- ``triton`` (auto for weights on a CUDA device when triton is installed): the fused
+  dequantize-and-multiply kernels of ``triton_kernels.py``, which read the packed codes and never
+  write a dequantized expert to global memory; used for up to ``triton_kernels.MAX_T`` token rows,
+  dequantize + matmul on the device above that. Forced on CPU weights it runs in Triton's
+  interpreter (how the tests check it without a GPU).
+- ``torch``: the reference-derived fallback, dequantize to float32 + ``F.linear`` (on any device).
 
 Measured (bench/quant_kernels.py, 1 thread, cold weights, shapes 512x1024 .. 1536x576): ``cpp``
 is the fastest candidate that is exact to fp32 for every format and T. At T=1 it beats
@@ -106,12 +112,12 @@ def extension_error() -> str | None:
     return _ext_error
 
 
-_MODES = ("auto", "cpp", "torch")
+_MODES = ("auto", "cpp", "triton", "torch")
 _mode_state = {"mode": None, "gen": 0}
 
 
 def set_backend(mode: str | None) -> None:
-    """Force a backend (``auto``/``cpp``/``torch``); None re-reads ``MOESTREAM_QUANT_KERNEL``."""
+    """Force a backend (``auto``/``cpp``/``triton``/``torch``); None re-reads ``MOESTREAM_QUANT_KERNEL``."""
     if mode is not None and mode not in _MODES:
         raise ConfigError(f"quant kernel backend {mode!r}; allowed: {', '.join(_MODES)}")
     _mode_state["mode"] = mode
@@ -126,21 +132,37 @@ def _mode() -> str:
 
 
 def _cpp_ok(q: QuantizedTensor) -> bool:
-    return q.in_features % 32 == 0
+    return q.in_features % 32 == 0 and q.device.type == "cpu"
+
+
+def _triton_ok(device: torch.device) -> bool:
+    from engine.quant import triton_kernels  # imports triton: only when a weight may use it
+    return triton_kernels.supports(device)
 
 
 def backend_for(q: QuantizedTensor) -> str:
-    """Which backend ``qlinear`` uses for ``q``: ``cpp`` or ``torch``."""
-    mode = _mode()
-    if mode != "torch" and _cpp_ok(q) and load_extension() is not None:
+    """Which backend ``qlinear`` uses for ``q``: ``cpp``, ``triton`` or ``torch``."""
+    mode, dev = _mode(), q.device
+    if mode == "torch":
+        return "torch"
+    if mode == "triton" or (mode == "auto" and dev.type == "cuda"):
+        if _triton_ok(dev):
+            return "triton"
+        if mode == "triton":
+            from engine.quant.triton_kernels import why_not
+            raise ConfigError(f"MOESTREAM_QUANT_KERNEL=triton but the Triton kernels cannot run on {dev} "
+                              f"here: {why_not(dev)}")
+        return "torch"
+    if dev.type == "cpu" and _cpp_ok(q) and load_extension() is not None:
         return "cpp"
     if mode == "cpp":
-        raise ConfigError(f"MOESTREAM_QUANT_KERNEL=cpp but the C++ kernels are unavailable: {_ext_error}")
+        why = f"weight is on {dev}" if dev.type != "cpu" else _ext_error or f"in-dim {q.in_features} % 32 != 0"
+        raise ConfigError(f"MOESTREAM_QUANT_KERNEL=cpp but the C++ kernels are unavailable for this weight: {why}")
     return "torch"
 
 
 def _linear_fn(q: QuantizedTensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The 2-D C++ ``x -> x @ w.T`` for q, cached on q per backend setting; None: use torch.
+    """The 2-D ``x -> x @ w.T`` for q (C++ or Triton), cached on q per backend setting; None: use torch.
 
     The closure holds q's tensors, not q, so q's cache makes no reference cycle and views of a
     store buffer are released as soon as q is dropped.
@@ -149,11 +171,19 @@ def _linear_fn(q: QuantizedTensor) -> Callable[[torch.Tensor], torch.Tensor] | N
     if c is not None and c[0] == _mode_state["gen"]:
         return c[1]
     fn = None
-    if backend_for(q) == "cpp":
+    backend = backend_for(q)
+    if backend == "cpp":
         ext, args = load_extension(), _kargs(q)
 
         def fn(x: torch.Tensor) -> torch.Tensor:
             return ext.qlinear(x, *args, DIRECT_MAX_T, MIN_WORK_PER_THREAD)
+    elif backend == "triton":
+        from engine.quant.triton_kernels import MAX_T, qlinear_triton
+
+        bare = QuantizedTensor(q.fmt, q.shape, dict(q.parts))  # q's tensors without q's cache
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            return qlinear_triton(x, bare) if x.shape[0] <= MAX_T else qlinear_torch(x, bare)
     q.cache["linear_fn"] = (_mode_state["gen"], fn)
     return fn
 

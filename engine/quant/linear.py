@@ -34,6 +34,15 @@ class QuantLinear(nn.Module):
 
         return cls(quantize(linear.weight.detach().float(), fmt), linear.bias)
 
+    def _apply(self, fn, recurse=True):
+        """``module.to(device)`` / ``.cuda()`` move the quantized weight too (it is neither a
+        parameter nor a buffer: a dtype cast must never touch its codes, only a move may)."""
+        super()._apply(fn, recurse)
+        target = fn(torch.empty(0)).device
+        if target != self.q.device:
+            self.q = self.q.to(target)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from engine.quant.kernels import qlinear
 

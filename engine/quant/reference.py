@@ -53,8 +53,8 @@ def _check_weight(w: torch.Tensor, fmt: QuantFormat) -> tuple[int, int]:
     return n, k
 
 
-def _codebook() -> torch.Tensor:
-    return torch.tensor(NF4_CODEBOOK, dtype=torch.float32)
+def _codebook(device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device)
 
 
 def quantize(w: torch.Tensor, fmt: QuantFormat) -> QuantizedTensor:
@@ -104,7 +104,7 @@ def unpack_codes(q: QuantizedTensor) -> torch.Tensor:
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """The weight ``[N, K]`` a QuantizedTensor stands for, as float32."""
+    """The weight ``[N, K]`` a QuantizedTensor stands for, as float32, on the parts' device."""
     n, k = q.shape
     if q.fmt.name == "bf16":
         return q.parts["weight"].float()
@@ -114,7 +114,7 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
     if q.fmt.name == "int4":
         w = codes.float() * s + q.parts["mins"].float()[..., None]
     elif q.fmt.name == "nf4":
-        w = _codebook()[codes.long()] * s
+        w = _codebook(codes.device)[codes.long()] * s
     else:
         w = codes.float() * s
     return w.reshape(n, k)

@@ -213,3 +213,29 @@ def test_demand_miss_waits_for_prefetches_holding_every_slot(store):
     finally:
         gate.set()
         sm.close()
+
+
+def test_tokens_identical_on_the_fused_triton_kernels(store):
+    """The GPU expert path (fused dequantize-multiply, engine.quant.triton_kernels) through the
+    whole cache and model, for experts and bf16 dense linears alike, with a minimal cache and
+    prefetch; without CUDA the kernel runs in Triton's interpreter."""
+    tk = pytest.importorskip("engine.quant.triton_kernels")
+    if not tk.supports(torch.device("cpu")):
+        pytest.skip("triton cannot interpret here (CUDA present: see tests/gpu)")
+    from engine.quant import kernels
+
+    slot, top_k = slot_bytes(store)
+    ref = load_from_store(store, prefetch_depth=0, dense="bf16")
+    want = greedy(ref, n=12)
+    ref.close()
+    kernels.set_backend("triton")
+    try:
+        sm = load_from_store(store, device_budget=top_k * slot, prefetch_depth=1, dense="bf16")
+        try:
+            assert greedy(sm, n=12) == want
+            assert sm.cache.views and all(kernels.backend_for(q) == "triton" for e in sm.cache.views.values()
+                                          for q in (e.gate, e.up, e.down))
+        finally:
+            sm.close()
+    finally:
+        kernels.set_backend(None)
