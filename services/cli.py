@@ -66,12 +66,15 @@ def main() -> None:
 @click.option("--dense", type=click.Choice(["fp32", "bf16", "int8"]), default="bf16", show_default=True,
               help="Format of the dense (attention, shared-expert, LM-head) weights: bf16 halves and "
                    "int8 quarters the bytes each decoded token reads; fp32 is the exact reference.")
+@click.option("--device", "device_name", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True, help="Where the model runs and the device expert slots live (auto: "
+                                      "cuda when a GPU is visible, else cpu).")
 @click.option("--speculative", default=None, metavar="ngram|self|draft:PATH",
               help="Lossless speculative decoding: prompt-lookup n-grams, self-speculation on the "
                    "device-resident experts (--store), or a draft model sharing the tokenizer.")
 def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, prefetch_depth,
              miss_compute, address, namespace, as_json, chat, max_tokens, temperature, top_k, top_p,
-             min_p, seed, stop, dtype, dense, speculative):
+             min_p, seed, stop, dtype, dense, device_name, speculative):
     """Generate text from PROMPT, streaming it, then print one line of figures."""
     from engine.assets import smollm2_gguf
     from engine.generate import generate_text
@@ -91,16 +94,18 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
     sampling = SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, min_p=min_p, seed=seed, stop=tuple(stop))
     loaded = None
+    device = _device(device_name)
     if store_path:
         loaded = _open_store(store_path, device_budget, ram_budget, policy, prefetch_depth,
-                             miss_compute, _dtype(dtype), dense)
+                             miss_compute, _dtype(dtype), dense, device)
         model, tok = loaded.model, loaded.tokenizer
     else:
         from engine.loading import load_model
 
         model, tok, _ = load_model(model_path or smollm2_gguf(), dtype=_dtype(dtype), dense=dense)
+        model.to(device)
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
-    stream = _speculative_stream(speculative, model, ids, sampling, loaded, _dtype(dtype))
+    stream = _speculative_stream(speculative, model, ids, sampling, loaded, _dtype(dtype), device)
     try:
         for ev in generate_text(model, tok, ids, sampling, token_stream=stream):
             if ev.text:
@@ -116,7 +121,19 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
             loaded.close()
 
 
-def _speculative_stream(mode, model, ids, sampling, loaded, dtype):
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter(f"CUDA is not available here (torch {torch.__version__}"
+                                 f"{', built without CUDA' if torch.version.cuda is None else ', no GPU visible'})",
+                                 param_hint="--device")
+    return name
+
+
+def _speculative_stream(mode, model, ids, sampling, loaded, dtype, device="cpu"):
     """A token_stream for generate_text, or None for plain decoding."""
     if mode is None:
         return None
@@ -131,7 +148,7 @@ def _speculative_stream(mode, model, ids, sampling, loaded, dtype):
     elif mode.startswith("draft:"):
         from engine.loading import load_model
 
-        drafter = spec.DraftModelDrafter(load_model(mode[len("draft:"):], dtype=dtype)[0])
+        drafter = spec.DraftModelDrafter(load_model(mode[len("draft:"):], dtype=dtype)[0].to(device))
     else:
         raise click.BadParameter(f"{mode!r}; allowed: ngram, self, draft:PATH", param_hint="--speculative")
 
@@ -141,7 +158,8 @@ def _speculative_stream(mode, model, ids, sampling, loaded, dtype):
     return stream
 
 
-def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype, dense):
+def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype, dense,
+                device="cpu"):
     from engine.experts.runtime import load_from_store, store_expert_bytes
     from engine.units import parse_bytes
 
@@ -149,7 +167,7 @@ def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_co
     return load_from_store(
         path, device_budget=parse_bytes(device_budget, total=total, name="--device-budget"),
         ram_budget=parse_bytes(ram_budget, total=total, name="--ram-budget"), policy=policy,
-        prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype, dense=dense)
+        prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype, dense=dense, device=device)
 
 
 def _cache_line(loaded, tokens: int) -> str:

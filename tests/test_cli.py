@@ -53,6 +53,11 @@ def test_bad_inputs_are_one_line_errors(tiny_mixtral, tmp_path):
     assert r.exit_code == 2 and "supported: " in r.stderr
     r = run("generate", "--store", tmp_path, "hi")
     assert r.exit_code == 2 and "manifest" in r.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        r = run("generate", "--model", tiny_mixtral, "--device", "cuda", "hi")
+        assert r.exit_code == 2 and "CUDA is not available" in r.stderr
 
 
 def test_speculative_decoding_gives_the_plain_greedy_text(tiny_mixtral, tmp_path):
