@@ -2,6 +2,8 @@
 
     python bench/expert_cache.py                       # 24 layers x 64 experts, top-8, int4 g64
     python bench/expert_cache.py --layers 8 --tokens 16   # quick look
+    python bench/expert_cache.py --device cuda            # device slots on the GPU, experts on
+                                                          # the fused Triton kernels
 
 Builds (once, cached under ~/.cache/moestream/bench) a random Qwen3-MoE checkpoint written
 layer by layer as a sharded safetensors directory, converts it to an int4 store, then generates
@@ -101,13 +103,33 @@ def disk_read_bandwidth(store: Path) -> float:
         return n / (time.perf_counter() - t)
 
 
-def memory_bandwidth() -> float:
-    x = torch.ones(2**28, dtype=torch.float32)
+def memory_bandwidth(device: str = "cpu") -> float:
+    """Read bandwidth of the device the model runs on (a large reduction)."""
+    x = torch.ones(2**28, dtype=torch.float32, device=device)
     x.sum()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
     t = time.perf_counter()
     for _ in range(3):
         x.sum()
+    sync()
     return 3 * x.numel() * 4 / (time.perf_counter() - t)
+
+
+def link_bandwidth(device: str, mem_bw: float) -> float:
+    """Bytes/s into the device tier: a pinned host-to-device copy on a GPU; on CPU the device
+    tier is host memory, so a memcpy (about the read bandwidth)."""
+    if device != "cuda":
+        return mem_bw
+    src = torch.empty(2**28, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(2**28, dtype=torch.uint8, device=device)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 3 * src.numel() / (time.perf_counter() - t)
 
 
 class ReplayRouting:
@@ -136,8 +158,9 @@ class ReplayRouting:
                 if block.layer == self.first:
                     self.pos += t
                 start = self.pos - t
-                ids = torch.tensor([self.table[(start + i, self.ordinal[block.layer])] for i in range(t)])
-                return Routing(torch.full(ids.shape, 1.0 / self.k), ids)
+                ids = torch.tensor([self.table[(start + i, self.ordinal[block.layer])] for i in range(t)],
+                                   device=x.device)
+                return Routing(torch.full(ids.shape, 1.0 / self.k, device=x.device), ids)
             return route
 
         for block in model.moe_blocks:
@@ -145,7 +168,7 @@ class ReplayRouting:
 
 
 def run_budget(store: Path, frac: float, ram_budget: int, prompt: list[int], tokens: int, recorder=None,
-               replay=None):
+               replay=None, device: str = "cpu"):
     from engine.experts.runtime import load_from_store, store_expert_bytes
     from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
@@ -153,7 +176,7 @@ def run_budget(store: Path, frac: float, ram_budget: int, prompt: list[int], tok
     total = store_expert_bytes(store)
     # Replayed routing is not what the routers would predict, so prefetch is off for it.
     sm = load_from_store(store, device_budget=int(total * frac), ram_budget=ram_budget, policy="lfu",
-                         prefetch_depth=0 if replay is not None else 1)
+                         prefetch_depth=0 if replay is not None else 1, device=device)
     if replay is not None:
         ReplayRouting(replay, sorted(sm.store.config.moe_layers)).install(sm.model)
     if recorder is not None:
@@ -173,7 +196,7 @@ def run_budget(store: Path, frac: float, ram_budget: int, prompt: list[int], tok
         sm.close()
 
 
-def print_rows(rows, dense_active, expert_active, mem_bw, disk_bw, compute_roof) -> None:
+def print_rows(rows, dense_active, expert_active, mem_bw, disk_bw, link_bw, compute_roof) -> None:
     from engine.units import format_bytes
 
     print("| device budget | slots | decode tok/s | device hit | RAM hit | NVMe B/token | to-device B/token | "
@@ -182,7 +205,7 @@ def print_rows(rows, dense_active, expert_active, mem_bw, disk_bw, compute_roof)
     for r in rows:
         ram_acc = r["ram_hits"] + r["ram_misses"]
         moved = (dense_active + expert_active) / mem_bw + r["nvme_bytes_per_token"] / disk_bw + \
-            r["bytes_to_device_per_token"] / mem_bw
+            r["bytes_to_device_per_token"] / link_bw
         print(f"| {r['frac']:.0%} | {r['slots']} | {r['decode_tps']:.2f} | {r['device_hit_rate']:.1%} | "
               f"{(r['ram_hits'] / ram_acc if ram_acc else 0):.1%} | {format_bytes(r['nvme_bytes_per_token'])} | "
               f"{format_bytes(r['bytes_to_device_per_token'])} | {r['stall_s']:.2f} | "
@@ -203,6 +226,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.1,0.25,0.5,1.0")
     ap.add_argument("--zipf", type=float, default=1.0, help="skew of the synthetic routing rows")
     ap.add_argument("--locality", type=float, default=0.3, help="reuse of the previous token's experts")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the model and the device expert slots live")
     args = ap.parse_args()
 
     from engine.experts.runtime import store_expert_bytes
@@ -218,7 +243,8 @@ def main() -> None:
         store_bytes = sum(e.nbytes for e in s.manifest.experts)
     total = store_expert_bytes(store)
     ram = parse_bytes(args.ram, total=total, name="--ram")
-    mem_bw, disk_bw = memory_bandwidth(), disk_read_bandwidth(store)
+    mem_bw, disk_bw = memory_bandwidth(args.device), disk_read_bandwidth(store)
+    link_bw = link_bandwidth(args.device, mem_bw)
     counts = cfg.parameter_counts()
     dense_active = (counts["active"] - counts["routed_active"]) * 4  # fp32 dense weights
     expert_active = cfg.moe.top_k * len(cfg.moe_layers) * expert_nbytes
@@ -226,7 +252,8 @@ def main() -> None:
     print(f"store {store}: {len(cfg.moe_layers)} layers x {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}, "
           f"int4 g64, {format_bytes(expert_nbytes)} per expert, {format_bytes(store_bytes)} of experts; "
           f"RAM tier {format_bytes(ram)} ({ram / total:.0%} of the experts)")
-    print(f"threads {torch.get_num_threads()}, memory read {mem_bw / 1e9:.1f} GB/s, store O_DIRECT read "
+    print(f"device {args.device}, threads {torch.get_num_threads()}, memory read {mem_bw / 1e9:.1f} GB/s, "
+          f"into the device tier {link_bw / 1e9:.1f} GB/s, store O_DIRECT read "
           f"{disk_bw / 1e9:.2f} GB/s, active bytes/token {format_bytes(dense_active + expert_active)} "
           f"(experts {format_bytes(expert_active)}) -> compute roofline {compute_roof:.1f} tok/s")
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -249,10 +276,11 @@ def main() -> None:
     for label, replay in (("the random model's own routing", None),
                           (f"synthetic routing replayed (zipf {args.zipf}, locality {args.locality})", synthetic)):
         rows = [run_budget(store, frac, ram, prompt, args.tokens,
-                           recorder=record if (frac == 1.0 and replay is None) else None, replay=replay)
+                           recorder=record if (frac == 1.0 and replay is None) else None, replay=replay,
+                           device=args.device)
                 for frac in budgets]
         print(f"\nrouting: {label}")
-        print_rows(rows, dense_active, expert_active, mem_bw, disk_bw, compute_roof)
+        print_rows(rows, dense_active, expert_active, mem_bw, disk_bw, link_bw, compute_roof)
     print("(live hit rates count one access per distinct expert per layer per step, so a prefill of "
           "T tokens is one access per expert it routes to; the simulator counts every token's picks.)")
     slots = [r["slots"] for r in rows]

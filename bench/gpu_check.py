@@ -12,6 +12,8 @@
    weight bytes; the roofline is those bytes at the device's memory bandwidth (measured here
    with a device-to-device copy).
 2. The CUDA tests (tests/gpu, and the kernel tests compiled instead of interpreted).
+3. With ``--e2e``: ``bench/expert_cache.py --device cuda`` on an 8-layer random Qwen3-MoE store
+   (tok/s, hit rates and bytes per token at 25% and 100% device budgets; builds the store first).
 
 Nothing is installed or downloaded; the output is a short table.
 """
@@ -110,6 +112,7 @@ def main() -> int:
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-tests", action="store_true", help="skip the pytest part")
+    ap.add_argument("--e2e", action="store_true", help="also run bench/expert_cache.py on the device")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -134,6 +137,14 @@ def main() -> int:
         print(f"pytest {' '.join(files)}: {tail}")
         if r.returncode:
             print(r.stdout[-3000:])
+        ok &= r.returncode == 0
+    if args.e2e:
+        cmd = [sys.executable, "bench/expert_cache.py", "--device", device.type, "--layers", "8",
+               "--tokens", "32", "--budgets", "0.25,1.0"]
+        if args.smoke:
+            cmd += ["--experts", "16", "--top-k", "4", "--hidden", "256", "--inter", "128", "--tokens", "8"]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        print(r.stdout[-4000:] if r.returncode == 0 else r.stderr[-3000:])
         ok &= r.returncode == 0
     print("ALL OK" if ok else "FAILURES above")
     return 0 if ok else 1
