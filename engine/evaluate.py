@@ -86,14 +86,15 @@ def open_model(path_or_store, dtype: torch.dtype = torch.float32) -> Loaded:
 
 @torch.inference_mode()
 def window_logits(model, ids: Sequence[int]) -> torch.Tensor:
-    """Logits [T, V] (float32) of one window run from an empty cache."""
+    """Logits [T, V] (float32, on the CPU whatever the model's device) of one window run from an
+    empty cache."""
     from engine.kv.base import BatchLayout, ContiguousKVCache
 
     cfg = model.config
     kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                            dtype=model.model.embed_tokens.weight.dtype)
     return model(torch.tensor(list(ids), dtype=torch.long), BatchLayout.single(0, len(ids), 0), kv,
-                 all_logits=True).float()
+                 all_logits=True).to("cpu", torch.float32)
 
 
 def _windows(tokenizer, text, window: int, max_windows: int | None) -> list[list[int]]:
