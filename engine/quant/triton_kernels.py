@@ -25,13 +25,12 @@ how the tests check it against the reference on machines without CUDA (see ``sup
 """
 
 import functools
+import os
 from typing import Any
 
 import torch
 
 from engine.quant.formats import NF4_CODEBOOK, QuantizedTensor
-
-import os
 
 if not torch.cuda.is_available():
     # Without CUDA, Triton can only interpret. Its interpreter is chosen when triton.language is
