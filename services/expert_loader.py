@@ -305,6 +305,9 @@ class LoaderPoolSource(ExpertSource):
         return {"ram": self.ram, "nvme": self.nvme}
 
     # ---- ExpertSource ------------------------------------------------------------------------
+    def likely_in_ram(self, key: Key) -> bool:
+        return self.direct_reads and key in self.locations  # a shared-memory read, no actor call
+
     def read_into(self, key: Key, out: torch.Tensor) -> str:
         n_expected = self.store.entry(*key).nbytes
         if out.is_cuda:  # seqlock-validated copy into pinned staging, then DMA to the device

@@ -140,6 +140,7 @@ class ExpertCache(ExpertProvider):
         self.policy = PinnedPolicy(policy, config.pinned) if config.pinned else policy
         self.slot_of: dict[Key, int] = {}
         self.views: dict[int, QuantizedExpert] = {}
+        self._slot_views: dict[int, tuple[int, QuantizedExpert]] = {}  # slot -> (layout key, views)
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.loading: dict[Key, Future] = {}
         self.prefetched: set[Key] = set()  # loaded by prefetch and not used yet
@@ -212,8 +213,17 @@ class ExpertCache(ExpertProvider):
                 else:
                     m.misses += 1
                     to_load.append(key)
-        for key in to_load:
+        # Misses whose blob is in host RAM are a memcpy: this thread copies them (a pool thread
+        # would only add a hand-off). The others need NVMe reads, which overlap best in parallel:
+        # all but the last start first, on the pool; this thread copies the RAM ones meanwhile,
+        # then reads the last. (Demo store, 60% budget, 1 thread: 35 -> 38-40 tok/s; 1.3B store,
+        # 10% RAM, synthetic routing: every miss on the pool 8.5, every miss inline 7.3, this 9.5.)
+        in_ram = [k for k in to_load if self.source.likely_in_ram(k)]
+        nvme = [k for k in to_load if k not in in_ram]
+        for key in nvme[:-1]:
             waits.append((key, self._load_on_demand(key, set(keys))))
+        for key in in_ram + nvme[-1:]:
+            waits.append((key, self._load_on_demand(key, set(keys), inline=True)))
         try:
             for key, fut in waits:
                 fut.result()
@@ -227,10 +237,13 @@ class ExpertCache(ExpertProvider):
             m.stall_s += time.perf_counter() - t0
         return out
 
-    def _load_on_demand(self, key: Key, needed: set[Key]) -> Future:
-        """Start loading a demand miss. When every slot is pinned or loading, a prefetch may be
-        holding the slot this step needs: wait for one to land (it becomes evictable) and retry;
-        only when nothing but this step's own experts is in the way is it a capacity error."""
+    def _load_on_demand(self, key: Key, needed: set[Key], inline: bool = False) -> Future:
+        """Start loading a demand miss; ``inline``: copy it in this thread (the step would only
+        wait for a pool thread otherwise; the hand-off cost ~50 µs per miss, more than copying a
+        small expert) and return a finished future. When every slot is pinned or loading, a
+        prefetch may be holding the slot this step needs: wait for one to land (it becomes
+        evictable) and retry; only when nothing but this step's own experts is in the way is it
+        a capacity error."""
         while True:
             with self.lock:
                 if key in self.loading:  # someone started it meanwhile
@@ -240,16 +253,27 @@ class ExpertCache(ExpertProvider):
                     done.set_result(None)
                     return done
                 try:
-                    return self._start_load(key, self._reserve(key, protect=needed))
+                    slot = self._reserve(key, protect=needed)
                 except CacheCapacityError:
                     others = [f for k, f in self.loading.items() if k not in needed]
                     if not others:
                         self._unpin(list(needed))  # nothing of this acquire stays pinned
                         raise
+                else:
+                    if not inline:
+                        return self._start_load(key, slot)
+                    fut = self.loading[key] = Future()
+                    break
             try:
                 others[0].result()
             except Exception:
                 pass  # that prefetch's error belongs to whoever needs its expert
+        try:
+            self._load(key, slot)
+            fut.set_result(None)
+        except BaseException as e:  # the waiter (this acquire, or a prefetch's) re-raises it
+            fut.set_exception(e)
+        return fut
 
     def release(self, layer: int, expert_ids: list[int]) -> None:
         keys = [(layer, e) for e in expert_ids]
@@ -363,11 +387,22 @@ class ExpertCache(ExpertProvider):
             self.copy_stream.synchronize()
         else:
             self.source.read_into(key, self.slots[slot])
-        self.views[slot] = self._unpack(key, self.slots[slot])
+        self.views[slot] = self._slot_view(key, slot)
         dt = time.perf_counter() - t0
         self._transfer_s_per_byte = 0.8 * self._transfer_s_per_byte + 0.2 * dt / nbytes
         with self.lock:
             self.metrics.layer(key[0]).bytes_to_device += nbytes
+
+    def _slot_view(self, key: Key, slot: int) -> QuantizedExpert:
+        """The expert in ``slot``: views of the slot's bytes, made once per slot and layout and
+        reused by every expert later copied there (their caches hold only bound kernels and
+        argument tuples over the same memory; see QuantizedTensor). Making them costs ~40 µs,
+        more than copying a small expert."""
+        layout = self.store.layout_key(*key)
+        made = self._slot_views.get(slot)
+        if made is None or made[0] != layout:
+            made = self._slot_views[slot] = (layout, self._unpack(key, self.slots[slot]))
+        return made[1]
 
     def _unpack(self, key: Key, buf: torch.Tensor, on_cpu: bool = False) -> QuantizedExpert:
         g, u, d = self.store.expert_tensors(*key, buf)

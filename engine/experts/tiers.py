@@ -75,6 +75,11 @@ class ExpertSource(ABC):
     def counters(self) -> dict[str, TierCounters]:
         return {}
 
+    def likely_in_ram(self, key: Key) -> bool:
+        """A hint, without locking: the blob can probably be served from host RAM now (a
+        memcpy, not an NVMe read). Wrong answers cost time, never correctness."""
+        return False
+
 
 class HostTier(ExpertSource):
     """RAM slots in front of an ExpertStore. ``budget`` bytes -> budget // slot_bytes slots."""
@@ -101,6 +106,7 @@ class HostTier(ExpertSource):
         self.loading: dict[Key, Future] = {}
         self.pins: dict[Key, int] = {}
         self.lock = threading.Lock()
+        self.slot_freed = threading.Condition(self.lock)  # a pin dropped to zero
         self.clock = 0
         self.ram = TierCounters()
         self.nvme = TierCounters()
@@ -109,22 +115,26 @@ class HostTier(ExpertSource):
         return {"ram": self.ram, "nvme": self.nvme}
 
     def _acquire_slot(self, key: Key) -> tuple[int, Future | None, bool]:
-        """Under the lock: (slot, future to wait on or None, whether we must load it)."""
+        """Under the lock: (slot, future to wait on or None, whether we must load it). When
+        every slot holds a blob that other threads are copying out right now (more concurrent
+        copies than RAM slots), waits for one of them to finish."""
         self.clock += 1
-        if key in self.slot_of:
-            fut = self.loading.get(key)
-            self.pins[key] = self.pins.get(key, 0) + 1
-            if fut is None:
-                self.policy.on_hit(key, self.clock)
-                self.ram.hits += 1
-            return self.slot_of[key], fut, False
+        while True:
+            if key in self.slot_of:
+                fut = self.loading.get(key)
+                self.pins[key] = self.pins.get(key, 0) + 1
+                if fut is None:
+                    self.policy.on_hit(key, self.clock)
+                    self.ram.hits += 1
+                return self.slot_of[key], fut, False
+            taken = take_slot(key, self.slot_of, self.free_slots, self.policy,
+                              set(self.pins) | set(self.loading), self.clock)
+            if taken is not None:
+                break
+            if not self.pins:  # pragma: no cover - cannot happen: every slot is pinned or loading
+                raise CacheCapacityError(f"RAM tier: no slot of {self.num_slots} can be taken")
+            self.slot_freed.wait()
         self.ram.misses += 1
-        taken = take_slot(key, self.slot_of, self.free_slots, self.policy,
-                          set(self.pins) | set(self.loading), self.clock)
-        if taken is None:
-            raise CacheCapacityError(
-                f"RAM tier: all {self.num_slots} slots are in use by running copies; "
-                f"raise --ram-budget")
         slot = taken[0]
         fut: Future = Future()
         self.loading[key] = fut
@@ -138,6 +148,7 @@ class HostTier(ExpertSource):
                 self.pins[key] = n
             else:
                 del self.pins[key]
+                self.slot_freed.notify()
 
     @contextmanager
     def host_view(self, key: Key) -> Iterator[torch.Tensor]:
@@ -168,8 +179,12 @@ class HostTier(ExpertSource):
                 self.slot_of.pop(key, None)
                 self.policy.on_remove(key)
                 self.free_slots.append(slot)
+                self.slot_freed.notify()
             fut.set_exception(e)
             raise
+
+    def likely_in_ram(self, key: Key) -> bool:
+        return key in self.slot_of and key not in self.loading
 
     @torch.inference_mode()  # runs on I/O threads; see ExpertCache._copy_in
     def read_into(self, key: Key, out: torch.Tensor) -> str:

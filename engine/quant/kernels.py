@@ -38,6 +38,7 @@ import hashlib
 import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -207,14 +208,21 @@ def qlinear_cpp(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     return ext.qlinear(x, *_kargs(q), DIRECT_MAX_T, MIN_WORK_PER_THREAD)
 
 
+# Repacked copies for the torch int4 candidates. They depend on the weight's values, so they are
+# kept here, not in q.cache, which holds only what depends on where the parts live (the expert
+# cache reuses one slot's views for every expert that lands in the slot).
+_REPACKED: "weakref.WeakKeyDictionary[QuantizedTensor, dict]" = weakref.WeakKeyDictionary()
+
+
 def _int4pack(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's CPU int4 layout: w = (c - 8) * s + z, so z = min + 8 * s; cached on q."""
-    c = q.cache.get("int4pack")
+    """torch's CPU int4 layout: w = (c - 8) * s + z, so z = min + 8 * s; cached per q."""
+    d = _REPACKED.setdefault(q, {})
+    c = d.get("int4pack")
     if c is None:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_codes(q).to(torch.int32), 1)
         s, m = q.parts["scales"].float(), q.parts["mins"].float()
         sz = torch.stack([s.T, (m + 8 * s).T], dim=-1).contiguous()  # [K/G, N, 2]
-        c = q.cache["int4pack"] = (packed, sz)
+        c = d["int4pack"] = (packed, sz)
     return c
 
 
@@ -224,10 +232,11 @@ def qlinear_torch_int4(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
 
 
 def _int4pack_bf16(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    c = q.cache.get("int4pack_bf16")
+    d = _REPACKED.setdefault(q, {})
+    c = d.get("int4pack_bf16")
     if c is None:
         packed, sz = _int4pack(q)
-        c = q.cache["int4pack_bf16"] = (packed, sz.to(torch.bfloat16))
+        c = d["int4pack_bf16"] = (packed, sz.to(torch.bfloat16))
     return c
 
 

@@ -105,7 +105,9 @@ class ExpertStore:
         self._direct_fds: dict[str, int] = {}
         self._direct = bool(direct_io and _O_DIRECT)
         self._closed = False
-        self._spans: dict[str, list] = {}  # layout json -> part spans (non-CPU unpack)
+        self._spans: dict[str, list] = {}  # layout json -> part spans (tensor unpack)
+        self._entry_spans: dict[tuple[int, int], list] = {}  # (layer, expert) -> its layout's spans
+        self._spans_lock = threading.Lock()
         try:
             self._open_files()
         except BaseException:
@@ -215,37 +217,55 @@ class ExpertStore:
         e = self.entry(layer, expert)
         source = f"{self.path / e.file} (layer {layer} expert {expert})"
         if isinstance(buf, torch.Tensor):
-            return self._tensor_views(e, buf, source)
+            return self._tensor_views(layer, expert, e, buf, source)
         return unpack_expert(buf, e.layout, source=source)
 
-    def _tensor_views(self, e: ExpertEntry, buf: torch.Tensor, source: str):
-        """Views of a uint8 tensor (CPU or device): the layout is validated once per distinct
-        layout, on a CPU probe (unpack_expert takes CPU buffers only), and the byte ranges it
-        yields are cached; every later expert costs three slicings (the cache's hot path)."""
-        from engine.quant.formats import QuantizedTensor, unpack_expert
+    def layout_key(self, layer: int, expert: int) -> int:
+        """Equal for two experts exactly when their blobs have the same layout, so that views of
+        one slot made for the first serve the second (the expert cache reuses them)."""
+        e = self.entry(layer, expert)
+        return id(self._spans_of(layer, expert, e, f"{self.path / e.file} (layer {layer} expert {expert})"))
+
+    def _spans_of(self, layer: int, expert: int, e: ExpertEntry, source: str) -> list:
+        """The byte ranges of an expert's parts: its layout is validated once per distinct
+        layout, on a CPU probe (unpack_expert takes CPU buffers only), then remembered per
+        expert, so the cache's hot path neither re-validates nor re-serializes the layout."""
+        from engine.quant.formats import unpack_expert
+
+        spans = self._entry_spans.get((layer, expert))
+        if spans is not None:
+            return spans
+        with self._spans_lock:  # one spans object per layout, also when I/O threads race here
+            key = json.dumps(e.layout, sort_keys=True)
+            spans = self._spans.get(key)
+            if spans is None:
+                probe = torch.zeros(e.nbytes, dtype=torch.uint8)
+                base = probe.data_ptr()
+                spans = []
+                for q in unpack_expert(probe, e.layout, source=source):
+                    spans.append((q.fmt, q.shape, {name: (t.data_ptr() - base, t.numel() * t.element_size(),
+                                                          t.dtype, tuple(t.shape))
+                                                   for name, t in q.parts.items()}))
+                self._spans[key] = spans
+            self._entry_spans[(layer, expert)] = spans
+        return spans
+
+    def _tensor_views(self, layer: int, expert: int, e: ExpertEntry, buf: torch.Tensor, source: str):
+        """Views of a uint8 tensor (CPU or device): three slicings per weight (the parts were
+        validated against the format when the layout was first seen, see ``_spans_of``)."""
+        from engine.quant.formats import QuantizedTensor
 
         if buf.dtype != torch.uint8 or not buf.is_contiguous():
             raise ValueError(f"expert buffer must be a contiguous uint8 tensor, got {buf.dtype}")
-        key = json.dumps(e.layout, sort_keys=True)
-        spans = self._spans.get(key)
-        if spans is None:
-            probe = torch.zeros(e.nbytes, dtype=torch.uint8)
-            base = probe.data_ptr()
-            spans = []
-            for q in unpack_expert(probe, e.layout, source=source):
-                spans.append((q.fmt, q.shape, {name: (t.data_ptr() - base, t.dtype, tuple(t.shape))
-                                               for name, t in q.parts.items()}))
-            self._spans[key] = spans
+        spans = self._spans_of(layer, expert, e, source)
         flat = buf.reshape(-1)
         if flat.numel() < e.nbytes:
             raise ValueError(f"expert buffer has {flat.numel()} bytes, the blob needs {e.nbytes}")
         out = []
         for fmt, shape, parts in spans:
-            views = {}
-            for name, (off, dtype, pshape) in parts.items():
-                nb = int(np.prod(pshape)) * torch.empty((), dtype=dtype).element_size()
-                views[name] = flat[off:off + nb].view(dtype).view(pshape)
-            q = QuantizedTensor(fmt, shape, views)
+            views = {name: flat[off:off + nb].view(dtype).view(pshape)
+                     for name, (off, nb, dtype, pshape) in parts.items()}
+            q = QuantizedTensor.trusted(fmt, shape, views)
             q.cache["buffer"] = buf
             out.append(q)
         return tuple(out)

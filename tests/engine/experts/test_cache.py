@@ -91,6 +91,7 @@ def test_metrics_count_tiers_and_prefetch(store):
     sm = load_from_store(store, device_budget=4 * slot, ram_budget=64 * slot, prefetch_depth=1)
     try:
         greedy(sm, n=12)
+        sm.cache.drain()  # the last step's prefetches may still be copying
         sm.cache.metrics.tokens = len(PROMPT) + 12
         s = sm.cache.metrics.summary(sm.cache.source.counters())
         # RAM tier big enough: every blob that was ever needed was read from disk exactly once
@@ -103,6 +104,62 @@ def test_metrics_count_tiers_and_prefetch(store):
         assert t.bytes_to_device == (t.misses - t.cpu_computed) * sm.store.entry(0, 0).nbytes + \
             sm.cache.metrics.prefetch_issued * sm.store.entry(0, 0).nbytes - \
             t.late_prefetch * sm.store.entry(0, 0).nbytes
+    finally:
+        sm.close()
+
+
+def test_slot_views_are_made_once_per_slot_and_reused(store):
+    """Every expert copied into a slot is served by the views made for that slot's first
+    expert (same layout), and computes like a freshly unpacked one."""
+    from engine.quant.reference import expert_ref
+
+    slot, top_k = slot_bytes(store)
+    sm = load_from_store(store, device_budget=top_k * slot, prefetch_depth=0)
+    try:
+        made = {}
+        real = sm.cache._unpack
+
+        def counting(key, buf, on_cpu=False):
+            made[key] = made.get(key, 0) + 1
+            return real(key, buf, on_cpu)
+
+        sm.cache._unpack = counting
+        greedy(sm, n=8)
+        loads = sm.cache.metrics.total().misses
+        assert loads > sm.cache.num_slots  # slots were reused many times ...
+        assert sum(made.values()) == sm.cache.num_slots  # ... views made once per slot
+        x = torch.randn(3, sm.store.config.hidden_size)
+        for key, s in sm.cache.slot_of.items():
+            fresh = sm.store.expert_tensors(*key, sm.cache.slots[s].clone())
+            torch.testing.assert_close(sm.cache.views[s].forward(x), expert_ref(x, *fresh), rtol=1e-4, atol=1e-5)
+    finally:
+        sm.close()
+
+
+def test_ram_resident_misses_are_copied_inline_and_nvme_reads_fan_out(store):
+    import threading
+
+    slot, _ = slot_bytes(store)
+    sm = load_from_store(store, device_budget=8 * slot, prefetch_depth=0)
+    cache, src = sm.cache, sm.cache.source
+    try:
+        scratch = torch.empty(slot, dtype=torch.uint8)
+        for e in (0, 1):  # in host RAM before the step
+            src.read_into((0, e), scratch)
+        assert src.likely_in_ram((0, 0)) and not src.likely_in_ram((0, 2))
+        who, real = {}, src.read_into
+
+        def recording(key, out):
+            who[key[1]] = threading.current_thread().name
+            return real(key, out)
+
+        src.read_into = recording
+        cache.acquire(0, [0, 1, 2, 3])
+        cache.release(0, [0, 1, 2, 3])
+        me = threading.current_thread().name
+        assert who[0] == who[1] == me  # RAM copies: this thread
+        assert who[2].startswith("expert-io")  # NVMe reads start on the pool ...
+        assert who[3] == me  # ... and the last one is read here meanwhile
     finally:
         sm.close()
 
@@ -197,6 +254,9 @@ def test_demand_miss_waits_for_prefetches_holding_every_slot(store):
 
         def counters(self):
             return inner.counters()
+
+        def likely_in_ram(self, key):
+            return inner.likely_in_ram(key)
 
     cache.source = SlowSource()
     try:
