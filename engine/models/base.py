@@ -18,6 +18,7 @@ from engine.layers.mlp import SwiGLU
 from engine.layers.moe import SparseMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import Rotary
+from engine.threads import step_threads
 
 
 class DecoderLayer(nn.Module):
@@ -61,13 +62,15 @@ class CausalLM(nn.Module):
                 all_logits: bool = False) -> torch.Tensor:
         """tokens [T] (flat over the batch) -> logits [T, V] if all_logits else [S, V], one row
         per sequence for its last token."""
-        tokens = tokens.to(self.model.embed_tokens.weight.device)  # callers build them on the CPU
-        positions = layout.positions().to(tokens.device)
-        cos, sin = self.rotary.cos_sin(positions)
-        x = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, layout, kv)
-        if not all_logits:
-            last = torch.tensor([o + n - 1 for o, n in zip(layout.offsets, layout.query_lens)], device=x.device)
-            x = x[last]
-        return self.lm_head(self.model.norm(x)).float()
+        device = self.model.embed_tokens.weight.device
+        tokens = tokens.to(device)  # callers build them on the CPU
+        with step_threads(tokens.shape[0], device):
+            positions = layout.positions().to(device)
+            cos, sin = self.rotary.cos_sin(positions)
+            x = self.model.embed_tokens(tokens)
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, layout, kv)
+            if not all_logits:
+                last = torch.tensor([o + n - 1 for o, n in zip(layout.offsets, layout.query_lens)], device=device)
+                x = x[last]
+            return self.lm_head(self.model.norm(x)).float()
