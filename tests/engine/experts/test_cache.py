@@ -164,6 +164,43 @@ def test_ram_resident_misses_are_copied_inline_and_nvme_reads_fan_out(store):
         sm.close()
 
 
+def test_ram_tier_with_every_slot_being_copied_out_waits_instead_of_failing(store):
+    """More concurrent copies than RAM slots (one slot here): the second copy waits for the
+    first to finish, then gets its bytes."""
+    import threading
+
+    from engine.experts.tiers import HostTier
+    from engine.store import ExpertStore
+
+    with ExpertStore(store) as st:
+        tier = HostTier(st, align_up(st.expert_nbytes))
+        assert tier.num_slots == 1
+        holding, release, done = threading.Event(), threading.Event(), []
+
+        def first():
+            with tier.host_view((0, 0)):
+                holding.set()
+                release.wait(5)
+
+        def second():
+            out = torch.empty(tier.slot_bytes, dtype=torch.uint8)
+            tier.read_into((0, 1), out)
+            done.append(bytes(out[:64].numpy()))
+
+        a = threading.Thread(target=first)
+        a.start()
+        holding.wait(5)
+        b = threading.Thread(target=second)
+        b.start()
+        b.join(0.3)
+        assert b.is_alive() and not done  # waiting for the only slot
+        release.set()
+        a.join(5)
+        b.join(5)
+        want = bytes(st.read_expert(0, 1)[:64])
+        assert done == [want] and tier.pins == {}
+
+
 def test_budget_below_top_k_is_a_clear_error(store):
     slot, top_k = slot_bytes(store)
     with pytest.raises(CacheCapacityError, match="top_k"):
