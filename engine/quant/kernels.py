@@ -55,7 +55,8 @@ FORMAT_IDS = {"int4": 0, "nf4": 1, "int8": 2, "bf16": 3}
 # Token counts up to DIRECT_MAX_T use the register-tiled direct loop; more use the dequantize-to-
 # scratch loop (measured crossover: see bench/quant_kernels.py).
 DIRECT_MAX_T = 3
-# Minimum work (weights x max(T, 4)) per thread before splitting rows over threads.
+# Minimum work (weights x max(T, 4)) per thread before splitting rows over threads (the split is
+# inert while the extension is built without OpenMP: see _cpp_source.py).
 MIN_WORK_PER_THREAD = 1 << 17
 
 _ext: Any = None
