@@ -223,8 +223,11 @@ class ExpertStore:
     def layout_key(self, layer: int, expert: int) -> int:
         """Equal for two experts exactly when their blobs have the same layout, so that views of
         one slot made for the first serve the second (the expert cache reuses them)."""
-        e = self.entry(layer, expert)
-        return id(self._spans_of(layer, expert, e, f"{self.path / e.file} (layer {layer} expert {expert})"))
+        spans = self._entry_spans.get((layer, expert))  # the hot path: one dict lookup
+        if spans is None:
+            e = self.entry(layer, expert)
+            spans = self._spans_of(layer, expert, e, f"{self.path / e.file} (layer {layer} expert {expert})")
+        return id(spans)
 
     def _spans_of(self, layer: int, expert: int, e: ExpertEntry, source: str) -> list:
         """The byte ranges of an expert's parts: its layout is validated once per distinct
