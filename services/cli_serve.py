@@ -45,9 +45,13 @@ def _fail(message: str) -> None:
               "dashboard/Jobs server on 127.0.0.1:8265 (needed by `ray job submit`).")
 @click.option("--num-cpus", type=int, default=None)
 @click.option("--object-store-memory", default="512MiB", show_default=True)
+@click.option("--compute-threads", type=int, default=None,
+              help="Intra-op CPU threads of the decode actor; default: every core of its node.")
+@click.option("--io-threads", type=int, default=2, show_default=True,
+              help="Decode-side threads copying experts into device slots.")
 def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budget, policy,
           prefetch_depth, queue_size, request_timeout, dtype, dashboard, num_cpus,
-          object_store_memory):
+          object_store_memory, compute_threads, io_threads):
     """Deploy the pipeline (router, decode, N loaders) for STORE."""
     from pydantic import ValidationError
 
@@ -60,7 +64,8 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
                            policy=policy, prefetch_depth=prefetch_depth, queue_size=queue_size,
                            request_timeout_s=request_timeout, dtype=dtype,
                            include_dashboard=dashboard, num_cpus=num_cpus,
-                           object_store_memory=object_store_memory)
+                           object_store_memory=object_store_memory, compute_threads=compute_threads,
+                           io_threads=io_threads)
     except ValidationError as e:
         _fail("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
     app = deploy(cfg)

@@ -56,6 +56,10 @@ class DeployConfig(BaseModel):
                                        "unset: 1 on a GPU, 0 when the device tier is CPU memory.")
     io_threads: int = Field(2, ge=1, le=32, description="Decode-side threads copying experts "
                             "into device slots.")
+    compute_threads: int | None = Field(
+        None, ge=1, le=1024, description="Intra-op CPU threads of the decode actor (prefill and "
+        "CPU compute; decode steps use MOESTREAM_DECODE_THREADS). Unset: every core of its node "
+        "(Ray itself would start the actor with one).")
     direct_reads: bool = Field(
         True, description="Let the decode process copy RAM-tier hits straight out of the "
         "loaders' shared memory (validated by a per-slot sequence number) without an actor "

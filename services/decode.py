@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -240,6 +241,9 @@ class DecodeService:
 
         self.config = cfg = DeployConfig.model_validate_json(config_json)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        # Ray starts a num_cpus=0 actor with OMP_NUM_THREADS=1; this actor is the node's compute
+        # process, so it takes the cores for prefill (decode steps narrow it: engine/threads.py).
+        torch.set_num_threads(cfg.compute_threads or os.cpu_count() or 1)
         self.meta_store = ExpertStore(cfg.store)
         if source is None:
             from services.expert_loader import LoaderPoolSource
@@ -252,7 +256,8 @@ class DecodeService:
         dtype = DTYPES[cfg.dtype]
         self.sm = load_from_store(cfg.store, device_budget=cfg.device_budget, policy=cfg.policy,
                                   prefetch_depth=cfg.prefetch_depth, source=source,
-                                  device=self.device, dtype=dtype, dense=cfg.dense_format)
+                                  device=self.device, dtype=dtype, dense=cfg.dense_format,
+                                  io_threads=cfg.io_threads)
         model_cfg = self.sm.store.config
         self.kv = PagedKVCache.from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size,
                                            dtype=dtype, device=self.device)
@@ -353,7 +358,8 @@ class DecodeService:
                     "device_misses": summary["device_misses"],
                     "bytes_to_device_per_token": summary["bytes_to_device_per_token"],
                     "source": self.source.stats() if hasattr(self.source, "stats") else {},
-                    "device": self.device}
+                    "device": self.device, "compute_threads": torch.get_num_threads(),
+                    "io_threads": self.sm.cache.pool._max_workers}
 
         return await asyncio.to_thread(self.loop.call, snapshot)
 

@@ -31,7 +31,7 @@ def load_from_store(store_path, *, device_budget: int | None = None, ram_budget:
                     policy: str = "lfu", prefetch_depth: int | None = None, miss_compute: str = "transfer",
                     pinned=frozenset(), dtype: torch.dtype = torch.float32,
                     source: ExpertSource | None = None, device: str = "cpu",
-                    dense: str = "fp32") -> StoreModel:
+                    dense: str = "fp32", io_threads: int = 2) -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
     format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8). ``device``:
     where the dense model and the expert slots live ("cuda" on a GPU: experts then run on the
@@ -51,7 +51,7 @@ def load_from_store(store_path, *, device_budget: int | None = None, ram_budget:
         source = source or HostTier(store, ram_budget if ram_budget is not None else total * slot)
         cache_cfg = CacheConfig(device_budget=device_budget if device_budget is not None else total * slot,
                                 policy=policy, prefetch_depth=prefetch_depth,
-                                miss_compute=miss_compute, pinned=frozenset(pinned))
+                                miss_compute=miss_compute, pinned=frozenset(pinned), io_threads=io_threads)
         routers = {l: dense_source.get(f"model.layers.{l}.mlp.gate.weight").float() for l in cfg.moe_layers}
         cache = ExpertCache(store, source, cache_cfg, routers=routers, device=device)
     model = quantize_dense(build_model(cfg, dense_source, dtype=dtype, provider=cache), dense)

@@ -64,6 +64,14 @@ def assert_healthy(app):
     assert all(v.get("ok") for v in h.values()), h
 
 
+def test_decode_actor_takes_the_cores_and_its_configured_io_threads(app, deploy_config):
+    import os
+
+    d = app.health()["decode"]["detail"]
+    assert d["compute_threads"] == (deploy_config.compute_threads or os.cpu_count())  # not Ray's 1
+    assert d["io_threads"] == deploy_config.io_threads
+
+
 def test_driver_path_matches_in_process_engine(app, client, reference):
     prompt = [5, 17, 33, 8, 61, 12, 40, 3, 27]
     want = reference(prompt, 16)
