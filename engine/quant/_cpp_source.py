@@ -293,12 +293,156 @@ static int64_t row_grain(const QW& w, int64_t T, int64_t min_work) {
   return g < 8 ? 8 : g;
 }
 
+// ---- int4 weights x int8 activations (decode; AVX512-VNNI) -------------------------------
+// x is quantized per block of 32 to int8 (dx = absmax / 127, q = round-half-even(x * (1 / dx)));
+// a block's 16 code bytes hold weights j (low nibble) and j + 16 (high), so per chunk of 4 blocks
+// (128 weights, 64 code bytes) q is laid out as [64 bytes: low halves][64 bytes: high halves] and
+// two vpdpbusd give 16 int32 lanes, lanes 4i..4i+3 summing block i. Result per row:
+//   sum_blocks scale(group) * dx(block) * sum(code * q)  +  sum_groups min(group) * sum(x over group)
+// (the min term uses the exact float x). reference.linear_ref_int8_act is the same math in torch.
+struct QAct {
+  std::vector<int8_t> q;   // [C * 128]
+  std::vector<float> dx;   // [C * 16]: lane 4i..4i+3 of chunk c = dx of block 4c + i (0 past K)
+  std::vector<float> xg;   // [K / G]
+};
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+static void quant_act(const float* x, int64_t K, int64_t G, QAct& a) {
+  const int64_t C = (K + 127) / 128;
+  a.q.assign(C * 128, 0);
+  a.dx.assign(C * 16, 0.f);
+  a.xg.assign(K / G, 0.f);
+  for (int64_t b = 0; b < K / 32; b++) {
+    __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+    float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
+    float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));  // round half to even
+    __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+    const int64_t c = b / 4, i = b % 4;
+    _mm_storeu_si128((__m128i*)(a.q.data() + c * 128 + i * 16), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(a.q.data() + c * 128 + 64 + i * 16), _mm512_cvtsepi32_epi8(q1));
+    for (int l = 0; l < 4; l++) a.dx[c * 16 + i * 4 + l] = d;
+    a.xg[32 * b / G] += _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+  }
+}
+
+template <int TT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")))
+static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* acts, float* out, int64_t ldo) {
+  const int64_t K = w.K, G = w.G, NG = K / G, C = (K + 127) / 128, full = K / 128;
+  const int tail_bytes = (int)((K % 128) / 2);
+  const int spc = G >= 128 ? 1 : (int)(128 / G);  // scales per full chunk
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i perm = G == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                     : G == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                     : _mm512_setzero_si512();
+  for (int64_t n = nb; n < ne; n++) {
+    const uint8_t* row = w.codes + n * (K / 2);
+    const uint16_t* srow = w.scales + n * NG;
+    __m512 facc[TT];
+    for (int t = 0; t < TT; t++) facc[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+      __m512i v;
+      __m512 sv;
+      if (c < full) {
+        v = _mm512_loadu_si512(row + c * 64);
+      } else {
+        v = _mm512_maskz_loadu_epi8((__mmask64)((1ull << tail_bytes) - 1), row + c * 64);
+      }
+      if (G >= 128) {
+        sv = _mm512_set1_ps(_cvtsh_ss(srow[c]));
+      } else {
+        const int ns = c < full ? spc : (int)(tail_bytes * 2 / G);
+        __m128i s16 = _mm_maskz_loadu_epi16((__mmask8)((1u << ns) - 1), srow + c * spc);
+        sv = _mm512_permutexvar_ps(perm, _mm512_castps128_ps512(_mm_cvtph_ps(s16)));
+      }
+      const __m512i lo = _mm512_and_si512(v, m4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      for (int t = 0; t < TT; t++) {
+        const QAct& a = acts[t];
+        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(a.q.data() + c * 128));
+        acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(a.q.data() + c * 128 + 64));
+        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, _mm512_loadu_ps(a.dx.data() + c * 16)),
+                                  facc[t]);
+      }
+    }
+    const uint16_t* mrow = w.mins + n * NG;
+    for (int t = 0; t < TT; t++) {
+      float r = _mm512_reduce_add_ps(facc[t]);
+      const float* xg = acts[t].xg.data();
+      for (int64_t g = 0; g < NG; g++) r += _cvtsh_ss(mrow[g]) * xg[g];
+      out[t * ldo + n] = r;
+    }
+  }
+}
+
+// rows [nb, ne) for T <= 3 tokens whose activations are already quantized
+static void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct>& acts, float* out, int64_t ldo) {
+  const int64_t T = (int64_t)acts.size();
+  int64_t t = 0;
+  for (; t + 3 <= T; t += 3) rows_int4_i8a<3>(w, nb, ne, acts.data() + t, out + t * ldo, ldo);
+  if (T - t == 2) rows_int4_i8a<2>(w, nb, ne, acts.data() + t, out + t * ldo, ldo);
+  if (T - t == 1) rows_int4_i8a<1>(w, nb, ne, acts.data() + t, out + t * ldo, ldo);
+}
+
+// into per-thread buffers (slot 0: an input, 1: an expert's hidden activation), reused across
+// calls: a decode step makes thousands of these for experts as small as 18 KB
+static const std::vector<QAct>& quant_acts(const float* x, int64_t T, int64_t K, int64_t G, int slot) {
+  static thread_local std::vector<QAct> bufs[2];
+  std::vector<QAct>& acts = bufs[slot];
+  acts.resize(T);
+  for (int64_t t = 0; t < T; t++) quant_act(x + t * K, K, G, acts[t]);
+  return acts;
+}
+
+static bool use_i8a(const QW& w, int64_t i8a) { return i8a && w.fmt == F_INT4; }
+
+// out[T, N] = x @ w.T for an int4 w with int8 activations, any T: VNNI for decode sizes; above,
+// the float scratch loop on the dequantized activations (q * dx) against code * scale, plus the
+// min term: the same numbers up to float32 summation order, so a token's result does not depend
+// on how many tokens share the call.
+static void linear_i8a(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, int slot) {
+  const int64_t K = w.K, G = w.G, N = w.N, NG = K / G;
+  if (T <= direct_max_t) {
+    rows_i8a(w, 0, N, quant_acts(x, T, K, G, slot), out, N);
+    return;
+  }
+  std::vector<float> xq(T * K), xg(T * NG, 0.f);
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t b = 0; b < K / 32; b++) {
+      const float* xb = x + t * K + 32 * b;
+      float amax = 0.f;
+      for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      for (int j = 0; j < 32; j++) {
+        float q = std::nearbyint(xb[j] * inv);  // round half to even, as the VNNI path
+        xq[t * K + 32 * b + j] = q * d;
+        xg[t * NG + (32 * b + j) / G] += xb[j];
+      }
+    }
+  std::vector<uint16_t> zero_mins(N * NG, 0);  // fp16 +0: the scratch rows decode to code * scale
+  QW wc = w;
+  wc.mins = zero_mins.data();
+  rows_range<F_INT4>(wc, 0, N, xq.data(), T, out, N, 0);
+  for (int64_t n = 0; n < N; n++) {
+    const uint16_t* m = w.mins + n * NG;
+    for (int64_t t = 0; t < T; t++) {
+      float s = 0.f;
+      for (int64_t g = 0; g < NG; g++) s += _cvtsh_ss(m[g]) * xg[t * NG + g];
+      out[t * N + n] += s;
+    }
+  }
+}
+
 }  // namespace
+
+bool has_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 
 void set_prefetch_rows(int64_t rows) { g_pf_rows = rows; }
 
 at::Tensor qlinear(at::Tensor x, int64_t fmt, int64_t G, int64_t N, int64_t K, at::Tensor codes,
-                      at::Tensor scales, at::Tensor mins, int64_t direct_max_t, int64_t min_work) {
+                      at::Tensor scales, at::Tensor mins, int64_t direct_max_t, int64_t min_work,
+                      int64_t i8a) {
   QW w = make_qw(fmt, G, N, K, codes, scales, mins);
   at::Tensor xf = as_f32_2d(x, K);
   const int64_t T = xf.size(0);
@@ -307,6 +451,10 @@ at::Tensor qlinear(at::Tensor x, int64_t fmt, int64_t G, int64_t N, int64_t K, a
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;  // other Python threads (disk readers) run meanwhile
+  if (use_i8a(w, i8a)) {
+    linear_i8a(w, xp, T, op, direct_max_t, 0);
+    return out;
+  }
   at::parallel_for(0, N, row_grain(w, T, min_work), [&](int64_t b, int64_t e) {
     // keep thread shares aligned to 8 rows so the register tiles stay full
     int64_t bb = b == 0 ? 0 : (b + 7) / 8 * 8, ee = e == N ? N : (e + 7) / 8 * 8;
@@ -321,7 +469,7 @@ at::Tensor expert_forward(at::Tensor x, int64_t fmt, int64_t G, int64_t I, int64
                              at::Tensor gc, at::Tensor gs, at::Tensor gm,
                              at::Tensor uc, at::Tensor us, at::Tensor um,
                              at::Tensor dc, at::Tensor ds, at::Tensor dm,
-                             int64_t direct_max_t, int64_t min_work) {
+                             int64_t direct_max_t, int64_t min_work, int64_t i8a) {
   QW wg = make_qw(fmt, G, I, H, gc, gs, gm), wu = make_qw(fmt, G, I, H, uc, us, um),
      wd = make_qw(fmt, G, H, I, dc, ds, dm);
   at::Tensor xf = as_f32_2d(x, H);
@@ -332,6 +480,19 @@ at::Tensor expert_forward(at::Tensor x, int64_t fmt, int64_t G, int64_t I, int64
   const float* xp = xf.data_ptr<float>();
   float *gp = hg.data_ptr<float>(), *up = hu.data_ptr<float>(), *op = out.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;
+  if (use_i8a(wg, i8a)) {
+    if (T <= direct_max_t) {  // gate and up share the quantized x
+      const std::vector<QAct>& ax = quant_acts(xp, T, H, G, 0);
+      rows_i8a(wg, 0, I, ax, gp, I);
+      rows_i8a(wu, 0, I, ax, up, I);
+    } else {
+      linear_i8a(wg, xp, T, gp, direct_max_t, 0);
+      linear_i8a(wu, xp, T, up, direct_max_t, 0);
+    }
+    for (int64_t i = 0; i < T * I; i++) gp[i] = gp[i] / (1.0f + std::exp(-gp[i])) * up[i];
+    linear_i8a(wd, gp, T, op, direct_max_t, 1);
+    return out;
+  }
   // gate and up rows of the same range go to the same thread, which then forms h for them
   at::parallel_for(0, I, row_grain(wg, T, min_work / 2), [&](int64_t b, int64_t e) {
     int64_t bb = b == 0 ? 0 : (b + 7) / 8 * 8, ee = e == I ? I : (e + 7) / 8 * 8;
@@ -357,5 +518,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "out[T, N] = x[T, K] @ w[N, K].T for a quantized w");
   m.def("expert_forward", &expert_forward, "SwiGLU expert on quantized gate/up/down");
   m.def("set_prefetch_rows", &set_prefetch_rows, "software prefetch distance in rows (bench)");
+  m.def("has_vnni", &has_vnni, "whether this CPU has AVX512-VNNI (the int8-activation int4 path)");
 }
 """

@@ -125,6 +125,32 @@ def linear_ref(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     return x.float() @ dequantize(q).T
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[T, K]`` -> (int8 codes ``[T, K]``, scales ``[T, K/32]``): per block of 32,
+    ``d = absmax / 127`` and ``q = round-half-even(x * (1 / d))`` in float32 (0 where d = 0)."""
+    t, k = x.shape
+    xb = x.float().reshape(t, k // 32, 32)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(t, k), d
+
+
+def linear_ref_int8_act(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+    """What the int8-activation int4 kernel computes: ``(qx * dx) @ (code * scale).T`` plus the
+    min term from the exact ``x``: ``sum_g min_g * sum_{k in g} x_k``; float32 ``[T, N]``."""
+    if q.fmt.name != "int4":
+        raise ConfigError(f"int8 activations are implemented for int4 weights, not {q.fmt.name}")
+    n, k = q.shape
+    g = q.fmt.group_size
+    x = x.float()
+    qx, d = quantize_activations(x)
+    xq = (qx.float().reshape(-1, k // 32, 32) * d[..., None]).reshape(-1, k)
+    w_codes = (unpack_codes(q).float().reshape(n, k // g, g) * q.parts["scales"].float()[..., None]).reshape(n, k)
+    xg = x.reshape(-1, k // g, g).sum(-1)  # [T, K/G]
+    return xq @ w_codes.T + xg @ q.parts["mins"].float().T
+
+
 def expert_ref(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor) -> torch.Tensor:
     """SwiGLU expert in float32: ``(silu(x @ gate.T) * (x @ up.T)) @ down.T``."""
     x = x.float()

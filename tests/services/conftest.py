@@ -22,6 +22,8 @@ WORDS = ("the capital of france is paris hello world a an and or but if then els
          "new old big small long short high low first last next other same").split()
 
 
+DENSE = "bf16"  # dense format of the deployment and of the in-process reference alike
+
 def _add_tokenizer(root: Path, vocab_size: int) -> None:
     """A word-level fast tokenizer filling the model's vocabulary, with a chat template."""
     from tokenizers import Tokenizer as TkTokenizer, decoders, models, pre_tokenizers
@@ -67,7 +69,7 @@ def reference(store_path):
     from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
 
-    sm = load_from_store(store_path, prefetch_depth=0)
+    sm = load_from_store(store_path, prefetch_depth=0, dense=DENSE)  # as the decode actor runs it
     eos = sorted(set(sm.model.config.eos_token_ids) | set(sm.tokenizer.eos_token_ids))
 
     def greedy(prompt_ids, max_tokens):
@@ -163,7 +165,7 @@ def deploy_config(store_path, slot_info):
     return DeployConfig(store=store_path, namespace=NAMESPACE, loaders=2,
                         device_budget=top_k * slot, ram_budget=8 * slot, kv_budget="4MiB",
                         prefetch_depth=0, fetch_timeout_s=3.0, fetch_attempts=10,
-                        request_timeout_s=120)
+                        request_timeout_s=120, dense_format=DENSE)
 
 
 @pytest.fixture(scope="session")

@@ -111,6 +111,7 @@ def test_metrics_count_tiers_and_prefetch(store):
 def test_slot_views_are_made_once_per_slot_and_reused(store):
     """Every expert copied into a slot is served by the views made for that slot's first
     expert (same layout), and computes like a freshly unpacked one."""
+    from engine.quant.kernels import expert_forward
     from engine.quant.reference import expert_ref
 
     slot, top_k = slot_bytes(store)
@@ -129,9 +130,10 @@ def test_slot_views_are_made_once_per_slot_and_reused(store):
         assert loads > sm.cache.num_slots  # slots were reused many times ...
         assert sum(made.values()) == sm.cache.num_slots  # ... views made once per slot
         x = torch.randn(3, sm.store.config.hidden_size)
-        for key, s in sm.cache.slot_of.items():
+        for key, s in sm.cache.slot_of.items():  # reused views compute what fresh ones of the bytes do
             fresh = sm.store.expert_tensors(*key, sm.cache.slots[s].clone())
-            torch.testing.assert_close(sm.cache.views[s].forward(x), expert_ref(x, *fresh), rtol=1e-4, atol=1e-5)
+            assert torch.equal(sm.cache.views[s].forward(x), expert_forward(x, *fresh))
+            torch.testing.assert_close(expert_forward(x, *fresh), expert_ref(x, *fresh), rtol=0.05, atol=0.05)
     finally:
         sm.close()
 
@@ -322,9 +324,13 @@ def test_tokens_identical_on_the_fused_triton_kernels(store):
     from engine.quant import kernels
 
     slot, top_k = slot_bytes(store)
-    ref = load_from_store(store, prefetch_depth=0, dense="bf16")
-    want = greedy(ref, n=12)
-    ref.close()
+    kernels.set_backend("torch")  # the exact float reference (the C++ int4 path uses int8 activations)
+    try:
+        ref = load_from_store(store, prefetch_depth=0, dense="bf16")
+        want = greedy(ref, n=12)
+        ref.close()
+    finally:
+        kernels.set_backend(None)
     kernels.set_backend("triton")
     try:
         sm = load_from_store(store, device_budget=top_k * slot, prefetch_depth=1, dense="bf16")
