@@ -366,13 +366,14 @@ static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* acts,
                                   facc[t]);
       }
     }
-    const uint16_t* mrow = w.mins + n * NG;
-    for (int t = 0; t < TT; t++) {
-      float r = _mm512_reduce_add_ps(facc[t]);
-      const float* xg = acts[t].xg.data();
-      for (int64_t g = 0; g < NG; g++) r += _cvtsh_ss(mrow[g]) * xg[g];
-      out[t * ldo + n] = r;
+    const uint16_t* mrow = w.mins + n * NG;  // + sum_g min_g * xg[g], 16 groups at a time
+    for (int64_t g = 0; g < NG; g += 16) {
+      const __mmask16 mk = NG - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (NG - g)) - 1);
+      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mrow + g));
+      for (int t = 0; t < TT; t++)
+        facc[t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, acts[t].xg.data() + g), facc[t]);
     }
+    for (int t = 0; t < TT; t++) out[t * ldo + n] = _mm512_reduce_add_ps(facc[t]);
   }
 }
 

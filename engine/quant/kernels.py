@@ -124,9 +124,10 @@ _vnni: list[bool] = []
 def int8_activations() -> bool:
     """Whether the C++ int4 kernels quantize activations to int8 at decode (T <= DIRECT_MAX_T) and
     multiply with AVX512-VNNI integer dot products: ``MOESTREAM_INT8_ACTIVATIONS`` (default 1)
-    and a CPU with VNNI. Measured (one 512x1024 int4 weight, T=1, 1 thread): 1.5x faster; adds
-    ~0.7-1% relative error to W·x (int4 weights alone: ~6.5%). ``reference.linear_ref_int8_act``
-    is the same math in torch; 0 gives the exact float path."""
+    and a CPU with VNNI. Measured (512x1024 int4 g32/g64, cold, 1 thread): T=1 1.3-1.6x, T=3
+    2.4x faster, none where the float kernel is already memory-bound; adds ~1% relative error
+    to W·x (int4 weights alone: ~6.5%). ``reference.linear_ref_int8_act`` is the same math in
+    torch; 0 gives the exact float path. Numbers in README.md (Quantization)."""
     if os.environ.get("MOESTREAM_INT8_ACTIVATIONS", "1") == "0":
         return False
     if not _vnni:
