@@ -297,13 +297,14 @@ static int64_t row_grain(const QW& w, int64_t T, int64_t min_work) {
 // x is quantized per block of 32 to int8 (dx = absmax / 127, q = round-half-even(x * (1 / dx)));
 // a block's 16 code bytes hold weights j (low nibble) and j + 16 (high), so per chunk of 4 blocks
 // (128 weights, 64 code bytes) q is laid out as [64 bytes: low halves][64 bytes: high halves] and
-// two vpdpbusd give 16 int32 lanes, lanes 4i..4i+3 summing block i. Result per row:
-//   sum_blocks scale(group) * dx(block) * sum(code * q)  +  sum_groups min(group) * sum(x over group)
-// (the min term uses the exact float x). reference.linear_ref_int8_act is the same math in torch.
+// two vpdpbusd give 16 int32 lanes, lanes 4i..4i+3 summing block i. The result is x' @ w.T for
+// the dequantized activations x' = q * dx, computed per row as
+//   sum_blocks scale(group) * dx(block) * sum(code * q)  +  sum_groups min(group) * sum(x' over group)
+// reference.linear_ref_int8_act is the same (linear_ref on x').
 struct QAct {
   std::vector<int8_t> q;   // [C * 128]
   std::vector<float> dx;   // [C * 16]: lane 4i..4i+3 of chunk c = dx of block 4c + i (0 past K)
-  std::vector<float> xg;   // [K / G]
+  std::vector<float> xg;   // [K / G]: sums of x' = q * dx over each group
 };
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
@@ -322,7 +323,7 @@ static void quant_act(const float* x, int64_t K, int64_t G, QAct& a) {
     _mm_storeu_si128((__m128i*)(a.q.data() + c * 128 + i * 16), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128((__m128i*)(a.q.data() + c * 128 + 64 + i * 16), _mm512_cvtsepi32_epi8(q1));
     for (int l = 0; l < 4; l++) a.dx[c * 16 + i * 4 + l] = d;
-    a.xg[32 * b / G] += _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    a.xg[32 * b / G] += d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   }
 }
 
@@ -398,41 +399,30 @@ static const std::vector<QAct>& quant_acts(const float* x, int64_t T, int64_t K,
 
 static bool use_i8a(const QW& w, int64_t i8a) { return i8a && w.fmt == F_INT4; }
 
-// out[T, N] = x @ w.T for an int4 w with int8 activations, any T: VNNI for decode sizes; above,
-// the float scratch loop on the dequantized activations (q * dx) against code * scale, plus the
-// min term: the same numbers up to float32 summation order, so a token's result does not depend
-// on how many tokens share the call.
+// x' = q * dx for n values (n % 32 == 0), with the rounding of quant_act
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+static void dequant_acts(const float* x, int64_t n, float* xq) {
+  for (int64_t b = 0; b < n / 32; b++) {
+    __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+    float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
+    float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    __m512 dv = _mm512_set1_ps(d), iv = _mm512_set1_ps(inv);
+    _mm512_storeu_ps(xq + 32 * b, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(v0, iv))), dv));
+    _mm512_storeu_ps(xq + 32 * b + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(v1, iv))), dv));
+  }
+}
+
+// out[T, N] = x' @ w.T for an int4 w with int8 activations, any T: VNNI for decode sizes, the
+// float kernel on x' above (the same numbers up to float32 summation order, so a token's result
+// does not depend on how many tokens share the call).
 static void linear_i8a(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, int slot) {
-  const int64_t K = w.K, G = w.G, N = w.N, NG = K / G;
   if (T <= direct_max_t) {
-    rows_i8a(w, 0, N, quant_acts(x, T, K, G, slot), out, N);
+    rows_i8a(w, 0, w.N, quant_acts(x, T, w.K, w.G, slot), out, w.N);
     return;
   }
-  std::vector<float> xq(T * K), xg(T * NG, 0.f);
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t b = 0; b < K / 32; b++) {
-      const float* xb = x + t * K + 32 * b;
-      float amax = 0.f;
-      for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(xb[j]));
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      for (int j = 0; j < 32; j++) {
-        float q = std::nearbyint(xb[j] * inv);  // round half to even, as the VNNI path
-        xq[t * K + 32 * b + j] = q * d;
-        xg[t * NG + (32 * b + j) / G] += xb[j];
-      }
-    }
-  std::vector<uint16_t> zero_mins(N * NG, 0);  // fp16 +0: the scratch rows decode to code * scale
-  QW wc = w;
-  wc.mins = zero_mins.data();
-  rows_range<F_INT4>(wc, 0, N, xq.data(), T, out, N, 0);
-  for (int64_t n = 0; n < N; n++) {
-    const uint16_t* m = w.mins + n * NG;
-    for (int64_t t = 0; t < T; t++) {
-      float s = 0.f;
-      for (int64_t g = 0; g < NG; g++) s += _cvtsh_ss(m[g]) * xg[t * NG + g];
-      out[t * N + n] += s;
-    }
-  }
+  std::vector<float> xq(T * w.K);
+  dequant_acts(x, T * w.K, xq.data());
+  rows_range<F_INT4>(w, 0, w.N, xq.data(), T, out, w.N, 0);
 }
 
 }  // namespace
@@ -481,18 +471,20 @@ at::Tensor expert_forward(at::Tensor x, int64_t fmt, int64_t G, int64_t I, int64
   const float* xp = xf.data_ptr<float>();
   float *gp = hg.data_ptr<float>(), *up = hu.data_ptr<float>(), *op = out.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;
-  if (use_i8a(wg, i8a)) {
-    if (T <= direct_max_t) {  // gate and up share the quantized x
-      const std::vector<QAct>& ax = quant_acts(xp, T, H, G, 0);
-      rows_i8a(wg, 0, I, ax, gp, I);
-      rows_i8a(wu, 0, I, ax, up, I);
-    } else {
-      linear_i8a(wg, xp, T, gp, direct_max_t, 0);
-      linear_i8a(wu, xp, T, up, direct_max_t, 0);
-    }
+  std::vector<float> xq;
+  const bool i8 = use_i8a(wg, i8a);
+  if (i8 && T <= direct_max_t) {  // gate and up share the quantized x
+    const std::vector<QAct>& ax = quant_acts(xp, T, H, G, 0);
+    rows_i8a(wg, 0, I, ax, gp, I);
+    rows_i8a(wu, 0, I, ax, up, I);
     for (int64_t i = 0; i < T * I; i++) gp[i] = gp[i] / (1.0f + std::exp(-gp[i])) * up[i];
     linear_i8a(wd, gp, T, op, direct_max_t, 1);
     return out;
+  }
+  if (i8) {  // prefill sizes: the float kernels below on x', then on h'
+    xq.resize(T * H);
+    dequant_acts(xp, T * H, xq.data());
+    xp = xq.data();
   }
   // gate and up rows of the same range go to the same thread, which then forms h for them
   at::parallel_for(0, I, row_grain(wg, T, min_work / 2), [&](int64_t b, int64_t e) {
@@ -507,6 +499,7 @@ at::Tensor expert_forward(at::Tensor x, int64_t fmt, int64_t G, int64_t I, int64
         gp[t * I + i] = g / (1.0f + std::exp(-g)) * up[t * I + i];
       }
   });
+  if (i8) dequant_acts(gp, T * I, gp);  // h' for the down projection
   at::parallel_for(0, H, row_grain(wd, T, min_work), [&](int64_t b, int64_t e) {
     int64_t bb = b == 0 ? 0 : (b + 7) / 8 * 8, ee = e == H ? H : (e + 7) / 8 * 8;
     if (ee > H) ee = H;

@@ -136,19 +136,19 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(t, k), d
 
 
+def dequantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x'``: x ``[T, K]`` through :func:`quantize_activations` and back (``q * dx``), float32."""
+    t, k = x.shape
+    qx, d = quantize_activations(x)
+    return (qx.float().reshape(t, k // 32, 32) * d[..., None]).reshape(t, k)
+
+
 def linear_ref_int8_act(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
-    """What the int8-activation int4 kernel computes: ``(qx * dx) @ (code * scale).T`` plus the
-    min term from the exact ``x``: ``sum_g min_g * sum_{k in g} x_k``; float32 ``[T, N]``."""
+    """What the int8-activation int4 kernel computes: ``linear_ref(x', q)`` with ``x'`` the
+    int8-quantized activations (:func:`dequantize_activations`); float32 ``[T, N]``."""
     if q.fmt.name != "int4":
         raise ConfigError(f"int8 activations are implemented for int4 weights, not {q.fmt.name}")
-    n, k = q.shape
-    g = q.fmt.group_size
-    x = x.float()
-    qx, d = quantize_activations(x)
-    xq = (qx.float().reshape(-1, k // 32, 32) * d[..., None]).reshape(-1, k)
-    w_codes = (unpack_codes(q).float().reshape(n, k // g, g) * q.parts["scales"].float()[..., None]).reshape(n, k)
-    xg = x.reshape(-1, k // g, g).sum(-1)  # [T, K/G]
-    return xq @ w_codes.T + xg @ q.parts["mins"].float().T
+    return linear_ref(dequantize_activations(x.reshape(-1, q.shape[1]).float()), q)
 
 
 def expert_ref(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor) -> torch.Tensor:
