@@ -18,12 +18,13 @@
 Nothing is installed or downloaded; the output is a short table.
 
 On this workplace's lent H200 machine (python3 3.12 with torch, triton and transformers, but no
-pydantic, which the store manifest needs), carry pydantic's wheels: here, once,
-``echo /.whl/ >> .git/info/exclude`` and ``python3 -m pip download --no-deps --only-binary=:all:
---python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 -d .whl pydantic
-pydantic-core annotated-types typing-inspection``; then one ``run`` with ``carry=[".whl"]``:
-``python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export
-PYTHONPATH=/tmp/site:. && PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --e2e``.
+pydantic, which the store manifest needs), carry pydantic's wheels: here, once, ``echo /.whl/ >>
+.git/info/exclude`` and ``python3 -m pip download --no-deps --only-binary=:all: --python-version
+3.12 --implementation cp --platform manylinux_2_17_x86_64 -d .whl pydantic==2.13.4
+pydantic-core==2.46.4 annotated-types typing-inspection`` (pydantic pins its core); then one
+``run`` with ``carry=[".whl"]``: ``python3 -m pip install -q --no-index --no-deps --target
+/tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. && PYTHONUNBUFFERED=1 python3
+bench/gpu_check.py --e2e``. (The download command was checked here.)
 """
 
 from __future__ import annotations
