@@ -293,6 +293,8 @@ static int64_t row_grain(const QW& w, int64_t T, int64_t min_work) {
   return g < 8 ? 8 : g;
 }
 
+static inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+
 // ---- int4 weights x int8 activations (decode; AVX512-VNNI) -------------------------------
 // x is quantized per block of 32 to int8 (dx = absmax / 127, q = round-half-even(x * (1 / dx)));
 // a block's 16 code bytes hold weights j (low nibble) and j + 16 (high), so per chunk of 4 blocks
@@ -307,6 +309,18 @@ struct QAct {
   std::vector<float> xg;   // [K / G]: sums of x' = q * dx over each group
 };
 
+// The one quantization rule of a 32-value block x[0..31]: its scale d = absmax / 127 and the
+// codes round-half-even(x * (1 / d)) as int32 in q0 (values 0..15) and q1 (16..31); 0 when d = 0.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+static inline __attribute__((always_inline)) float quant_block(const float* x, __m512i& q0, __m512i& q1) {
+  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+  const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));  // MXCSR default: half to even
+  q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+  return d;
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 static void quant_act(const float* x, int64_t K, int64_t G, QAct& a) {
   const int64_t C = (K + 127) / 128;
@@ -314,11 +328,8 @@ static void quant_act(const float* x, int64_t K, int64_t G, QAct& a) {
   a.dx.assign(C * 16, 0.f);
   a.xg.assign(K / G, 0.f);
   for (int64_t b = 0; b < K / 32; b++) {
-    __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
-    float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
-    float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));  // round half to even
-    __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+    __m512i q0, q1;
+    const float d = quant_block(x + 32 * b, q0, q1);
     const int64_t c = b / 4, i = b % 4;
     _mm_storeu_si128((__m128i*)(a.q.data() + c * 128 + i * 16), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128((__m128i*)(a.q.data() + c * 128 + 64 + i * 16), _mm512_cvtsepi32_epi8(q1));
@@ -399,16 +410,14 @@ static const std::vector<QAct>& quant_acts(const float* x, int64_t T, int64_t K,
 
 static bool use_i8a(const QW& w, int64_t i8a) { return i8a && w.fmt == F_INT4; }
 
-// x' = q * dx for n values (n % 32 == 0), with the rounding of quant_act
+// x' = q * dx for n values (n % 32 == 0; xq may be x), by quant_block's rule
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 static void dequant_acts(const float* x, int64_t n, float* xq) {
   for (int64_t b = 0; b < n / 32; b++) {
-    __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
-    float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
-    float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    __m512 dv = _mm512_set1_ps(d), iv = _mm512_set1_ps(inv);
-    _mm512_storeu_ps(xq + 32 * b, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(v0, iv))), dv));
-    _mm512_storeu_ps(xq + 32 * b + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(v1, iv))), dv));
+    __m512i q0, q1;
+    const __m512 dv = _mm512_set1_ps(quant_block(x + 32 * b, q0, q1));
+    _mm512_storeu_ps(xq + 32 * b, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), dv));
+    _mm512_storeu_ps(xq + 32 * b + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q1), dv));
   }
 }
 
@@ -477,7 +486,7 @@ at::Tensor expert_forward(at::Tensor x, int64_t fmt, int64_t G, int64_t I, int64
     const std::vector<QAct>& ax = quant_acts(xp, T, H, G, 0);
     rows_i8a(wg, 0, I, ax, gp, I);
     rows_i8a(wu, 0, I, ax, up, I);
-    for (int64_t i = 0; i < T * I; i++) gp[i] = gp[i] / (1.0f + std::exp(-gp[i])) * up[i];
+    for (int64_t i = 0; i < T * I; i++) gp[i] = silu_mul(gp[i], up[i]);
     linear_i8a(wd, gp, T, op, direct_max_t, 1);
     return out;
   }
@@ -494,10 +503,7 @@ at::Tensor expert_forward(at::Tensor x, int64_t fmt, int64_t G, int64_t I, int64
     rows_dispatch(wg, bb, ee, xp, T, gp, I, direct_max_t);
     rows_dispatch(wu, bb, ee, xp, T, up, I, direct_max_t);
     for (int64_t t = 0; t < T; t++)
-      for (int64_t i = bb; i < ee; i++) {
-        float g = gp[t * I + i];
-        gp[t * I + i] = g / (1.0f + std::exp(-g)) * up[t * I + i];
-      }
+      for (int64_t i = bb; i < ee; i++) gp[t * I + i] = silu_mul(gp[t * I + i], up[t * I + i]);
   });
   if (i8) dequant_acts(gp, T * I, gp);  // h' for the down projection
   at::parallel_for(0, H, row_grain(wd, T, min_work), [&](int64_t b, int64_t e) {

@@ -122,9 +122,9 @@ _vnni: list[bool] = []
 
 
 def int8_activations() -> bool:
-    """Whether the C++ int4 kernels quantize activations to int8 at decode (T <= DIRECT_MAX_T) and
-    multiply with AVX512-VNNI integer dot products: ``MOESTREAM_INT8_ACTIVATIONS`` (default 1)
-    and a CPU with VNNI. Measured (512x1024 int4 g32/g64, cold, 1 thread): T=1 1.3-1.6x, T=3
+    """Whether the C++ int4 kernels quantize activations to int8 (every T: integer AVX512-VNNI dot
+    products at decode sizes, T <= DIRECT_MAX_T, the float kernel on the dequantized activations
+    above): ``MOESTREAM_INT8_ACTIVATIONS`` (default 1) and a CPU with VNNI. Measured (512x1024 int4 g32/g64, cold, 1 thread): T=1 1.3-1.6x, T=3
     2.4x faster, none where the float kernel is already memory-bound; adds ~1% relative error
     to W·x (int4 weights alone: ~6.5%). ``reference.linear_ref_int8_act`` is the same math in
     torch; 0 gives the exact float path. Numbers in README.md (Quantization)."""
@@ -204,7 +204,7 @@ def _linear_fn(q: QuantizedTensor) -> Callable[[torch.Tensor], torch.Tensor] | N
     elif backend == "triton":
         from engine.quant.triton_kernels import MAX_T, qlinear_triton
 
-        bare = QuantizedTensor(q.fmt, q.shape, dict(q.parts))  # q's tensors without q's cache
+        bare = QuantizedTensor.trusted(q.fmt, q.shape, dict(q.parts))  # q's tensors without q's cache
 
         def fn(x: torch.Tensor) -> torch.Tensor:
             return qlinear_triton(x, bare) if x.shape[0] <= MAX_T else qlinear_torch(x, bare)

@@ -215,29 +215,26 @@ class ExpertStore:
         from engine.quant.formats import unpack_expert
 
         e = self.entry(layer, expert)
-        source = f"{self.path / e.file} (layer {layer} expert {expert})"
         if isinstance(buf, torch.Tensor):
-            return self._tensor_views(layer, expert, e, buf, source)
-        return unpack_expert(buf, e.layout, source=source)
+            return self._tensor_views(layer, expert, e, buf)
+        return unpack_expert(buf, e.layout, source=f"{self.path / e.file} (layer {layer} expert {expert})")
 
     def layout_key(self, layer: int, expert: int) -> int:
         """Equal for two experts exactly when their blobs have the same layout, so that views of
         one slot made for the first serve the second (the expert cache reuses them)."""
-        spans = self._entry_spans.get((layer, expert))  # the hot path: one dict lookup
-        if spans is None:
-            e = self.entry(layer, expert)
-            spans = self._spans_of(layer, expert, e, f"{self.path / e.file} (layer {layer} expert {expert})")
-        return id(spans)
+        return id(self._spans_of(layer, expert))
 
-    def _spans_of(self, layer: int, expert: int, e: ExpertEntry, source: str) -> list:
+    def _spans_of(self, layer: int, expert: int) -> list:
         """The byte ranges of an expert's parts: its layout is validated once per distinct
         layout, on a CPU probe (unpack_expert takes CPU buffers only), then remembered per
         expert, so the cache's hot path neither re-validates nor re-serializes the layout."""
         from engine.quant.formats import unpack_expert
 
-        spans = self._entry_spans.get((layer, expert))
+        spans = self._entry_spans.get((layer, expert))  # the hot path: one dict lookup
         if spans is not None:
             return spans
+        e = self.entry(layer, expert)
+        source = f"{self.path / e.file} (layer {layer} expert {expert})"
         with self._spans_lock:  # one spans object per layout, also when I/O threads race here
             key = json.dumps(e.layout, sort_keys=True)
             spans = self._spans.get(key)
@@ -253,14 +250,14 @@ class ExpertStore:
             self._entry_spans[(layer, expert)] = spans
         return spans
 
-    def _tensor_views(self, layer: int, expert: int, e: ExpertEntry, buf: torch.Tensor, source: str):
+    def _tensor_views(self, layer: int, expert: int, e: ExpertEntry, buf: torch.Tensor):
         """Views of a uint8 tensor (CPU or device): three slicings per weight (the parts were
         validated against the format when the layout was first seen, see ``_spans_of``)."""
         from engine.quant.formats import QuantizedTensor
 
         if buf.dtype != torch.uint8 or not buf.is_contiguous():
             raise ValueError(f"expert buffer must be a contiguous uint8 tensor, got {buf.dtype}")
-        spans = self._spans_of(layer, expert, e, source)
+        spans = self._spans_of(layer, expert)
         flat = buf.reshape(-1)
         if flat.numel() < e.nbytes:
             raise ValueError(f"expert buffer has {flat.numel()} bytes, the blob needs {e.nbytes}")
