@@ -46,6 +46,7 @@ def main() -> int:
     from engine.generate import generate_ids
     from engine.kv.base import BatchLayout, ContiguousKVCache
     from engine.layers.sampler import SamplingConfig
+    from engine.options import configure
     from engine.quant.kernels import int8_activations
 
     sm = load_from_store(store, dense=args.dense)
@@ -65,7 +66,7 @@ def main() -> int:
 
     runs = {}
     for flag in ("0", "1"):
-        os.environ["MOESTREAM_INT8_ACTIVATIONS"] = flag
+        configure(int8_activations=flag == "1")
         if flag == "1" and not int8_activations():
             print("this CPU has no AVX512-VNNI (or the C++ kernels are unavailable): nothing to compare")
             return 0

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from engine.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
+from engine.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError, quote
 
 # HF "architectures" entry -> our architecture key (engine.models registry key).
 HF_ARCHITECTURES = {
@@ -29,6 +29,71 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral",
 # GGUF "general.architecture" -> our key.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# config.json fields that hold special-token ids; eos may be a list of ids.
+HF_SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's kind for messages (never the value itself: it may be anything)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, list):
+        return "a list"
+    return {int: "an integer", float: "a number with a fraction", str: "a string",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def token_ids(value: Any, field: str, source: object, vocab_size: int | None = None,
+              allow_list: bool = False) -> tuple[int, ...]:
+    """A special-token id field of a config file -> its ids (empty for null).
+
+    Accepts null, an integer or (``allow_list``: eos) a flat list of integers; JSON booleans,
+    strings, floats and nested lists are refused, as is an id outside ``[0, vocab_size)``,
+    with a ModelFormatError naming ``source`` and ``field``."""
+    if value is None:
+        return ()
+    items = value if allow_list and isinstance(value, list) else [value]
+    allowed = "an integer or a list of integers" if allow_list else "an integer"
+    ids = []
+    for v in items:
+        if v is None and items is value:
+            continue  # [2, null]: transformers writes null entries for unset ids
+        if not isinstance(v, int) or isinstance(v, bool):
+            where = " inside the list" if items is value else ""
+            raise ModelFormatError(source, f"{field} must be {allowed}, got {_kind(v)}{where}")
+        if vocab_size is not None and not 0 <= v < vocab_size:
+            raise ModelFormatError(
+                source, f"{field} {v} is outside the vocabulary (vocab_size {vocab_size})")
+        ids.append(v)
+    return tuple(dict.fromkeys(ids))
+
+
+def _bad_value(e: BaseException, what: str = "bad value") -> str:
+    """Message for a conversion that failed deep inside (``float("x")``, ``dict(3)``): the
+    exception's own text can quote the file, so only a bounded excerpt of it is kept."""
+    return f"{what} ({type(e).__name__}): {quote(str(e), 80)}"
+
+
+def first_present(raw: Mapping[str, Any], *keys: str) -> str:
+    """The first of ``keys`` present in ``raw`` (else the first key): names a field in messages."""
+    return next((k for k in keys if k in raw), keys[0])
+
+
+def read_hf_config_json(cfg_path: Path) -> dict[str, Any]:
+    """The parsed top-level object of a config.json (ModelFormatError if it is not one)."""
+    if not cfg_path.is_file():
+        raise ModelFormatError(cfg_path, "config.json not found; is this a Hugging Face checkpoint directory?")
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ModelFormatError(cfg_path, f"not valid UTF-8 (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(cfg_path, f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise ModelFormatError(cfg_path, "not valid JSON: nested too deeply") from None
+    if not isinstance(raw, dict):
+        raise ModelFormatError(cfg_path, "top level must be a JSON object")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -147,6 +212,17 @@ class ModelConfig:
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
+    @property
+    def num_moe_layers(self) -> int:
+        """``len(self.moe_layers)`` in O(len(mlp_only_layers)): usable on a declared layer
+        count before it has been checked against the weights."""
+        m = self.moe
+        if m is None:
+            return 0
+        excluded = {i for i in m.mlp_only_layers if 0 <= i < self.num_layers}
+        return self.num_layers // m.decoder_sparse_step - sum(
+            1 for i in excluded if (i + 1) % m.decoder_sparse_step == 0)
+
     def parameter_counts(self) -> dict[str, int]:
         """Total and active-per-token parameter counts, split into dense and routed-expert parts."""
         h, hd = self.hidden_size, self.head_dim
@@ -201,87 +277,111 @@ class ModelConfig:
     # ---- constructors ----------------------------------------------------------------------
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        cfg_path = path / "config.json"
-        if not cfg_path.is_file():
-            raise ModelFormatError(cfg_path, "config.json not found; is this a Hugging Face checkpoint directory?")
+        return cls.from_hf_dir_raw(path)[0]
+
+    @classmethod
+    def from_hf_dir_raw(cls, path: str | Path) -> tuple["ModelConfig", dict[str, Any]]:
+        """``(config, the parsed config.json)`` of a checkpoint directory; config.json must
+        resolve inside the directory (engine.loading.paths)."""
+        from engine.loading.paths import confine  # late: engine.loading imports this module
+
+        cfg_path = confine(Path(path), "config.json")
+        raw = read_hf_config_json(cfg_path)
         try:
-            raw = json.loads(cfg_path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelFormatError(cfg_path, f"not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ModelFormatError(cfg_path, "top level must be a JSON object")
-        return cls.from_hf_dict(raw, source=cfg_path)
+            return cls.from_hf_dict(raw, source=cfg_path), raw
+        except ConfigError as e:  # a value out of range: name the file it came from
+            raise ModelFormatError(cfg_path, str(e)) from None
 
     @classmethod
     def from_hf_dict(cls, raw: Mapping[str, Any], source: object = "config.json") -> "ModelConfig":
         archs = raw.get("architectures") or []
+        model_type = raw.get("model_type")
+        if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+            raise ModelFormatError(source, f"architectures must be a list of strings, got {_kind(archs)}")
+        if model_type is not None and not isinstance(model_type, str):
+            raise ModelFormatError(source, f"model_type must be a string, got {_kind(model_type)}")
         arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
         if arch is None and not archs:
-            arch = HF_MODEL_TYPES.get(raw.get("model_type"))
+            arch = HF_MODEL_TYPES.get(model_type)  # type: ignore[arg-type]
         if arch is None:
-            raise UnsupportedArchitectureError(archs[0] if archs else raw.get("model_type"),
+            raise UnsupportedArchitectureError(archs[0] if archs else model_type,
                                                list(HF_ARCHITECTURES))
 
-        def need(key: str, *aliases: str) -> Any:
-            for k in (key, *aliases):
-                if k in raw:
-                    return raw[k]
-            raise ModelFormatError(source, f"missing required field {key!r}")
+        def integer(key: str, *aliases: str, default: int | None = None) -> int:
+            """An integer field (JSON null counts as absent); ``default`` None: required."""
+            name = first_present(raw, key, *aliases)
+            value = raw.get(name)
+            if value is None:
+                if default is None:
+                    raise ModelFormatError(source, f"missing required field {key!r}")
+                return default
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ModelFormatError(source, f"{name} must be an integer, got {_kind(value)}")
+            return value
+
+        def layer_list(key: str) -> tuple[int, ...]:
+            value = raw.get(key) or []
+            if not (isinstance(value, list)
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
+                raise ModelFormatError(source, f"{key} must be a list of integers")
+            return tuple(value)
 
         try:
-            hidden = int(need("hidden_size"))
-            heads = int(need("num_attention_heads"))
-            head_dim = raw.get("head_dim") or hidden // heads
+            hidden = integer("hidden_size")
+            heads = integer("num_attention_heads")
+            head_dim = integer("head_dim", default=0) or hidden // heads
             moe = None
             if arch == "mixtral":
                 moe = MoEConfig(
-                    num_experts=int(need("num_local_experts")),
-                    top_k=int(need("num_experts_per_tok")),
-                    expert_intermediate_size=int(need("intermediate_size")),
+                    num_experts=integer("num_local_experts"),
+                    top_k=integer("num_experts_per_tok"),
+                    expert_intermediate_size=integer("intermediate_size"),
                     norm_topk_prob=True,
                 )
             elif arch in ("qwen2_moe", "qwen3_moe"):
-                shared = int(raw.get("shared_expert_intermediate_size") or 0)
+                shared = integer("shared_expert_intermediate_size", default=0)
                 moe = MoEConfig(
-                    num_experts=int(need("num_experts", "num_local_experts")),
-                    top_k=int(need("num_experts_per_tok")),
-                    expert_intermediate_size=int(need("moe_intermediate_size")),
+                    num_experts=integer("num_experts", "num_local_experts"),
+                    top_k=integer("num_experts_per_tok"),
+                    expert_intermediate_size=integer("moe_intermediate_size"),
                     norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                     shared_expert_intermediate_size=shared if arch == "qwen2_moe" else 0,
                     shared_expert_gate=arch == "qwen2_moe" and shared > 0,
-                    decoder_sparse_step=int(raw.get("decoder_sparse_step", 1) or 1),
-                    mlp_only_layers=tuple(int(x) for x in raw.get("mlp_only_layers") or ()),
+                    decoder_sparse_step=integer("decoder_sparse_step", default=1) or 1,
+                    mlp_only_layers=layer_list("mlp_only_layers"),
                 )
             if arch == "qwen2_moe":
                 bias = bool(raw.get("qkv_bias", True))
             else:
                 bias = bool(raw.get("attention_bias", False))
-            eos = raw.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            vocab = integer("vocab_size")
+            ids = {f: token_ids(raw.get(f), f, source, vocab if vocab > 0 else None,
+                                allow_list=f == "eos_token_id") for f in HF_SPECIAL_TOKEN_FIELDS}
             return cls(
                 arch=arch,
-                vocab_size=int(need("vocab_size")),
+                vocab_size=vocab,
                 hidden_size=hidden,
-                intermediate_size=int(raw.get("intermediate_size") or 0),
-                num_layers=int(need("num_hidden_layers")),
+                intermediate_size=integer("intermediate_size", default=0),
+                num_layers=integer("num_hidden_layers"),
                 num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(head_dim),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope=_rope_from_hf(raw),
+                num_kv_heads=integer("num_key_value_heads", default=0) or heads,
+                head_dim=head_dim,
+                max_position_embeddings=integer("max_position_embeddings", default=4096),
+                rms_norm_eps=_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+                rope=_rope_from_hf(raw, source),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bias,
                 qk_norm=arch == "qwen3_moe",
                 moe=moe,
-                bos_token_id=raw.get("bos_token_id"),
-                eos_token_ids=eos_ids,
+                bos_token_id=ids["bos_token_id"][0] if ids["bos_token_id"] else None,
+                eos_token_ids=ids["eos_token_id"],
             )
         except (TypeError, ValueError, ArithmeticError) as e:
             if isinstance(e, (ConfigError, ModelFormatError, UnsupportedArchitectureError)):
                 raise
-            raise ModelFormatError(source, f"bad value: {e}") from None
+            raise ModelFormatError(source, _bad_value(e)) from None
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], source: object = "model.gguf") -> "ModelConfig":
@@ -364,28 +464,33 @@ class ModelConfig:
         except (TypeError, ValueError, ArithmeticError) as e:
             if isinstance(e, (ConfigError, ModelFormatError, UnsupportedArchitectureError)):
                 raise
-            raise ModelFormatError(source, f"bad metadata value: {e}") from None
+            raise ModelFormatError(source, _bad_value(e, "bad metadata value")) from None
 
 
-def _rope_from_hf(raw: Mapping[str, Any]) -> RopeConfig:
+def _number(value: Any, field: str, source: object) -> float:
+    """A numeric config field (JSON integer or float, not a boolean) as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelFormatError(source, f"{field} must be a number, got {_kind(value)}")
+    return float(value)
+
+
+def _rope_from_hf(raw: Mapping[str, Any], source: object = "config.json") -> RopeConfig:
     """transformers 5 writes ``rope_parameters``; older configs ``rope_theta`` + ``rope_scaling``."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     params = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rtype = params.get("rope_type", params.get("type", "default")) or "default"
-    kw: dict[str, Any] = {"theta": float(theta), "type": rtype}
-    if "factor" in params and params["factor"] is not None:
-        kw["factor"] = float(params["factor"])
-    for key in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
-                "mscale_all_dim"):
+    if not isinstance(rtype, str):
+        raise ModelFormatError(source, f"rope_type must be a string, got {_kind(rtype)}")
+    kw: dict[str, Any] = {"theta": _number(theta, "rope_theta", source), "type": rtype}
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim", "attention_factor"):
         if params.get(key) is not None:
-            kw[key] = float(params[key])
-    if params.get("attention_factor") is not None:
-        kw["attention_factor"] = float(params["attention_factor"])
+            kw[key] = _number(params[key], key, source)
     if "truncate" in params:
         kw["truncate"] = bool(params["truncate"])
     omp = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
     if omp:
-        kw["original_max_position_embeddings"] = int(omp)
+        kw["original_max_position_embeddings"] = int(_number(omp, "original_max_position_embeddings", source))
     return RopeConfig(**kw)

@@ -68,3 +68,15 @@ class CacheCapacityError(MoestreamError):
 
 class CapacityError(MoestreamError):
     """A request can never fit (KV cache too small for prompt + max_tokens)."""
+
+
+def quote(value: object, limit: int = 48) -> str:
+    """A bounded ``repr`` of a name or value read from a file, for error messages.
+
+    Messages identify the bad entry (a tensor name, a key) but never carry more than ``limit``
+    characters of what a file holds: a 100 MB key or the bytes of some unrelated file must not
+    end up in a log line."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} chars)"

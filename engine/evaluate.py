@@ -319,17 +319,16 @@ def save_trace(trace, path, info: dict | None = None) -> Path:
     """``trace.save(path)`` plus a JSON ``info`` object (model, text, expert bytes, ...) in the
     same .npz, which :meth:`RoutingTrace.load` reads unchanged."""
     import json
-    import os
+
+    from engine.experts.trace import replaced_atomically
 
     path = Path(trace.save(path))
     if info:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
         arrays[TRACE_INFO_KEY] = np.array(json.dumps(info, sort_keys=True))
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
+        with replaced_atomically(path) as f:
             np.savez_compressed(f, **arrays)
-        os.replace(tmp, path)
     return path
 
 

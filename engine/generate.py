@@ -12,7 +12,8 @@ import torch
 
 from engine.errors import RequestValidationError
 from engine.kv.base import BatchLayout, ContiguousKVCache, KVCache
-from engine.layers.sampler import SamplerState, SamplingConfig, sample, top_logprobs
+from engine.layers.sampler import (SamplerState, SamplingConfig, is_int, sample, short_repr,
+                                   top_logprobs)
 from engine.models.base import CausalLM
 
 
@@ -53,16 +54,32 @@ class Request:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
+MAX_REPORTED_IDS = 4  # bad prompt ids an error names; the rest are only counted
+
+
 def validate_prompt(prompt_ids: Sequence[int], vocab_size: int, max_tokens: int, context: int) -> None:
+    """Raise RequestValidationError unless ``prompt_ids`` is a non-empty sequence of integers in
+    the vocabulary that fits the context with ``max_tokens``. One pass, stopping its list of bad
+    ids at MAX_REPORTED_IDS: 10^6 bad ids cost one short message."""
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__"):
+        raise RequestValidationError(
+            f"prompt ids must be a sequence of token ids, got {type(prompt_ids).__name__}")
     if len(prompt_ids) == 0:
         raise RequestValidationError("the prompt is empty; give at least one token")
-    bad = [t for t in prompt_ids if not (0 <= int(t) < vocab_size)]
-    if bad:
+    first: list[str] = []
+    count = 0
+    for i, t in enumerate(prompt_ids):
+        if not (is_int(t) and 0 <= t < vocab_size):
+            count += 1
+            if len(first) < MAX_REPORTED_IDS:
+                first.append(f"[{i}]={short_repr(t)}")
+    if count:
         raise RequestValidationError(
-            f"token id {bad[0]} out of range; allowed: 0 <= id < vocab size {vocab_size}")
+            f"{count} of {len(prompt_ids)} prompt token ids out of range or not integers "
+            f"(first: {', '.join(first)}); allowed: integers 0 <= id < vocab size {vocab_size}")
     if len(prompt_ids) + max_tokens > context:
         raise RequestValidationError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({short_repr(max_tokens)}) exceeds the model's "
             f"context of {context} tokens")
 
 

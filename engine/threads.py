@@ -14,26 +14,19 @@ toggling costs well under a microsecond.
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
-from engine.errors import ConfigError
+from engine.options import options
 
 SMALL_STEP_TOKENS = 8
 
 
 def decode_threads() -> int:
-    raw = os.environ.get("MOESTREAM_DECODE_THREADS", "1")
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ConfigError(f"MOESTREAM_DECODE_THREADS={raw!r}; allowed: an integer >= 1")
-    return n
+    """The ``decode_threads`` runtime option (engine.options, ``MOESTREAM_DECODE_THREADS``)."""
+    return options().decode_threads
 
 
 @contextmanager

@@ -21,7 +21,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from engine.errors import ModelFormatError, RequestValidationError, TokenizerNotFoundError
+from engine.config import token_ids
+from engine.errors import ModelFormatError, RequestValidationError, TokenizerNotFoundError, quote
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +30,57 @@ _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete/invalid UTF-8
 _BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")  # sentencepiece byte-fallback pieces
 
 
-def _eos_ids_from(value: Any) -> set[int]:
-    """``eos_token_id`` as written in config files: an int, a list of ints, or null."""
-    if value is None:
+# Files transformers may read from a tokenizer directory: each must resolve inside it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+# What a broken tokenizer file can raise inside transformers/tokenizers (Rust panics surface as
+# pyo3's PanicException, a BaseException subclass caught separately by name).
+_LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError, ImportError, IndexError,
+                AttributeError, AssertionError, RecursionError)
+
+
+def _check_text(text: Any, what: str = "text to encode") -> None:
+    """A str that can be encoded as UTF-8: lone surrogates (from bytes decoded with
+    ``surrogateescape``, i.e. input that was not valid UTF-8) make tokenizers raise TypeError."""
+    if not isinstance(text, str):
+        raise RequestValidationError(f"{what} must be a str, got {type(text).__name__}")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestValidationError(
+                f"{what} is not valid UTF-8 (an undecodable byte or lone surrogate at character "
+                f"{e.start})") from None
+
+
+def _load_hf(blame: Path, kwargs: dict[str, Any], what: str = "the tokenizer") -> Any:
+    """transformers' AutoTokenizer, offline and without remote code; its failures become one
+    ModelFormatError naming ``blame`` (the message excerpt is bounded: it may quote the file)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(**kwargs, local_files_only=True, trust_remote_code=False)
+    except _LOAD_ERRORS as e:
+        problem = f"cannot load {what} ({type(e).__name__}): {quote(str(e), 120)}"
+    except BaseException as e:  # a Rust panic in tokenizers (pyo3 PanicException)
+        if type(e).__name__ != "PanicException":
+            raise
+        problem = f"cannot load {what}: the tokenizers library rejected it"
+    raise ModelFormatError(blame, problem)
+
+
+def _generation_eos_ids(root: Path) -> set[int]:
+    """Extra end-of-sequence ids from generation_config.json (null, an int or a list of ints)."""
+    gen = root / "generation_config.json"
+    if not gen.is_file():
         return set()
-    if isinstance(value, (list, tuple)):
-        return {int(v) for v in value if v is not None}
-    return {int(value)}
+    try:
+        raw = json.loads(gen.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise ModelFormatError(gen, "not valid UTF-8 JSON") from None
+    value = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    return set(token_ids(value, "eos_token_id", gen, allow_list=True))
 
 
 class Tokenizer:
@@ -74,21 +119,11 @@ class Tokenizer:
                 f"no tokenizer in {root}: expected tokenizer.json, or tokenizer.model with a "
                 f"tokenizer_config.json naming its class (e.g. LlamaTokenizer)"
             )
-        from transformers import AutoTokenizer
+        from engine.loading.paths import confine_existing
 
-        try:
-            tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError, ImportError) as e:
-            raise ModelFormatError(root, f"cannot load the tokenizer: {type(e).__name__}: {e}") from None
-        extra: set[int] = set()
-        gen = root / "generation_config.json"
-        if gen.is_file():
-            try:
-                raw = json.loads(gen.read_text(encoding="utf-8"))
-                extra = _eos_ids_from(raw.get("eos_token_id") if isinstance(raw, dict) else None)
-            except (UnicodeDecodeError, json.JSONDecodeError, TypeError, ValueError) as e:
-                raise ModelFormatError(gen, f"not valid JSON or bad eos_token_id: {e}") from None
-        return cls(tok, source=str(root), extra_eos_ids=extra)
+        confine_existing(root, TOKENIZER_FILES)
+        tok = _load_hf(root, dict(pretrained_model_name_or_path=str(root)))
+        return cls(tok, source=str(root), extra_eos_ids=_generation_eos_ids(root))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
@@ -96,14 +131,8 @@ class Tokenizer:
         file = Path(path)
         if not file.is_file():
             raise TokenizerNotFoundError(f"no GGUF file {file.name} in {file.parent}")
-        from transformers import AutoTokenizer
-
-        try:
-            tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name,
-                                                local_files_only=True, trust_remote_code=False)
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError, ImportError) as e:
-            raise ModelFormatError(file, f"cannot load a tokenizer from the GGUF metadata: "
-                                         f"{type(e).__name__}: {e}") from None
+        tok = _load_hf(file, dict(pretrained_model_name_or_path=str(file.parent), gguf_file=file.name),
+                       what="a tokenizer from the GGUF metadata")
         return cls(tok, source=str(file))
 
     # ---- basic API -------------------------------------------------------------------------
@@ -124,8 +153,7 @@ class Tokenizer:
         return None if b is None else int(b)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if not isinstance(text, str):
-            raise RequestValidationError(f"text to encode must be a str, got {type(text).__name__}")
+        _check_text(text)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -12,9 +12,20 @@ Limits that depend on the model (vocabulary size, context length) are checked by
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from protocol.errors import ErrorCode, code_for_exception_name
 
@@ -42,9 +53,64 @@ MAX_HEALTH_DETAIL_ITEMS = 64
 
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.:-]+$"
 
+MAX_REPORTED_ITEMS = 4  # bad items a list error names; the rest are only counted
+
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=REQUEST_ID_PATTERN)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _item_repr(x: Any) -> str:
+    """A bad item as an error names it: short, and never the item's contents when it is big."""
+    if isinstance(x, int) and x.bit_length() > 64:
+        return f"<{x.bit_length()}-bit integer>"
+    text = repr(x) if isinstance(x, (int, float)) else type(x).__name__
+    return text if len(text) <= 24 else text[:21] + "..."
+
+
+def bounded_items(what: str, ok: Callable[[Any], bool], allowed: str) -> WrapValidator:
+    """Check a list's items in one pass before pydantic validates it item by item. More than
+    MAX_REPORTED_ITEMS bad items give one error naming the first few and the count: a list of
+    10^6 bad items costs one error, not 10^6 (pydantic builds an error object per item, ~1 GB).
+    Fewer get pydantic's own per-item errors. ``ok`` must accept exactly what the item type
+    accepts; what it lets through, pydantic still checks."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if isinstance(value, list) and len(value) <= MAX_LIST_ITEMS:  # longer: too_long error
+            first: list[str] = []
+            count = 0
+            for i, x in enumerate(value):
+                if not ok(x):
+                    count += 1
+                    if len(first) < MAX_REPORTED_ITEMS:
+                        first.append(f"[{i}]={_item_repr(x)}")
+            if count > MAX_REPORTED_ITEMS:  # fewer: pydantic's own errors, one per item
+                raise PydanticCustomError(
+                    "invalid_items",
+                    "{count} of {total} {what} are not {allowed}; first: {first}",
+                    {"count": count, "total": len(value), "what": what, "allowed": allowed,
+                     "first": ", ".join(first)},
+                )
+        return handler(value)
+
+    return WrapValidator(check)
+
+
+def _is_token_id(x: Any) -> bool:
+    return type(x) is int and 0 <= x <= MAX_TOKEN_ID  # bool and float are not token ids
+
+
+def _is_finite_number(x: Any) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
+
+
+MAX_LIST_ITEMS = max(MAX_PROMPT_TOKENS, MAX_NEW_TOKENS)
+TokenIds = Annotated[
+    list[TokenId], bounded_items("token ids", _is_token_id, f"integers in [0, {MAX_TOKEN_ID}]")
+]
+FiniteFloats = Annotated[
+    list[FiniteFloat], bounded_items("values", _is_finite_number, "finite numbers")
+]
 
 
 class StrictModel(BaseModel):
@@ -142,7 +208,7 @@ class SamplingParams(StrictModel):
         f"{MAX_STOP_STRINGS}, each 1..{MAX_STOP_CHARS} characters); the stop string is not "
         "returned.",
     )
-    stop_token_ids: list[TokenId] = Field(
+    stop_token_ids: TokenIds = Field(
         default_factory=list,
         max_length=MAX_STOP_TOKEN_IDS,
         description=f"Stop after generating any of these token ids (at most "
@@ -194,7 +260,7 @@ class GenerateRequest(WireMessage):
         description=f"Chat turns (1..{MAX_CHAT_MESSAGES}), rendered with the model's chat "
         f"template; their content totals at most {MAX_PROMPT_CHARS} characters.",
     )
-    prompt_token_ids: list[TokenId] | None = Field(
+    prompt_token_ids: TokenIds | None = Field(
         None,
         min_length=1,
         max_length=MAX_PROMPT_TOKENS,
@@ -242,13 +308,16 @@ class TokenChunk(WireMessage):
     index: int = Field(
         0, ge=0, lt=MAX_N, description="Which of the request's n completions (0..n-1)."
     )
-    token_ids: list[TokenId] = Field(description="Token ids produced since the previous chunk.")
+    token_ids: TokenIds = Field(
+        max_length=MAX_NEW_TOKENS, description="Token ids produced since the previous chunk."
+    )
     text: str = Field(
         description="Text decoded since the previous chunk; may be empty while a multi-byte "
         "character is incomplete."
     )
-    logprobs: list[FiniteFloat] | None = Field(
+    logprobs: FiniteFloats | None = Field(
         None,
+        max_length=MAX_NEW_TOKENS,
         description="Log-probability of each token in token_ids (same length), when the "
         "request asked for logprobs.",
     )
@@ -292,7 +361,9 @@ class GenerateResult(WireMessage):
         0, ge=0, lt=MAX_N, description="Which of the request's n completions (0..n-1)."
     )
     text: str = Field(description="The generated text, without any stop string.")
-    token_ids: list[TokenId] = Field(description="The generated token ids.")
+    token_ids: TokenIds = Field(
+        max_length=MAX_NEW_TOKENS, description="The generated token ids."
+    )
     finish_reason: Literal["stop", "length", "abort", "error"] = Field(
         description="stop: end-of-sequence or a stop string/token; length: max_tokens or the "
         "context reached; abort: cancelled; error: see the ErrorReply sent with it."

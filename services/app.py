@@ -169,11 +169,11 @@ class App:
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop every actor of the deployment and unlink the loaders' shared memory; a local
         cluster this process started is shut down too."""
-        from services.expert_loader import sweep_segments
+        from services.expert_loader import segment_prefix, sweep_segments
 
         for name in [ROUTER, DECODE, *loader_names(self.namespace)]:
             self._stop_actor(name, timeout_s)
-        sweep_segments(f"moestream-{self.namespace}-")
+        sweep_segments(segment_prefix(self.namespace))
         if self.owns_cluster:
             _ray().shutdown()
 

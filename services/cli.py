@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from engine.errors import MoestreamError
+from services.cli_checks import check_budget, check_utf8, device_memory, host_memory, one_line_errors
 
 
 def _dtype(name: str):
@@ -20,11 +18,8 @@ def _dtype(name: str):
 
 class _Group(click.Group):
     def invoke(self, ctx):
-        try:
+        with one_line_errors():  # typed, expected errors: one clear line, exit 2
             return super().invoke(ctx)
-        except MoestreamError as e:  # typed, expected errors: one clear line, exit 2
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -83,6 +78,9 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
     if prompt is None:
         prompt = "What is the capital of France?"
         chat = True
+    check_utf8(prompt, "PROMPT")
+    for text in stop:
+        check_utf8(text, "--stop")
     if address is not None:
         from services.cli_serve import generate_remote
 
@@ -95,6 +93,7 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
                               top_p=top_p, min_p=min_p, seed=seed, stop=tuple(stop))
     loaded = None
     device = _device(device_name)
+    draft = _draft_path(speculative)  # checked before any model is loaded
     if store_path:
         loaded = _open_store(store_path, device_budget, ram_budget, policy, prefetch_depth,
                              miss_compute, _dtype(dtype), dense, device)
@@ -105,7 +104,7 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
         model, tok, _ = load_model(model_path or smollm2_gguf(), dtype=_dtype(dtype), dense=dense)
         model.to(device)
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
-    stream = _speculative_stream(speculative, model, ids, sampling, loaded, _dtype(dtype), device)
+    stream = _speculative_stream(speculative, draft, model, ids, sampling, loaded, _dtype(dtype), device)
     try:
         for ev in generate_text(model, tok, ids, sampling, token_stream=stream):
             if ev.text:
@@ -133,7 +132,23 @@ def _device(name: str) -> str:
     return name
 
 
-def _speculative_stream(mode, model, ids, sampling, loaded, dtype, device="cpu"):
+def _draft_path(mode: str | None) -> str | None:
+    """The draft model of ``--speculative draft:PATH`` (None for other modes), which must exist."""
+    import os
+
+    from engine.errors import ConfigError
+
+    if mode is None or mode in ("ngram", "self"):
+        return None
+    if not mode.startswith("draft:"):
+        raise click.BadParameter(f"{mode!r}; allowed: ngram, self, draft:PATH", param_hint="--speculative")
+    path = mode[len("draft:"):]
+    if not path or not os.path.exists(path):
+        raise ConfigError(f"--speculative draft:{path}: no such draft model file or directory")
+    return path
+
+
+def _speculative_stream(mode, draft, model, ids, sampling, loaded, dtype, device="cpu"):
     """A token_stream for generate_text, or None for plain decoding."""
     if mode is None:
         return None
@@ -145,12 +160,10 @@ def _speculative_stream(mode, model, ids, sampling, loaded, dtype, device="cpu")
         if loaded is None or loaded.cache is None:
             raise click.UsageError("--speculative self drafts on the device-resident experts: give --store")
         drafter = spec.SelfSpecDrafter(model, loaded.cache)
-    elif mode.startswith("draft:"):
+    else:
         from engine.loading import load_model
 
-        drafter = spec.DraftModelDrafter(load_model(mode[len("draft:"):], dtype=dtype)[0].to(device))
-    else:
-        raise click.BadParameter(f"{mode!r}; allowed: ngram, self, draft:PATH", param_hint="--speculative")
+        drafter = spec.DraftModelDrafter(load_model(draft, dtype=dtype)[0].to(device))
 
     def stream(eos_ids):
         for token, stats in spec.speculative_generate(model, ids, sampling, drafter, eos_ids=eos_ids):
@@ -164,9 +177,12 @@ def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_co
     from engine.units import parse_bytes
 
     total = store_expert_bytes(path)
+    dev = parse_bytes(device_budget, total=total, name="--device-budget")
+    ram = parse_bytes(ram_budget, total=total, name="--ram-budget")
+    check_budget("--device-budget", device_budget, dev, *device_memory(device))
+    check_budget("--ram-budget", ram_budget, ram, host_memory(), "RAM")
     return load_from_store(
-        path, device_budget=parse_bytes(device_budget, total=total, name="--device-budget"),
-        ram_budget=parse_bytes(ram_budget, total=total, name="--ram-budget"), policy=policy,
+        path, device_budget=dev, ram_budget=ram, policy=policy,
         prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype, dense=dense, device=device)
 
 
@@ -215,10 +231,10 @@ def _human(n: float, unit: str = "") -> str:
 
 def _register() -> None:
     from services import cli_quality, cli_serve
-    from services.cli_store import convert
+    from services.cli_store import convert, verify
     from services.demo import demo
 
-    for command in (convert, demo, *cli_serve.COMMANDS, *cli_quality.COMMANDS):
+    for command in (convert, verify, demo, *cli_serve.COMMANDS, *cli_quality.COMMANDS):
         main.add_command(command)
 
 

@@ -7,26 +7,13 @@ behaves the same when run standalone.
 
 from __future__ import annotations
 
-import functools
 import math
-import sys
 from pathlib import Path
 
 import click
 
-from engine.errors import MoestreamError
-
-
-def _typed_errors(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except MoestreamError as e:  # typed, expected errors: one clear line, exit 2
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-
-    return wrapper
+from services.cli_checks import check_output, check_utf8, writing
+from services.cli_checks import typed_errors as _typed_errors
 
 
 def _text(text_file: str | None, heldout: bool) -> tuple[str, str]:
@@ -81,9 +68,11 @@ def moefy_cmd(src, experts, top_k, shared_fraction, calib_tokens, seed, dtype, o
     co-activation clustering of each MLP's neurons into experts, a least-squares router."""
     from engine.moefy import DEFAULT_CALIB_TOKENS, moefy
 
-    summary = moefy(src, out, experts=experts, top_k=top_k, shared_fraction=shared_fraction,
-                    calib_tokens=calib_tokens or DEFAULT_CALIB_TOKENS, seed=seed, progress=progress,
-                    dtype=_dtype(dtype))
+    check_output(out, "--out", directory=True)
+    with writing(out, "--out"):
+        summary = moefy(src, out, experts=experts, top_k=top_k, shared_fraction=shared_fraction,
+                        calib_tokens=calib_tokens or DEFAULT_CALIB_TOKENS, seed=seed,
+                        progress=progress, dtype=_dtype(dtype))
     click.echo(str(summary))
 
 
@@ -146,6 +135,8 @@ def trace_cmd(model, store, out, text_file, heldout, tokens, window, prompt, max
 
     if tokens < 2 or max_tokens < 1:
         raise ConfigError("--tokens must be >= 2 and --max-tokens >= 1")
+    check_output(out, "--out")
+    check_utf8(prompt, "--generate PROMPT")
     path = _model_arg(model, store)
     loaded = open_model(path)
     try:
@@ -170,9 +161,10 @@ def trace_cmd(model, store, out, text_file, heldout, tokens, window, prompt, max
             info.update(mode="prefill", text=what, window=w, windows=count)
     finally:
         loaded.close()
-    written = save_trace(trace, out, info)
-    if jsonl:
-        trace.to_jsonl(written.with_suffix(".jsonl"))
+    with writing(out, "--out"):
+        written = save_trace(trace, out, info)
+        if jsonl:
+            trace.to_jsonl(written.with_suffix(".jsonl"))
     stats = routing_stats(trace)
     click.echo(f"wrote {written}: {trace!r}")
     click.echo(f"usage entropy mean {stats['mean_entropy']:.3f}, top-10% share mean "
@@ -219,6 +211,8 @@ def simulate_cmd(trace_path, budget, policies, per_layer, expert_bytes, plot):
     from engine.experts.simulate import budgets_from_fractions, sweep
     from engine.experts.trace import RoutingTrace
 
+    if plot:
+        check_output(plot, "--plot")
     try:
         trace = RoutingTrace.load(trace_path)
         info = trace_info(trace_path)
@@ -246,7 +240,8 @@ def simulate_cmd(trace_path, budget, policies, per_layer, expert_bytes, plot):
     if plot:
         from engine.experts.plot import plot_hit_rates
 
-        plot_hit_rates(table, plot, title=f"expert cache hit rate: {Path(trace_path).name}")
+        with writing(plot, "--plot"):
+            plot_hit_rates(table, plot, title=f"expert cache hit rate: {Path(trace_path).name}")
         click.echo(f"plot: {plot}")
 
 

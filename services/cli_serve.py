@@ -18,12 +18,9 @@ from typing import Any, Callable, TextIO
 
 import click
 
-from engine.errors import MoestreamError
-
-
-def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(2)
+from engine.errors import ConfigError, MoestreamError
+from services.cli_checks import (check_budget, check_utf8, device_memory, fail as _fail, host_memory,
+                                 one_line_errors)
 
 
 @click.command()
@@ -68,6 +65,8 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
                            io_threads=io_threads)
     except ValidationError as e:
         _fail("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
+    if address is None:  # a local cluster: the budgets must fit this machine
+        check_local_budgets(cfg, device_budget, ram_budget)
     app = deploy(cfg)
     click.echo(json.dumps(app.status(), indent=2, default=str))
     if app.owns_cluster:  # the cluster dies with this process: serve until interrupted
@@ -79,6 +78,18 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
         except KeyboardInterrupt:
             pass
         app.shutdown()
+
+
+def check_local_budgets(cfg, device_text: object, ram_text: object) -> None:
+    """Refuse, before any actor starts, budgets larger than this machine (a local cluster)."""
+    import torch
+
+    if cfg.ram_budget is not None:
+        check_budget("--ram-budget", ram_text, cfg.ram_budget, host_memory(), "RAM")
+    if cfg.device_budget is not None:
+        gpu = cfg.num_gpus != 0 and torch.cuda.is_available()
+        check_budget("--device-budget", device_text, cfg.device_budget,
+                     *device_memory("cuda" if gpu else "cpu"))
 
 
 @click.command()
@@ -180,15 +191,22 @@ def stream_to(messages, out: TextIO | None) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print the GenerateResult as JSON.")
 def generate_cmd(prompt, address, namespace, chat, prompt_ids, max_tokens, temperature, seed, as_json):
     """Generate through a running deployment (what `moestream generate --address` does)."""
-    ids = [int(t) for t in prompt_ids.split(",")] if prompt_ids else None
-    if prompt is None and ids is None:
-        _fail("give a PROMPT or --prompt-ids")
+    with one_line_errors():
+        ids = _token_ids(prompt_ids) if prompt_ids else None
+        if prompt is None and ids is None:
+            _fail("give a PROMPT or --prompt-ids")
+        generate_remote(address, check_utf8(prompt, "PROMPT"), chat=chat, prompt_token_ids=ids,
+                        namespace=namespace, sampling={"max_tokens": max_tokens,
+                                                       "temperature": temperature, "seed": seed},
+                        as_json=as_json)
+
+
+def _token_ids(text: str) -> list[int]:
     try:
-        generate_remote(address, prompt, chat=chat, prompt_token_ids=ids, namespace=namespace,
-                        sampling={"max_tokens": max_tokens, "temperature": temperature,
-                                  "seed": seed}, as_json=as_json)
-    except MoestreamError as e:
-        _fail(str(e))
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids {text[:64]!r}: expected comma-separated integers "
+                          f"like 1,15043,3186") from None
 
 
 COMMANDS: list[Callable] = [serve, scale, status, shutdown]

@@ -1,6 +1,7 @@
-"""``moestream convert``: a Hugging Face directory or GGUF file -> an expert store.
+"""``moestream convert``: a Hugging Face directory or GGUF file -> an expert store;
+``moestream verify``: check a store whole.
 
-Registered on the ``moestream`` group by services.cli (``main.add_command(convert)``).
+Registered on the ``moestream`` group by services.cli (``main.add_command(...)``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from engine.errors import MoestreamError
               help="Weights per scale group (ignored by bf16).")
 @click.option("--dense-dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto",
               show_default=True, help="Non-expert weights: auto keeps f16/bf16/f32 as stored.")
-@click.option("--overwrite", is_flag=True, help="Replace a store converted with other parameters.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace a moestream store converted with other parameters (never other files).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 def convert(src, out, quant, group_size, dense_dtype, overwrite, progress):
     """Convert SRC (HF checkpoint directory or .gguf) into a 4 KiB-aligned expert store."""
@@ -36,3 +38,22 @@ def convert(src, out, quant, group_size, dense_dtype, overwrite, progress):
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     click.echo(str(summary))
+
+
+@click.command("verify")
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("--max-errors", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Problems listed (the rest are counted).")
+def verify(store, max_errors):
+    """Check STORE whole: manifest, every expert blob's digest and identity, file sizes, the dense
+    file and the tokenizer. Exit 0 when intact; otherwise one 'error:' line per problem, exit 2."""
+    from engine.store import verify_store
+
+    report = verify_store(store, max_problems=max_errors)
+    click.echo(report.summary())
+    for problem in report.problems:
+        click.echo(f"error: {problem}", err=True)
+    if report.more:
+        click.echo(f"error: ... and {report.more} more problems", err=True)
+    if not report.ok:
+        sys.exit(2)

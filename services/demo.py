@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from services.cli_checks import check_output, check_utf8, typed_errors
 
 DEFAULT_QUESTION = "What is the capital of France?"
 
@@ -77,7 +78,7 @@ def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: 
     from engine.experts.runtime import store_expert_bytes
     from engine.units import format_bytes, parse_bytes
     from services.app import deploy
-    from services.cli_serve import stream_to
+    from services.cli_serve import check_local_budgets, stream_to
     from services.client import MoestreamClient
     from services.config import DeployConfig
 
@@ -92,6 +93,8 @@ def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: 
     total = store_expert_bytes(store)
     dev = parse_bytes(device_budget, total=total, name="--device-budget")
     ram = parse_bytes(ram_budget, total=total, name="--ram-budget")
+    check_local_budgets(DeployConfig(store=store, device_budget=dev, ram_budget=ram),
+                        device_budget, ram_budget)
     log(f"[demo] store ready in {time.perf_counter() - t0:.1f} s; experts {format_bytes(total)}, device "
         f"budget {format_bytes(dev)} ({dev / total:.0%}), RAM tier {format_bytes(ram)} ({ram / total:.0%})")
     namespace = f"moestream-demo-{os.getpid()}"
@@ -137,9 +140,13 @@ def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: 
               help="Format of the dense (non-expert) linears on the decode actor.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Where the built model and store are kept (default: ~/.cache/moestream/demo).")
+@typed_errors
 def demo(question, max_tokens, device_budget, ram_budget, loaders, experts, top_k, shared_fraction,
          quant, group_size, calib_tokens, dense, cache_dir):
     """Build (first run) and serve a real MoE made from SmolLM2; answer QUESTION through Ray."""
+    check_utf8(question, "QUESTION")
+    if cache_dir:
+        check_output(cache_dir, "--cache-dir", directory=True)
     cfg = DemoConfig(experts=experts, top_k=top_k, shared_fraction=shared_fraction, quant=quant,
                      group_size=int(group_size), calib_tokens=calib_tokens)
     run_demo(question or DEFAULT_QUESTION, cfg, device_budget=device_budget, ram_budget=ram_budget,

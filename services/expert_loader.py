@@ -36,12 +36,12 @@ A reader copies, then accepts the copy only if seq was even, unchanged, and the 
 from __future__ import annotations
 
 import asyncio
-import glob
 import hashlib
 import logging
 import mmap
 import os
 import secrets
+import stat
 import threading
 import time
 from contextlib import contextmanager
@@ -76,19 +76,60 @@ SLOT_HEADER = np.dtype([("seq", "<u8"), ("layer", "<i4"), ("expert", "<i4"),
 assert PREAMBLE.itemsize == 64 and SLOT_HEADER.itemsize == 32
 
 
-def segment_prefix(namespace: str, loader: str) -> str:
-    return f"moestream-{namespace}-{loader}-"
+SEGMENT_TAG = "moestream"
+
+
+def _user_prefix() -> str:
+    return f"{SEGMENT_TAG}.u{os.getuid()}."
+
+
+def segment_prefix(namespace: str, loader: str = "") -> str:
+    """Name prefix of the segments of ``loader`` in deployment ``namespace`` for this user (all
+    its loaders when ``loader`` is empty). The one place the name format lives:
+
+        moestream.u<uid>.<namespace digest>.<loader>.<pid>.<random>
+
+    The user id and a fixed-length digest of the namespace keep two users or two deployments
+    from matching each other's prefix; the dots end each part, so loader-1 never matches
+    loader-10."""
+    if "." in loader or "/" in loader:
+        raise ExpertLoadError(f"loader name {loader!r} may not contain '.' or '/'")
+    ns = hashlib.blake2b(namespace.encode(), digest_size=6).hexdigest()
+    return f"{_user_prefix()}{ns}." + (f"{loader}." if loader else "")
+
+
+def segment_name(prefix: str) -> str:
+    """A fresh segment name under ``prefix`` (segment_prefix): this process and a random part."""
+    return f"{prefix}{os.getpid()}.{secrets.token_hex(4)}"
 
 
 def sweep_segments(prefix: str) -> list[str]:
-    """Unlink leftover segments whose names start with ``prefix`` (a killed predecessor's)."""
-    gone = []
-    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*")):
+    """Unlink leftover segments under ``prefix`` (segment_prefix; a killed predecessor's).
+
+    Only regular files owned by this user are removed; a segment that cannot be removed is
+    skipped (one warning per sweep) and the sweep goes on. Returns the names removed."""
+    uid = os.getuid()
+    if not prefix.startswith(_user_prefix()):
+        raise ExpertLoadError(f"{prefix!r} is not a segment prefix of this user; "
+                              f"build it with segment_prefix()")
+    gone, skipped = [], []
+    for name in sorted(os.listdir(SHM_DIR)):
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(SHM_DIR, name)
         try:
+            st = os.lstat(path)
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+                continue  # another user's, or not a segment: never touched
             os.unlink(path)
-            gone.append(os.path.basename(path))
+            gone.append(name)
         except FileNotFoundError:
-            pass
+            pass  # removed meanwhile by its owner
+        except OSError as e:
+            skipped.append(f"{name} ({e.strerror or type(e).__name__})")
+    if skipped:
+        log.warning("shared-memory sweep of %s/%s*: left %d segment(s) it cannot remove: %s",
+                    SHM_DIR, prefix, len(skipped), ", ".join(skipped[:8]))
     return gone
 
 
@@ -111,7 +152,7 @@ class ShmRamTier:
                                   f"{self.slot_bytes} bytes; raise --ram-budget")
         self.data_offset = align_up(PREAMBLE.itemsize + SLOT_HEADER.itemsize * self.num_slots, ALIGN)
         size = self.data_offset + self.num_slots * self.slot_bytes
-        self.name = f"{name_prefix}{os.getpid()}-{secrets.token_hex(4)}"
+        self.name = segment_name(name_prefix)
         self.path = os.path.join(SHM_DIR, self.name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

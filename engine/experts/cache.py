@@ -30,6 +30,7 @@ from engine.errors import CacheCapacityError, ConfigError
 from engine.experts.policy import PinnedPolicy, make_policy
 from engine.experts.tiers import ExpertSource, Key, TierCounters, align_up, take_slot
 from engine.layers.moe import ExpertProvider
+from engine.quant.kernels import SLOT_ROW, slot_row
 
 MISS_MODES = ("transfer", "cpu", "auto")
 
@@ -141,6 +142,8 @@ class ExpertCache(ExpertProvider):
         self.slot_of: dict[Key, int] = {}
         self.views: dict[int, QuantizedExpert] = {}
         self._slot_views: dict[int, tuple[int, QuantizedExpert]] = {}  # slot -> (layout key, views)
+        # the fused step's view of the same slots: one row per slot (engine.quant.kernels.slot_row)
+        self.slot_rows = torch.zeros(self.num_slots, SLOT_ROW, dtype=torch.int64)
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.loading: dict[Key, Future] = {}
         self.prefetched: set[Key] = set()  # loaded by prefetch and not used yet
@@ -403,7 +406,17 @@ class ExpertCache(ExpertProvider):
         made = self._slot_views.get(slot)
         if made is None or made[0] != layout:
             made = self._slot_views[slot] = (layout, self._unpack(key, self.slots[slot]))
+            v = made[1]
+            self.slot_rows[slot] = torch.tensor(slot_row(v.gate, v.up, v.down), dtype=torch.int64)
         return made[1]
+
+    def slot_table(self, layer, expert_ids, experts):
+        """Slots of acquired experts (pinned until release); -1 for one computed on the CPU."""
+        if self.device.type != "cpu":
+            return None
+        with self.lock:
+            slots = [-1 if experts[e].on_cpu else self.slot_of[(layer, e)] for e in expert_ids]
+        return self.slot_rows, slots
 
     def _unpack(self, key: Key, buf: torch.Tensor, on_cpu: bool = False) -> QuantizedExpert:
         g, u, d = self.store.expert_tensors(*key, buf)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,20 @@ def _small_uint(maxval: int) -> np.dtype:
         if maxval <= np.iinfo(dt).max:
             return np.dtype(dt)
     return np.dtype(np.int64)
+
+
+@contextmanager
+def replaced_atomically(path: Path):
+    """A file open for writing next to ``path`` that replaces it when the block succeeds and is
+    removed when it fails (a full disk leaves nothing behind)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @dataclass(frozen=True, eq=False)
@@ -217,8 +232,7 @@ class RoutingTrace:
         meta = np.array(
             [TRACE_VERSION, self.num_layers, self.num_experts, self.top_k], dtype=np.int64
         )
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
+        with replaced_atomically(path) as f:
             np.savez_compressed(
                 f,
                 meta=meta,
@@ -227,7 +241,6 @@ class RoutingTrace:
                 experts=self.experts.astype(_small_uint(self.num_experts - 1)),
                 sequence=self.sequence.astype(_small_uint(int(self.sequence.max(initial=0)))),
             )
-        os.replace(tmp, path)
         return path
 
     @classmethod

@@ -60,6 +60,13 @@ class KVCache(ABC):
     def free(self, seq_id: int) -> None:
         """Drop everything cached for ``seq_id``."""
 
+    def native_view(self, layout: BatchLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For the fused step (engine.step): make room for every sequence of ``layout`` (its context
+        plus its new tokens) and return (storage [L, 2, NB, BS, Nkv, D], block tables int32
+        [S, max blocks]), the native attention writing and reading positions through the tables;
+        None when this cache cannot be used that way (the step then runs the torch layers)."""
+        return None
+
 
 class ContiguousKVCache(KVCache):
     """One growable [L, 2, capacity, Nkv, D] tensor per sequence, on the device of the keys it is
@@ -93,6 +100,13 @@ class ContiguousKVCache(KVCache):
 
     def free(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
+
+    def native_view(self, layout, device):
+        """One sequence's buffer [L, 2, cap, Nkv, D] is one block of ``cap`` positions."""
+        if len(layout.seq_ids) != 1 or self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        buf = self._ensure(layout.seq_ids[0], layout.context_lens[0] + layout.query_lens[0], device)
+        return buf.unsqueeze(2), torch.zeros(1, 1, dtype=torch.int32)
 
     def num_sequences(self) -> int:
         return len(self._seqs)

@@ -229,6 +229,21 @@ class PagedKVCache(KVCache):
             blocks = blocks.float() * self.scales[layer, kv, ids][:, None, None, None]
         return blocks.reshape(-1, self.num_kv_heads, self.head_dim)[:end]
 
+    def native_view(self, layout, device):
+        if self.fp8 or self.storage.device != device:
+            return None
+        ends = [c + n for c, n in zip(layout.context_lens, layout.query_lens)]
+        for seq_id, end in zip(layout.seq_ids, ends):
+            if self._missing(seq_id, end):
+                self.allocate(seq_id, end)
+            self.lengths[seq_id] = max(self.lengths[seq_id], end)
+        width = max(len(self.tables[s]) for s in layout.seq_ids)
+        tables = torch.zeros(len(layout.seq_ids), width, dtype=torch.int32)
+        for i, seq_id in enumerate(layout.seq_ids):
+            t = self.tables[seq_id]
+            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        return self.storage, tables
+
     # ---- metrics ---------------------------------------------------------------------------
     def metrics(self) -> KVMetrics:
         per_block = self.storage[:, :, 0].numel() * self.storage.element_size()

@@ -66,6 +66,14 @@ class ExpertProvider(ABC):
         drafting restricts routing to device-resident experts so drafts move no bytes."""
         return None
 
+    def slot_table(self, layer: int, expert_ids: list[int],
+                   experts: Mapping[int, Expert]) -> tuple[torch.Tensor, list[int]] | None:
+        """For the fused step (engine.step): the provider's slot table (int64 [slots, 13], one row
+        per slot: format, group, I, H and the addresses of the expert's parts) and the slot of each
+        acquired expert, -1 for one that must run through ``Expert.forward`` (e.g. computed on the
+        CPU from RAM). None: the provider has no slots, every expert runs through its forward."""
+        return None
+
     def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """Called with a sparse layer's MoE input once its first experts are acquired, before
         they compute: prefetching for the next layers overlaps this layer's compute."""

@@ -4,11 +4,30 @@ penalties, per-request seeds. Reference path for one sequence's logits [V]."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.errors import RequestValidationError
+
+
+def is_int(x: object) -> bool:
+    """An integer as the API takes one: int or a numpy integer; not bool, not float."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_real(x: object) -> bool:
+    """A number as the API takes one: int, float or a numpy scalar; not bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def short_repr(value: object) -> str:
+    """repr for an error message: at most 60 characters (never a megabyte of input)."""
+    if isinstance(value, int) and value.bit_length() > 64:  # repr may not even be allowed
+        return f"<{value.bit_length()}-bit integer>"
+    text = repr(value) if isinstance(value, (int, float, str, bytes)) else type(value).__name__
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 @dataclass(frozen=True)
@@ -29,28 +48,36 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         def bad(field_name: str, value: object, allowed: str) -> RequestValidationError:
-            return RequestValidationError(f"{field_name}={value!r} is invalid; allowed: {allowed}")
+            return RequestValidationError(f"{field_name}={short_repr(value)} is invalid; allowed: {allowed}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+        if not (is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise bad("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", self.top_k, "an integer >= 0 (0 = off)")
-        if not (0 < self.top_p <= 1):
+        if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             raise bad("top_p", self.top_p, "a number in (0, 1]")
-        if not (0 <= self.min_p <= 1):
+        if not (is_real(self.min_p) and 0 <= self.min_p <= 1):
             raise bad("min_p", self.min_p, "a number in [0, 1]")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+        if not (is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+                and self.repetition_penalty > 0):
             raise bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not (math.isfinite(v) and -2 <= v <= 2):
+            if not (is_real(v) and math.isfinite(v) and -2 <= v <= 2):
                 raise bad(name, v, "a number in [-2, 2]")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
+        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**63):
             raise bad("seed", self.seed, "an integer in [0, 2^63)")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             raise bad("logprobs", self.logprobs, "an integer in [0, 20]")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", self.ignore_eos, "True or False")
+        if not (isinstance(self.stop, (tuple, list)) and all(isinstance(x, str) for x in self.stop)):
+            raise bad("stop", self.stop, "a tuple of strings")
+        if not (isinstance(self.stop_token_ids, (tuple, list))
+                and all(is_int(t) and t >= 0 for t in self.stop_token_ids)):
+            raise bad("stop_token_ids", self.stop_token_ids, "a tuple of integers >= 0")
 
     @property
     def greedy(self) -> bool:

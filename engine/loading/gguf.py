@@ -36,13 +36,15 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.errors import ModelFormatError
+from engine.errors import ConfigError, ModelFormatError, quote
 from engine.loading.gguf_quants import GGML_TYPES, GGMLType, can_dequantize, dequantize
 from engine.loading.source import TensorInfo, TensorSource, expert_name
+from engine.loading.validate import CountFields
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+_BAD_MAGIC = "bad magic: the file does not start with 'GGUF', so it is not a GGUF file"
 HEADER_BYTES = 24  # magic 4 + version 4 + n_tensors 8 + n_kv 8
 # ggml's own caps (gguf.cpp GGUF_MAX_STRING_LENGTH / GGUF_MAX_ARRAY_ELEMENTS, GGML_MAX_NAME,
 # GGML_MAX_DIMS). A count within these may still be rejected against the bytes left.
@@ -68,6 +70,9 @@ _SCALAR_FORMATS = {  # type -> (struct reader, numpy dtype)
         (T_INT64, "<q", "<i8"), (T_FLOAT64, "<d", "<f8"),
     )
 }
+# Special-token ids a GGUF may declare (llama.cpp spells "seperator").
+SPECIAL_TOKEN_KEYS = tuple(f"tokenizer.ggml.{k}_token_id" for k in (
+    "bos", "eos", "eot", "eom", "padding", "unknown", "seperator", "mask"))
 _INT_TYPES = (T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_UINT64, T_INT64)
 _TYPE_NAMES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "float32", "bool",
                "string", "array", "uint64", "int64", "float64")
@@ -171,7 +176,7 @@ class GGUFFile:
             if size < HEADER_BYTES:
                 head = os.pread(fd, 4, 0)
                 if head != GGUF_MAGIC[:len(head)]:
-                    raise ModelFormatError(self.path, f"bad magic {head!r}: not a GGUF file")
+                    raise ModelFormatError(self.path, _BAD_MAGIC)
                 raise ModelFormatError(
                     self.path, f"file is {size} bytes, shorter than the {HEADER_BYTES}-byte GGUF header"
                 )
@@ -188,7 +193,8 @@ class GGUFFile:
             # Safety net: every read above is bounds-checked, so this means a bug here; still
             # report it as a format problem of this file, not a crash.
             self.close()
-            raise ModelFormatError(self.path, f"unreadable structure: {type(e).__name__}: {e}") from None
+            raise ModelFormatError(self.path, f"unreadable structure ({type(e).__name__}): "
+                                             f"{quote(str(e), 80)}") from None
         except BaseException:
             self.close()
             raise
@@ -199,7 +205,7 @@ class GGUFFile:
         c = _Cursor(self._mm, self.size, self.path)
         magic = self._mm[0:4]
         if magic != GGUF_MAGIC:
-            raise c.fail(f"bad magic {magic!r}: not a GGUF file")
+            raise c.fail(_BAD_MAGIC)
         c.pos = 4
         version = c.u32("version")
         if version not in SUPPORTED_VERSIONS:
@@ -223,8 +229,8 @@ class GGUFFile:
             if not key:
                 raise c.fail(f"metadata key #{i} is empty")
             if key in self.metadata:
-                raise c.fail(f"duplicate metadata key {key!r}")
-            vtype = c.u32(f"value type of {key!r}")
+                raise c.fail(f"duplicate metadata key {quote(key)}")
+            vtype = c.u32(f"value type of {quote(key)}")
             self.metadata[key] = self._read_value(c, vtype, key)
             self.metadata_types[key] = vtype
 
@@ -271,36 +277,36 @@ class GGUFFile:
 
     def _read_value(self, c: _Cursor, vtype: int, key: str) -> Any:
         if vtype == T_STRING:
-            return c.string(f"value of {key!r}")
+            return c.string(f"value of {quote(key)}")
         if vtype == T_ARRAY:
             return self._read_array(c, key)
         fmt = _SCALAR_FORMATS.get(vtype)
         if fmt is None:
-            raise c.fail(f"metadata {key!r} has unknown value type {vtype} (known: 0-12)")
+            raise c.fail(f"metadata {quote(key)} has unknown value type {vtype} (known: 0-12)")
         st = fmt[0]
-        c.need(st.size, f"value of {key!r}")
+        c.need(st.size, f"value of {quote(key)}")
         (v,) = st.unpack_from(c.buf, c.pos)
         c.pos += st.size
         return bool(v) if vtype == T_BOOL else v
 
     def _read_array(self, c: _Cursor, key: str) -> list[Any]:
-        etype = c.u32(f"element type of array {key!r}")
-        count = c.u64(f"length of array {key!r}")
+        etype = c.u32(f"element type of array {quote(key)}")
+        count = c.u64(f"length of array {quote(key)}")
         if count > MAX_ARRAY_ELEMENTS:
-            raise c.fail(f"array {key!r} declares {count} elements, above the limit of "
+            raise c.fail(f"array {quote(key)} declares {count} elements, above the limit of "
                          f"{MAX_ARRAY_ELEMENTS}")
         if etype == T_STRING:
             # Each string needs at least its 8-byte length: bound the count before looping.
             if count * 8 > c.left():
-                raise c.fail(f"array {key!r} declares {count} strings but only {c.left()} bytes remain")
+                raise c.fail(f"array {quote(key)} declares {count} strings but only {c.left()} bytes remain")
             return self._read_string_array(c, key, count)
         if etype == T_ARRAY:
-            raise c.fail(f"array {key!r} holds arrays; nested arrays are not supported")
+            raise c.fail(f"array {quote(key)} holds arrays; nested arrays are not supported")
         fmt = _SCALAR_FORMATS.get(etype)
         if fmt is None:
-            raise c.fail(f"array {key!r} has unknown element type {etype} (known: 0-12)")
+            raise c.fail(f"array {quote(key)} has unknown element type {etype} (known: 0-12)")
         width = fmt[0].size
-        c.need(count * width, f"array {key!r} of {count} {_TYPE_NAMES[etype]}")
+        c.need(count * width, f"array {quote(key)} of {count} {_TYPE_NAMES[etype]}")
         values = np.frombuffer(c.buf, dtype=fmt[1], count=count, offset=c.pos)
         c.pos += count * width
         out = values.tolist()  # copies into Python objects; the mmap view is dropped
@@ -316,17 +322,17 @@ class GGUFFile:
         for i in range(count):
             if pos + 8 > size:
                 c.pos = pos
-                raise c.fail(f"array {key!r}: string #{i} length is past the end of the file")
+                raise c.fail(f"array {quote(key)}: string #{i} length is past the end of the file")
             (n,) = unpack(buf, pos)
             pos += 8
             if n > size - pos:
                 c.pos = pos
-                raise c.fail(f"array {key!r}: string #{i} declares {n} bytes but only "
+                raise c.fail(f"array {quote(key)}: string #{i} declares {n} bytes but only "
                              f"{size - pos} remain")
             try:
                 append(buf[pos:pos + n].decode("utf-8"))
             except UnicodeDecodeError as e:
-                raise c.fail(f"array {key!r}: string #{i} is not valid UTF-8 ({e.reason})") from None
+                raise c.fail(f"array {quote(key)}: string #{i} is not valid UTF-8 ({e.reason})") from None
             pos += n
         c.pos = pos
         return out
@@ -466,18 +472,54 @@ class GGUFSource(TensorSource):
                 # Llama 3.x GGUFs carry their rope scaling as per-frequency divisors in a tensor,
                 # not as metadata; the config applies them to the inverse frequencies.
                 meta["_rope_freq_factors"] = self._rope_freq_factors()
+            self._check_vocabulary()
             try:
                 self.config: ModelConfig = ModelConfig.from_gguf_metadata(meta, source=self.path)
+            except ConfigError as e:  # a value out of range: name the file it came from
+                raise self._fail(str(e)) from None
             except (ArithmeticError, AttributeError, KeyError) as e:
                 # from_gguf_metadata maps TypeError/ValueError itself; a zero head count or a
                 # value of an unexpected kind can still escape as these.
-                raise self._fail(f"bad metadata value: {type(e).__name__}: {e}") from None
+                raise self._fail(f"bad metadata value ({type(e).__name__}): {quote(str(e), 80)}") from None
+            garch = self.metadata.get("general.architecture")
+            self.count_fields = CountFields(self.path, f"{garch}.block_count", f"{garch}.expert_count")
             self._entries: dict[str, _Entry] = {}
             self.unmapped: list[str] = []
             self._build_entries()
         except BaseException:
             self._file.close()
             raise
+
+    def _check_vocabulary(self) -> None:
+        """The tokenizer's token list must match the embedding rows one to one (as llama.cpp
+        requires): with fewer tokens the model can generate ids nothing decodes, with more the
+        tokenizer can produce ids the embedding has no row for. Special-token ids must be
+        integers inside the vocabulary."""
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        if tokens is not None and (self.metadata_type("tokenizer.ggml.tokens") != T_ARRAY
+                                   or not all(isinstance(t, str) for t in tokens)):
+            raise self._fail("tokenizer.ggml.tokens must be an array of strings")
+        embd = self.tensor_infos.get("token_embd.weight")
+        rows = embd.shape[0] if embd is not None else None
+        if tokens is not None and rows is not None and len(tokens) != rows:
+            raise self._fail(
+                f"the tokenizer has {len(tokens)} tokens (tokenizer.ggml.tokens) but the "
+                f"embedding token_embd.weight has {rows} rows; they must be equal, or the model "
+                "produces ids the tokenizer cannot decode (or the reverse)")
+        vocab = len(tokens) if tokens is not None else rows
+        for key in SPECIAL_TOKEN_KEYS:
+            if key not in self.metadata:
+                continue
+            value = self.metadata[key]
+            if self.metadata_type(key) not in _INT_TYPES:
+                raise self._fail(f"{key} must be an integer, got a "
+                                 f"{_TYPE_NAMES[self.metadata_type(key)]}")
+            if vocab is not None and not 0 <= value < vocab:
+                raise self._fail(f"{key} {value} is outside the vocabulary ({vocab} tokens)")
+
+    def metadata_type(self, key: str) -> int:
+        """GGUF value type id of a metadata key."""
+        return self._file.metadata_types[key]
 
     def _rope_freq_factors(self) -> list[float]:
         from engine.loading.gguf_quants import dequantize
@@ -511,7 +553,10 @@ class GGUFSource(TensorSource):
                     raise self._fail(f"stacked expert tensor {gname!r} has shape {list(shape)}; "
                                      "expected [experts, out, in]")
                 n_exp = shape[0]
-                if cfg.moe is not None and n_exp != cfg.moe.num_experts:
+                if cfg.moe is None:
+                    raise self._fail(f"stacked expert tensor {gname!r} holds {n_exp} experts but "
+                                     "the metadata declares no expert_count")
+                if n_exp != cfg.moe.num_experts:
                     raise self._fail(f"stacked expert tensor {gname!r} holds {n_exp} experts; "
                                      f"metadata says expert_count={cfg.moe.num_experts}")
                 for j in range(n_exp):

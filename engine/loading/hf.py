@@ -34,10 +34,12 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.errors import ModelFormatError
+from engine.config import ModelConfig, first_present
+from engine.errors import ModelFormatError, quote
+from engine.loading.paths import confine
 from engine.loading.safetensors import SafetensorsFile
 from engine.loading.source import TensorInfo, TensorSource, expert_name
+from engine.loading.validate import CountFields
 from engine.models.registry import get_spec
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,10 @@ class HFSource(TensorSource):
         self.path = str(root)
         if not root.is_dir():
             raise ModelFormatError(root, "not a directory; expected a Hugging Face checkpoint directory")
-        self.config = ModelConfig.from_hf_dir(root)
+        self.config, raw = ModelConfig.from_hf_dir_raw(root)
+        self.count_fields = CountFields(
+            str(root / "config.json"), first_present(raw, "num_hidden_layers"),
+            first_present(raw, "num_experts", "num_local_experts"))
         self._spec = get_spec(self.config.arch)
         self._files: dict[str, SafetensorsFile] = {}
         self._refs: dict[str, _Ref] = {}
@@ -93,8 +98,8 @@ class HFSource(TensorSource):
         return self._files[key]
 
     def _locate(self, root: Path) -> dict[str, SafetensorsFile]:
-        index = root / INDEX_FILE
-        single = root / SINGLE_FILE
+        index = confine(root, INDEX_FILE)
+        single = confine(root, SINGLE_FILE)
         if index.is_file():
             return self._read_index(root, index)
         if single.is_file():
@@ -116,8 +121,13 @@ class HFSource(TensorSource):
             raise ModelFormatError(index, f"index is {size} bytes, over the {MAX_INDEX_BYTES}-byte limit")
         try:
             raw = json.loads(index.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelFormatError(index, f"not valid JSON: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ModelFormatError(index, f"not valid UTF-8 (byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise ModelFormatError(index, f"not valid JSON: {e.msg} at line {e.lineno} "
+                                          f"column {e.colno}") from None
+        except RecursionError:
+            raise ModelFormatError(index, "not valid JSON: nested too deeply") from None
         wmap = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(wmap, dict) or not wmap:
             raise ModelFormatError(index, "missing or empty 'weight_map' object")
@@ -126,15 +136,17 @@ class HFSource(TensorSource):
             # Shard names must be plain files in the directory: no "../x", no absolute paths.
             if (not isinstance(shard, str) or not shard or Path(shard).name != shard
                     or shard in (".", "..")):
-                raise ModelFormatError(index, f"tensor {name!r} maps to invalid shard name {shard!r}")
-            shard_path = root / shard
+                raise ModelFormatError(
+                    index, f"tensor {quote(name)} maps to invalid shard name {quote(shard)}")
+            shard_path = confine(root, shard, named_by=index)  # a symlink may not leave root
             if not shard_path.is_file():
                 raise ModelFormatError(
-                    index, f"tensor {name!r} maps to shard {shard!r}, which does not exist")
+                    index, f"tensor {quote(name)} maps to shard {quote(shard)}, which does not exist")
             f = self._open(shard_path)
             if name not in f:
                 raise ModelFormatError(
-                    shard_path, f"index {INDEX_FILE} lists tensor {name!r} in this shard but it is not there")
+                    shard_path, f"index {INDEX_FILE} lists tensor {quote(name)} in this shard but it "
+                                "is not there")
             located[name] = f
         for f in self._files.values():
             extra = [n for n in f.names() if n not in located]
@@ -148,8 +160,8 @@ class HFSource(TensorSource):
             other = self._refs[canonical]
             raise ModelFormatError(
                 ref.file.path,
-                f"tensor {ref.stored_name!r} and tensor {other.stored_name!r} (in {other.file.path}) "
-                f"both map to {canonical!r}")
+                f"tensor {quote(ref.stored_name)} and tensor {quote(other.stored_name)} (in {other.file.path}) "
+                f"both map to {quote(canonical)}")
         self._refs[canonical] = ref
 
     def _add(self, stored: str, f: SafetensorsFile) -> None:
@@ -161,13 +173,14 @@ class HFSource(TensorSource):
         layer, kind = int(m.group(1)), m.group(2)
         if len(shape) != 3:
             raise ModelFormatError(
-                f.path, f"fused expert tensor {stored!r} must be 3-D [E, out, in], got {list(shape)}")
+                f.path, f"fused expert tensor {quote(stored)} must be 3-D [E, out, in], got {list(shape)}")
         n_exp, out, inner = shape
+        self._check_fused_experts(f, stored, shape)
         if kind == "gate_up_proj":
             if out % 2:
                 raise ModelFormatError(
                     f.path,
-                    f"fused tensor {stored!r} has shape {list(shape)}; dim 1 must be 2*I (gate then up)")
+                    f"fused tensor {quote(stored)} has shape {list(shape)}; dim 1 must be 2*I (gate then up)")
             half = out // 2
             for j in range(n_exp):
                 self._put(expert_name(layer, j, "gate_proj"),
@@ -177,6 +190,20 @@ class HFSource(TensorSource):
         else:  # down_proj [E, H, I]
             for j in range(n_exp):
                 self._put(expert_name(layer, j, "down_proj"), _Ref(f, stored, j, None, (out, inner), dtype))
+
+    def _check_fused_experts(self, f: SafetensorsFile, stored: str, shape: tuple[int, ...]) -> None:
+        """A fused [E, out, in] tensor is split into E per-expert entries: E must be the
+        config's expert count and every expert must hold data, so the split is bounded by the
+        file (a zero-size [10^9, 0, 0] tensor costs no bytes but would make 10^9 entries)."""
+        moe = self.config.moe
+        if 0 in shape:
+            raise ModelFormatError(f.path, f"fused expert tensor {quote(stored)} has shape "
+                                           f"{list(shape)}; no dimension may be zero")
+        if moe is None or shape[0] != moe.num_experts:
+            declared = "no experts" if moe is None else f"{moe.num_experts} experts"
+            raise ModelFormatError(
+                f.path, f"fused expert tensor {quote(stored)} holds {shape[0]} experts but "
+                        f"config.json declares {declared}")
 
     # ---- TensorSource ----------------------------------------------------------------------
     def names(self) -> list[str]:

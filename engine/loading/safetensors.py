@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 
-from engine.errors import ModelFormatError
+from engine.errors import ModelFormatError, quote
 
 MAX_HEADER_BYTES = 100_000_000  # upstream's limit; bounds the only allocation made before checks
+MAX_DIMS = 64  # no tensor has more; bounds the shape arithmetic on a hostile header
 _MAX_BYTES = 2**63 - 1  # anything larger cannot be an offset in a real file (and overflows i64)
 
 # safetensors dtype -> (torch dtype, itemsize, our short name as used in TensorInfo.dtype).
@@ -104,42 +105,44 @@ def _is_int(x: object) -> bool:
 
 def _parse_entry(path: str, name: str, raw: object) -> _Entry:
     def bad(problem: str) -> ModelFormatError:
-        return ModelFormatError(path, f"tensor {name!r}: {problem}")
+        return ModelFormatError(path, f"tensor {quote(name)}: {problem}")
 
     if not isinstance(raw, dict):
         raise bad(f"header entry must be a JSON object, got {type(raw).__name__}")
     for key in ("dtype", "shape", "data_offsets"):
         if key not in raw:
-            raise bad(f"header entry is missing {key!r}")
+            raise bad(f"header entry is missing {quote(key)}")
     st_dtype = raw["dtype"]
     if not isinstance(st_dtype, str) or st_dtype not in DTYPES:
-        raise bad(f"unknown dtype {st_dtype!r}; known: {', '.join(DTYPES)}")
+        raise bad(f"unknown dtype {quote(st_dtype)}; known: {', '.join(DTYPES)}")
     shape = raw["shape"]
     if not isinstance(shape, list):
-        raise bad(f"shape must be a list of integers, got {shape!r}")
+        raise bad(f"shape must be a list of integers, got {quote(shape)}")
+    if len(shape) > MAX_DIMS:
+        raise bad(f"shape has {len(shape)} dimensions; at most {MAX_DIMS} are allowed")
     for d in shape:
         if not _is_int(d):
-            raise bad(f"shape {shape!r} has a non-integer dimension {d!r}")
+            raise bad(f"shape {quote(shape)} has a non-integer dimension {quote(d)}")
         if d < 0:
-            raise bad(f"shape {shape!r} has a negative dimension {d}")
+            raise bad(f"shape {quote(shape)} has a negative dimension {d}")
     itemsize = DTYPES[st_dtype][1]
     # Python ints do not wrap, so compare against the i64 limit explicitly: a C reader computing
     # the same product in 64 bits would wrap to a small number (llama.cpp PR #18674).
     numel = math.prod(shape)
     if numel * itemsize > _MAX_BYTES:
-        raise bad(f"shape {shape!r} overflows: {numel} elements x {itemsize} bytes exceeds 2^63-1")
+        raise bad(f"shape {quote(shape)} overflows: its elements x {itemsize} bytes exceed 2^63-1")
     offs = raw["data_offsets"]
     if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
-        raise bad(f"data_offsets must be a list of two integers, got {offs!r}")
+        raise bad(f"data_offsets must be a list of two integers, got {quote(offs)}")
     start, end = offs
     if start < 0 or end < 0:
-        raise bad(f"data_offsets {offs!r} are negative")
+        raise bad(f"data_offsets {quote(offs)} are negative")
     if end < start:
-        raise bad(f"data_offsets {offs!r} end before they start")
+        raise bad(f"data_offsets {quote(offs)} end before they start")
     if end - start != numel * itemsize:
         raise bad(
-            f"byte length {end - start} (data_offsets {offs!r}) != numel {numel} x itemsize "
-            f"{itemsize} = {numel * itemsize} for dtype {st_dtype} shape {shape!r}"
+            f"byte length {end - start} (data_offsets {quote(offs)}) != numel {numel} x itemsize "
+            f"{itemsize} = {numel * itemsize} for dtype {st_dtype} shape {quote(shape)}"
         )
     return _Entry(name, st_dtype, tuple(shape), start, end, numel)
 
@@ -184,13 +187,13 @@ class SafetensorsFile:
         try:
             text = header_bytes.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ModelFormatError(path, f"header is not valid UTF-8: {e}") from None
+            raise ModelFormatError(path, f"header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
         try:
             # Writers may pad the header with trailing spaces to align the data area.
             header = json.loads(text, object_pairs_hook=_no_duplicates,
                                 parse_constant=_reject_constant)
         except _DuplicateKey as e:
-            raise ModelFormatError(path, f"header has duplicate key {e.key!r}") from None
+            raise ModelFormatError(path, f"header has duplicate key {quote(e.key)}") from None
         except (json.JSONDecodeError, ValueError, RecursionError) as e:
             raise ModelFormatError(path, f"header is not valid JSON: {e}") from None
         if not isinstance(header, dict):
@@ -215,18 +218,18 @@ class SafetensorsFile:
                 if e.start < pos:
                     assert prev is not None
                     raise ModelFormatError(
-                        path, f"tensor {e.name!r} (offsets [{e.start}, {e.end}]) overlaps "
-                              f"tensor {prev.name!r} (offsets [{prev.start}, {prev.end}])")
-                where = f"after tensor {prev.name!r}" if prev else "at the start of the data area"
+                        path, f"tensor {quote(e.name)} (offsets [{e.start}, {e.end}]) overlaps "
+                              f"tensor {quote(prev.name)} (offsets [{prev.start}, {prev.end}])")
+                where = f"after tensor {quote(prev.name)}" if prev else "at the start of the data area"
                 raise ModelFormatError(
-                    path, f"gap of {e.start - pos} bytes {where}: tensor {e.name!r} starts at "
+                    path, f"gap of {e.start - pos} bytes {where}: tensor {quote(e.name)} starts at "
                           f"{e.start}, expected {pos} (offsets must be contiguous from 0)")
             pos = e.end
             prev = e
         if pos > self._data_len:
             assert prev is not None
             raise ModelFormatError(
-                path, f"truncated: tensor {prev.name!r} ends at data offset {pos} but the data "
+                path, f"truncated: tensor {quote(prev.name)} ends at data offset {pos} but the data "
                       f"area has only {self._data_len} bytes")
         if pos < self._data_len:
             raise ModelFormatError(

@@ -10,7 +10,8 @@ error deep inside a matmul (or, worse, a silently wrong broadcast).
 from __future__ import annotations
 
 import logging
-from typing import Collection
+from dataclasses import dataclass
+from typing import Collection, Iterator
 
 from engine.config import ModelConfig
 from engine.errors import ModelFormatError
@@ -19,6 +20,20 @@ from engine.loading.source import TensorSource, expert_name
 log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = frozenset({"f32", "f16", "bf16"})
+# Tensors every layer needs whatever its kind: two norms, q/k/v/o, and an MLP of at least three
+# (gate/up/down; a sparse layer has a router plus three per expert).
+MIN_TENSORS_PER_LAYER = 9
+MIN_GLOBAL_TENSORS = 2  # embedding, final norm
+TENSORS_PER_EXPERT = 3
+
+
+@dataclass(frozen=True)
+class CountFields:
+    """Where a source's declared counts come from, for messages: the file and its fields."""
+
+    file: str
+    layers: str = "num_layers"
+    experts: str = "num_experts"
 
 
 def _gguf_dequantizable() -> frozenset[str]:
@@ -33,53 +48,86 @@ SUPPORTED_DTYPES = FLOAT_DTYPES | _gguf_dequantizable()
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor name ``config`` implies -> its shape."""
+    """Every canonical tensor name ``config`` implies -> its shape. Its size is proportional to
+    the declared counts: call only after :func:`check_declared_counts`."""
+    return dict(iter_expected(config))
+
+
+def iter_expected(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every canonical tensor ``config`` implies, lazily, in layer order."""
     c = config
     V, H, D = c.vocab_size, c.hidden_size, c.head_dim
     q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
-    out: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (V, H),
-        "model.norm.weight": (H,),
-    }
+    yield "model.embed_tokens.weight", (V, H)
+    yield "model.norm.weight", (H,)
     if not c.tie_word_embeddings:
-        out["lm_head.weight"] = (V, H)
+        yield "lm_head.weight", (V, H)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (H,)
-        out[p + "post_attention_layernorm.weight"] = (H,)
-        out[p + "self_attn.q_proj.weight"] = (q_out, H)
-        out[p + "self_attn.k_proj.weight"] = (kv_out, H)
-        out[p + "self_attn.v_proj.weight"] = (kv_out, H)
-        out[p + "self_attn.o_proj.weight"] = (H, q_out)
+        yield p + "input_layernorm.weight", (H,)
+        yield p + "post_attention_layernorm.weight", (H,)
+        yield p + "self_attn.q_proj.weight", (q_out, H)
+        yield p + "self_attn.k_proj.weight", (kv_out, H)
+        yield p + "self_attn.v_proj.weight", (kv_out, H)
+        yield p + "self_attn.o_proj.weight", (H, q_out)
         if c.attention_bias:
-            out[p + "self_attn.q_proj.bias"] = (q_out,)
-            out[p + "self_attn.k_proj.bias"] = (kv_out,)
-            out[p + "self_attn.v_proj.bias"] = (kv_out,)
+            yield p + "self_attn.q_proj.bias", (q_out,)
+            yield p + "self_attn.k_proj.bias", (kv_out,)
+            yield p + "self_attn.v_proj.bias", (kv_out,)
         if c.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = (D,)
-            out[p + "self_attn.k_norm.weight"] = (D,)
+            yield p + "self_attn.q_norm.weight", (D,)
+            yield p + "self_attn.k_norm.weight", (D,)
         if c.is_moe_layer(i):
             m = c.moe
             assert m is not None  # is_moe_layer is False without a MoE config
             I = m.expert_intermediate_size
-            out[p + "mlp.gate.weight"] = (m.num_experts, H)
+            yield p + "mlp.gate.weight", (m.num_experts, H)
             for j in range(m.num_experts):
-                out[expert_name(i, j, "gate_proj")] = (I, H)
-                out[expert_name(i, j, "up_proj")] = (I, H)
-                out[expert_name(i, j, "down_proj")] = (H, I)
+                yield expert_name(i, j, "gate_proj"), (I, H)
+                yield expert_name(i, j, "up_proj"), (I, H)
+                yield expert_name(i, j, "down_proj"), (H, I)
             S = m.shared_expert_intermediate_size
             if S:
-                out[p + "mlp.shared_expert.gate_proj.weight"] = (S, H)
-                out[p + "mlp.shared_expert.up_proj.weight"] = (S, H)
-                out[p + "mlp.shared_expert.down_proj.weight"] = (H, S)
+                yield p + "mlp.shared_expert.gate_proj.weight", (S, H)
+                yield p + "mlp.shared_expert.up_proj.weight", (S, H)
+                yield p + "mlp.shared_expert.down_proj.weight", (H, S)
                 if m.shared_expert_gate:
-                    out[p + "mlp.shared_expert_gate.weight"] = (1, H)
+                    yield p + "mlp.shared_expert_gate.weight", (1, H)
         else:
             I = c.intermediate_size
-            out[p + "mlp.gate_proj.weight"] = (I, H)
-            out[p + "mlp.up_proj.weight"] = (I, H)
-            out[p + "mlp.down_proj.weight"] = (H, I)
-    return out
+            yield p + "mlp.gate_proj.weight", (I, H)
+            yield p + "mlp.up_proj.weight", (I, H)
+            yield p + "mlp.down_proj.weight", (H, I)
+
+
+def check_declared_counts(config: ModelConfig, source: TensorSource) -> None:
+    """Refuse a config whose declared layer or expert count the source's tensors cannot supply,
+    *before* anything proportional to the count (expected_shapes, per-expert lists) is built:
+    a config.json or GGUF header declaring 10^9 layers or experts must cost nothing.
+
+    Both bounds are necessary conditions of :func:`check_source` (which needs every tensor of
+    every layer and expert to be present), so no valid checkpoint is refused here."""
+    fields: CountFields = getattr(source, "count_fields", None) or CountFields(str(source.path))
+    names = source.names()
+    layers = config.num_layers
+    problem = None
+    if layers * MIN_TENSORS_PER_LAYER + MIN_GLOBAL_TENSORS > len(names):
+        problem = (f"{fields.layers} declares {layers} layers, which need at least "
+                   f"{layers * MIN_TENSORS_PER_LAYER + MIN_GLOBAL_TENSORS} tensors, but the "
+                   f"checkpoint holds {len(names)}")
+    elif config.moe is not None:
+        sparse, experts = config.num_moe_layers, config.moe.num_experts
+        needed = sparse * experts * TENSORS_PER_EXPERT
+        if needed > len(names):
+            problem = (f"{fields.experts} declares {experts} experts in each of {sparse} sparse "
+                       f"layers ({needed} expert tensors), but the checkpoint holds only "
+                       f"{len(names)} tensors")
+    if problem is None:
+        return
+    # Some expected tensor must be absent; naming the first one costs at most len(names) steps.
+    present = set(names)
+    missing = next((n for n, _ in iter_expected(config) if n not in present), None)
+    raise ModelFormatError(fields.file, problem + (f" (first missing: {missing!r})" if missing else ""))
 
 
 def _where(source: TensorSource, name: str) -> str:
@@ -99,6 +147,7 @@ def check_source(config: ModelConfig, source: TensorSource,
     unsupported storage dtype. Extra tensors (rotary ``inv_freq`` buffers, lm_head of a tied
     model, ...) are ignored with a debug log. Reads only metadata."""
     allowed = SUPPORTED_DTYPES if allowed_dtypes is None else frozenset(allowed_dtypes)
+    check_declared_counts(config, source)
     expected = expected_shapes(config)
     present = set(source.names())
     missing = [n for n in expected if n not in present]

@@ -53,6 +53,21 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions=min(cfg.max_position_embeddings, 4096))
 
+    def native_step(self):
+        """The fused native step for this model (engine.step), built on first use and again after
+        a runtime-option change or :meth:`invalidate_native_step`; None: the torch layers."""
+        from engine.options import generation
+        from engine.step import NativeStep
+
+        cached = self.__dict__.get("_native")
+        if cached is None or cached[0] != generation():
+            cached = self.__dict__["_native"] = (generation(), NativeStep.for_model(self))
+        return cached[1]
+
+    def invalidate_native_step(self) -> None:
+        """Call after swapping modules (engine.quant.linear does)."""
+        self.__dict__.pop("_native", None)
+
     @property
     def moe_blocks(self) -> list[SparseMoE]:
         return [l.mlp for l in self.model.layers if isinstance(l.mlp, SparseMoE)]
@@ -67,9 +82,12 @@ class CausalLM(nn.Module):
         with step_threads(tokens.shape[0], device):
             positions = layout.positions().to(device)
             cos, sin = self.rotary.cos_sin(positions)
-            x = self.model.embed_tokens(tokens)
-            for layer in self.model.layers:
-                x = layer(x, cos, sin, layout, kv)
+            native = self.native_step() if device.type == "cpu" else None
+            x = native.forward(self, tokens, layout, kv, cos, sin) if native is not None else None
+            if x is None:  # the torch layers: the reference path
+                x = self.model.embed_tokens(tokens)
+                for layer in self.model.layers:
+                    x = layer(x, cos, sin, layout, kv)
             if not all_logits:
                 last = torch.tensor([o + n - 1 for o, n in zip(layout.offsets, layout.query_lens)], device=device)
                 x = x[last]

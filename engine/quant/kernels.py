@@ -3,13 +3,14 @@
 Shape legend: ``x`` ``[T, K]`` (float32 or bf16; leading dims are flattened), weight ``[N, K]``
 (out, in), ``out`` ``[T, N]`` float32. Expert: gate/up ``[I, H]``, down ``[H, I]``, ``x`` ``[T, H]``.
 
-Backends (``MOESTREAM_QUANT_KERNEL`` = ``auto`` | ``cpp`` | ``triton`` | ``torch``, or
-:func:`set_backend`); the weight's device decides what ``auto`` means:
+Backends (the ``quant_kernel`` runtime option, engine.options: ``auto`` | ``cpp`` | ``triton`` | ``torch``,
+or :func:`set_backend`); the weight's device decides what ``auto`` means:
 
-- ``cpp`` (auto when available): our AVX-512 kernels (``_cpp_source.py``), built once with
-  ``torch.utils.cpp_extension.load`` (source written into ``~/.cache/moestream/torch_extensions``,
-  keyed by a hash of source + torch version; ~10 s the first time on 2 cores, a cache hit
-  afterwards; ``MOESTREAM_CACHE`` moves the root). Used when the CPU has AVX-512
+- ``cpp`` (auto when available): our AVX-512 kernels (``engine/csrc``), built once with
+  ``torch.utils.cpp_extension.load`` into ``~/.cache/moestream/torch_extensions``, keyed by a hash
+  of the sources, torch's version, the compiler flags and the CPU's flags (``-march=native``, with a
+  portable fallback); the setup command and the decode actor build them before any request
+  (``python -m engine.quant.build``); ``MOESTREAM_CACHE`` moves the root. Used when the CPU has AVX-512
   and the build succeeds; any failure (no compiler, no ninja, no AVX-512) is logged once and the
   torch backend is used instead. They release the GIL while they run.
 - ``triton`` (auto for weights on a CUDA device when triton is installed): the fused
@@ -50,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
+from engine.options import QUANT_KERNELS, RuntimeOptions, configure, generation, options
 from engine.quant.formats import QuantizedTensor
 from engine.quant.reference import dequantize, unpack_codes
 
@@ -59,20 +61,37 @@ FORMAT_IDS = {"int4": 0, "nf4": 1, "int8": 2, "bf16": 3}
 # Token counts up to DIRECT_MAX_T use the register-tiled direct loop; more use the dequantize-to-
 # scratch loop (measured crossover: see bench/quant_kernels.py).
 DIRECT_MAX_T = 3
-# Minimum work (weights x max(T, 4)) per thread before splitting rows over threads (the split is
-# inert while the extension is built without OpenMP: see _cpp_source.py).
-MIN_WORK_PER_THREAD = 1 << 17
 
 _ext: Any = None
 _ext_error: str | None = None
 _ext_lock = threading.Lock()
 
+CSRC = Path(__file__).resolve().parent.parent / "csrc"  # engine/csrc: the native sources
+SOURCES = ("quant.cpp", "step.cpp", "module.cpp")
+HEADERS = ("quant.h", "step.h")
+# -march=native where the compiler takes it (tuned for this CPU; its flags are in the cache key),
+# else the explicit AVX-512 set the kernels need.
+NATIVE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+PORTABLE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-fopenmp-simd"]
 
-def _cache_dir() -> Path:
-    from engine.quant._cpp_source import CPP_SOURCE
-    tag = hashlib.sha256((CPP_SOURCE + torch.__version__).encode()).hexdigest()[:12]
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _cache_dir(flags: list[str]) -> Path:
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update((CSRC / name).read_bytes())
+    h.update(" ".join([torch.__version__, *flags, _cpu_flags()]).encode())
     root = Path(os.environ.get("MOESTREAM_CACHE", Path.home() / ".cache" / "moestream"))
-    return root / "torch_extensions" / f"quant_cpu_{tag}"
+    return root / "torch_extensions" / f"moestream_native_{h.hexdigest()[:12]}"
 
 
 def cpu_has_avx512() -> bool:
@@ -83,8 +102,19 @@ def cpu_has_avx512() -> bool:
     return "AVX512" in cap.upper()
 
 
+def _build(flags: list[str], verbose: bool) -> Any:
+    from torch.utils.cpp_extension import load
+
+    d = _cache_dir(flags)
+    d.mkdir(parents=True, exist_ok=True)
+    return load(name=d.name, sources=[str(CSRC / n) for n in SOURCES], extra_cflags=flags,
+                extra_include_paths=[str(CSRC)], build_directory=str(d), verbose=verbose)
+
+
 def load_extension(verbose: bool = False) -> Any:
-    """Build (or load from cache) the C++ kernels; returns the module or None if unavailable."""
+    """Build (or load from cache) the native kernels of ``engine/csrc``; returns the module or
+    None if unavailable. Built by the setup command and at the decode actor's start, so a request
+    never waits for a compiler (~30 s on 2 cores the first time, a cache hit afterwards)."""
     global _ext, _ext_error
     if _ext is not None or _ext_error is not None:
         return _ext
@@ -94,22 +124,14 @@ def load_extension(verbose: bool = False) -> Any:
         try:
             if not cpu_has_avx512():
                 raise RuntimeError(f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX-512")
-            from torch.utils.cpp_extension import load
-            from engine.quant._cpp_source import CPP_SOURCE
-            d = _cache_dir()
-            d.mkdir(parents=True, exist_ok=True)
-            src = d / "quant_cpu.cpp"
-            if not src.exists() or src.read_text() != CPP_SOURCE:
-                tmp = d / f"quant_cpu.cpp.{os.getpid()}.tmp"
-                tmp.write_text(CPP_SOURCE)
-                os.replace(tmp, src)  # atomic: concurrent builders see a whole file
-            _ext = load(
-                name=d.name, sources=[str(src)],
-                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-                build_directory=str(d), verbose=verbose)
+            try:
+                _ext = _build(NATIVE_FLAGS, verbose)
+            except Exception as e:  # a compiler without -march=native for this CPU: portable flags
+                log.info("native build with %s failed (%s); retrying with %s", NATIVE_FLAGS, e, PORTABLE_FLAGS)
+                _ext = _build(PORTABLE_FLAGS, verbose)
         except Exception as e:  # no compiler / ninja / AVX-512, or a build error: fall back
             _ext_error = f"{type(e).__name__}: {e}"
-            log.warning("moestream quant C++ kernels unavailable, using the torch fallback: %s",
+            log.warning("moestream native kernels unavailable, using the torch fallback: %s",
                         _ext_error.splitlines()[0][:300])
         return _ext
 
@@ -124,11 +146,12 @@ _vnni: list[bool] = []
 def int8_activations() -> bool:
     """Whether the C++ int4 kernels quantize activations to int8 (every T: integer AVX512-VNNI dot
     products at decode sizes, T <= DIRECT_MAX_T, the float kernel on the dequantized activations
-    above): ``MOESTREAM_INT8_ACTIVATIONS`` (default 1) and a CPU with VNNI. Measured (512x1024 int4 g32/g64, cold, 1 thread): T=1 1.3-1.6x, T=3
+    above): the ``int8_activations`` runtime option (engine.options; default on) and a CPU with
+    VNNI. Measured (512x1024 int4 g32/g64, cold, 1 thread): T=1 1.3-1.6x, T=3
     2.4x faster, none where the float kernel is already memory-bound; adds ~1% relative error
     to W·x (int4 weights alone: ~6.5%). ``reference.linear_ref_int8_act`` is the same math in
-    torch; 0 gives the exact float path. Numbers in README.md (Quantization)."""
-    if os.environ.get("MOESTREAM_INT8_ACTIVATIONS", "1") == "0":
+    torch; off gives the exact float path. Numbers in README.md (Quantization)."""
+    if not options().int8_activations:
         return False
     if not _vnni:
         ext = load_extension()
@@ -136,23 +159,18 @@ def int8_activations() -> bool:
     return _vnni[0]
 
 
-_MODES = ("auto", "cpp", "triton", "torch")
-_mode_state = {"mode": None, "gen": 0}
+_MODES = QUANT_KERNELS
 
 
 def set_backend(mode: str | None) -> None:
-    """Force a backend (``auto``/``cpp``/``triton``/``torch``); None re-reads ``MOESTREAM_QUANT_KERNEL``."""
+    """Force a backend (``auto``/``cpp``/``triton``/``torch``); None goes back to ``MOESTREAM_QUANT_KERNEL``."""
     if mode is not None and mode not in _MODES:
         raise ConfigError(f"quant kernel backend {mode!r}; allowed: {', '.join(_MODES)}")
-    _mode_state["mode"] = mode
-    _mode_state["gen"] += 1
+    configure(quant_kernel=mode or RuntimeOptions.from_env().quant_kernel)
 
 
 def _mode() -> str:
-    mode = _mode_state["mode"] or os.environ.get("MOESTREAM_QUANT_KERNEL", "auto")
-    if mode not in _MODES:
-        raise ConfigError(f"MOESTREAM_QUANT_KERNEL={mode!r}; allowed: {', '.join(_MODES)}")
-    return mode
+    return options().quant_kernel
 
 
 def _cpp_ok(q: QuantizedTensor) -> bool:
@@ -192,7 +210,7 @@ def _linear_fn(q: QuantizedTensor) -> Callable[[torch.Tensor], torch.Tensor] | N
     store buffer are released as soon as q is dropped.
     """
     c = q.cache.get("linear_fn")
-    if c is not None and c[0] == _mode_state["gen"]:
+    if c is not None and c[0] == generation():
         return c[1]
     fn = None
     backend = backend_for(q)
@@ -200,7 +218,7 @@ def _linear_fn(q: QuantizedTensor) -> Callable[[torch.Tensor], torch.Tensor] | N
         ext, args = load_extension(), _kargs(q)
 
         def fn(x: torch.Tensor) -> torch.Tensor:
-            return ext.qlinear(x, *args, DIRECT_MAX_T, MIN_WORK_PER_THREAD, int8_activations())
+            return ext.qlinear(x, *args, DIRECT_MAX_T, int8_activations())
     elif backend == "triton":
         from engine.quant.triton_kernels import MAX_T, qlinear_triton
 
@@ -208,7 +226,7 @@ def _linear_fn(q: QuantizedTensor) -> Callable[[torch.Tensor], torch.Tensor] | N
 
         def fn(x: torch.Tensor) -> torch.Tensor:
             return qlinear_triton(x, bare) if x.shape[0] <= MAX_T else qlinear_torch(x, bare)
-    q.cache["linear_fn"] = (_mode_state["gen"], fn)
+    q.cache["linear_fn"] = (generation(), fn)
     return fn
 
 
@@ -224,11 +242,32 @@ def _kargs(q: QuantizedTensor) -> tuple:
     return a
 
 
+def native_linear(ext: Any, q: QuantizedTensor, bias: torch.Tensor | None = None) -> Any:
+    """``q`` (and an optional bias) as the fused step's ``Linear`` handle (engine/csrc/step.h)."""
+    fmt, g, n, k, codes, scales, mins = _kargs(q)
+    b = torch.empty(0) if bias is None else bias.detach().float().contiguous()
+    return ext.Linear(fmt, g, n, k, codes, scales, mins, b)
+
+
+SLOT_ROW = 13  # engine/csrc/step.h: fmt, G, I, H, then codes/scales/mins addresses of gate, up, down
+
+
+def slot_row(gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor) -> list[int]:
+    """The slot-table row of an expert whose parts live in one slot (engine/csrc/step.cpp reads the
+    expert straight from these addresses; the slot must outlive every step that uses the row)."""
+    row = [FORMAT_IDS[gate.fmt.name], gate.fmt.group_size, gate.shape[0], gate.shape[1]]
+    for q in (gate, up, down):
+        _, _, _, _, codes, scales, mins = _kargs(q)
+        row += [codes.data_ptr(), scales.data_ptr() if scales.numel() else 0,
+                mins.data_ptr() if mins.numel() else 0]
+    return row
+
+
 # ------------------------------------------------------------------------------ candidates
 
 def qlinear_cpp(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     ext = load_extension()
-    return ext.qlinear(x, *_kargs(q), DIRECT_MAX_T, MIN_WORK_PER_THREAD, int8_activations())
+    return ext.qlinear(x, *_kargs(q), DIRECT_MAX_T, int8_activations())
 
 
 # Repacked copies for the torch int4 candidates. They depend on the weight's values, so they are
@@ -324,8 +363,8 @@ def expert_forward(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor,
     if x.shape[-1] != h:
         raise ConfigError(f"input of shape {list(x.shape)} does not match expert hidden size {h}")
     c = gate.cache.get("expert_fn")
-    if c is None or c[0] is not up or c[1] is not down or c[2] != _mode_state["gen"]:
-        c = (up, down, _mode_state["gen"], _expert_fn(gate, up, down))
+    if c is None or c[0] is not up or c[1] is not down or c[2] != generation():
+        c = (up, down, generation(), _expert_fn(gate, up, down))
         gate.cache["expert_fn"] = c
     fn = c[3]
     if fn is None:
@@ -340,7 +379,7 @@ def _expert_fn(gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor
     i, h = gate.shape
     if all(backend_for(q) == "cpp" for q in (gate, up, down)):
         ext, ag, au, ad = load_extension(), _kargs(gate), _kargs(up), _kargs(down)
-        args = (ag[0], ag[1], i, h, *ag[4:], *au[4:], *ad[4:], DIRECT_MAX_T, MIN_WORK_PER_THREAD)
+        args = (ag[0], ag[1], i, h, *ag[4:], *au[4:], *ad[4:], DIRECT_MAX_T)
 
         def fn(x: torch.Tensor) -> torch.Tensor:
             return ext.expert_forward(x, *args, int8_activations())

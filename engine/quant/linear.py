@@ -87,4 +87,5 @@ def quantize_dense(model, fmt_name: str, group_size: int = 64):
             continue
         use = fmt if not fmt.grouped or linear.in_features % group_size == 0 else fallback
         setattr(parent, name, QuantLinear.from_linear(linear, use))
+    model.invalidate_native_step()
     return model

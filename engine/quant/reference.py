@@ -143,11 +143,18 @@ def dequantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (qx.float().reshape(t, k // 32, 32) * d[..., None]).reshape(t, k)
 
 
+def takes_int8_activations(q: QuantizedTensor) -> bool:
+    """Whether the C++ kernels multiply ``q`` by int8 activations when that option is on: int4
+    weights, and int8 weights whose in-dim is a multiple of 64 (engine/csrc/quant.cpp, use_i8a)."""
+    return q.fmt.name == "int4" or (q.fmt.name == "int8" and q.shape[1] % 64 == 0)
+
+
 def linear_ref_int8_act(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
-    """What the int8-activation int4 kernel computes: ``linear_ref(x', q)`` with ``x'`` the
+    """What the int8-activation kernels compute: ``linear_ref(x', q)`` with ``x'`` the
     int8-quantized activations (:func:`dequantize_activations`); float32 ``[T, N]``."""
-    if q.fmt.name != "int4":
-        raise ConfigError(f"int8 activations are implemented for int4 weights, not {q.fmt.name}")
+    if not takes_int8_activations(q):
+        raise ConfigError(f"int8 activations are implemented for int4 weights and int8 weights with an "
+                          f"in-dim multiple of 64, not {q.fmt.name} [{q.shape[0]}, {q.shape[1]}]")
     return linear_ref(dequantize_activations(x.reshape(-1, q.shape[1]).float()), q)
 
 

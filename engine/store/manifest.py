@@ -6,36 +6,62 @@ A store is one directory::
     dense.safetensors        every non-routed-expert tensor under canonical names
     experts-L{layer:03d}.bin routed experts of one MoE layer, one pack_expert blob each,
                              every blob starting at a multiple of BLOB_ALIGN (4 KiB), zero padded
-    tokenizer/               the tokenizer (transformers save_pretrained), optional
+    tokenizer/               the tokenizer (transformers save_pretrained), optional; its files
+                             and their digests are listed in the manifest
+
+Each blob's digest binds its identity: ``sha256(blob_identity(layer, expert, quant) + blob)``
+(:func:`blob_digest`), so a manifest that swaps two experts' offsets and digests is caught like
+a flipped byte. Stores of schema 1 (digests over the bytes alone) are refused with a
+"re-convert" error.
 
 Invariants checked by :func:`check_manifest` (every failure is a ``ModelFormatError`` naming the
-manifest and the problem, raised before any data file is opened):
+manifest and the problem, raised before any data file is opened and before anything
+proportional to a count the manifest declares is built):
 
-- ``schema_version`` is 1; every file name is a plain relative name (no ``/``, ``\\``, ``..``);
+- ``schema_version`` is 2; every file name is a plain relative name (no ``/``, ``\\``, ``..``);
+- the model config's fields have their declared types; its layer count fits the dense file
+  (every layer needs at least :data:`MIN_DENSE_BYTES_PER_LAYER` bytes of it) and its routed
+  expert count (MoE layers x experts, computed, not enumerated) fits the data files (one 4 KiB
+  slot per blob) and equals the number of entries;
 - every blob offset is a multiple of 4096 and ``[offset, offset + nbytes)`` lies inside the size
   the manifest records for its data file; blobs of one file do not overlap;
-- each ``(layer, expert)`` appears once, and every expert of every MoE layer of the model config
-  is present (and nothing else);
+- each ``(layer, expert)`` appears once and is a routed expert of the model config;
 - each blob's layout is in the store's quant format and says the blob's own size.
+
+:func:`load_manifest` also refuses, before reading it, a manifest larger than the store's files
+could justify (:data:`MANIFEST_BASE_BYTES` plus one byte per byte of dense and expert data: an
+entry's JSON is far smaller than the 4 KiB its blob occupies at least), so a manifest listing
+200,000 extra entries is refused by its size, not parsed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import math
 import os
+import types
+import typing
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.errors import ConfigError, ModelFormatError, MoestreamError
+from engine.errors import ConfigError, ModelFormatError, MoestreamError, quote
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: blob digests bind (layer, expert, quant); tokenizer files listed
 BLOB_ALIGN = 4096  # every expert blob starts at a multiple of this (O_DIRECT, page aligned)
 MANIFEST_NAME = "manifest.json"
 DENSE_NAME = "dense.safetensors"
 TOKENIZER_DIR = "tokenizer"
-MAX_MANIFEST_BYTES = 1 << 30  # 24k experts x ~1 KB of layout each is ~25 MB; 1 GiB is absurd
+MAX_MANIFEST_BYTES = 256 << 20  # 24k experts x ~1.3 KB of layout each is ~32 MB
+MANIFEST_BASE_BYTES = 1 << 20  # model config, totals, ...: what a manifest may hold beyond its entries
+MAX_TOKENIZER_FILES = 256
+# Every decoder layer has at least six tensors in the dense file (two norms, q/k/v/o), each with
+# a safetensors header entry of more than 64 bytes, and two norms of hidden_size >= 2-byte values.
+MIN_DENSE_BYTES_PER_LAYER = 6 * 64
+RECONVERT_HINT = "re-convert it: moestream convert SRC --out STORE --overwrite"
 
 
 def layer_file_name(layer: int) -> str:
@@ -44,6 +70,19 @@ def layer_file_name(layer: int) -> str:
 
 def align_up(n: int, a: int = BLOB_ALIGN) -> int:
     return (n + a - 1) // a * a
+
+
+def blob_identity(layer: int, expert: int, quant_format: str, group_size: int) -> bytes:
+    """What a blob claims to be, hashed ahead of its bytes (:func:`blob_digest`)."""
+    return (f"moestream expert blob v{SCHEMA_VERSION}\nlayer {layer}\nexpert {expert}\n"
+            f"format {quant_format} g{group_size}\n").encode()
+
+
+def blob_digest(layer: int, expert: int, quant_format: str, group_size: int, data: Any) -> str:
+    """sha256 over the blob's identity and its bytes: intact *and* the expert it claims to be."""
+    h = hashlib.sha256(blob_identity(layer, expert, quant_format, group_size))
+    h.update(data)
+    return h.hexdigest()
 
 
 class _Model(BaseModel):
@@ -82,7 +121,9 @@ class ExpertEntry(_Model):
     file: str = Field(description="Data file holding the blob (a plain name inside the store).")
     offset: int = Field(ge=0, description="Byte offset of the blob in the file; a multiple of 4096.")
     nbytes: int = Field(gt=0, description="Blob size in bytes, padding excluded.")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the blob's nbytes bytes.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$",
+                        description="blob_digest: sha256 of the blob's identity (layer, expert, quant "
+                                    "format) followed by its nbytes bytes.")
     layout: dict[str, Any] = Field(
         description="The layout dict engine.quant.formats.pack_expert returned for this blob "
                     "(format, per-projection part offsets, dtypes and shapes).")
@@ -108,7 +149,7 @@ class ConversionInfo(_Model):
 
 
 class StoreManifest(_Model):
-    schema_version: Literal[1] = Field(description="Manifest schema version; this reader knows 1.")
+    schema_version: Literal[2] = Field(description="Manifest schema version; this reader knows 2.")
     source: SourceInfo = Field(description="Where the store was converted from.")
     model_config_: dict[str, Any] = Field(
         alias="model_config",
@@ -117,6 +158,9 @@ class StoreManifest(_Model):
     dense: DenseInfo = Field(description="The non-expert weights file.")
     tokenizer_dir: Optional[str] = Field(
         description="Directory (inside the store) holding the tokenizer, or null when the source had none.")
+    tokenizer_files: dict[str, str] = Field(
+        max_length=MAX_TOKENIZER_FILES,
+        description="Every file convert wrote into tokenizer_dir -> its sha256 (empty without one).")
     data_files: dict[str, DataFile] = Field(description="Every expert data file and its size.")
     experts: list[ExpertEntry] = Field(description="One entry per routed expert, sorted by (layer, expert).")
     totals: StoreTotals = Field(description="Aggregate sizes, for summaries and budgeting.")
@@ -129,16 +173,183 @@ class StoreManifest(_Model):
     def to_json(self) -> str:
         return self.model_dump_json(by_alias=True)
 
+    def digest_of(self, layer: int, expert: int, data: Any) -> str:
+        """:func:`blob_digest` of ``data`` as the blob of (layer, expert) in this store's format."""
+        return blob_digest(layer, expert, self.quant.format, self.quant.group_size, data)
 
-def _plain_name(name: object) -> bool:
+
+def plain_name(name: object) -> bool:
+    """A file name that stays inside the directory it is joined to."""
     return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
             and "\\" not in name and "\0" not in name and not os.path.isabs(name)
             and Path(name).name == name)
 
 
+# ------------------------------------------------------------------------- model config checks
+
+def _type_problem(value: object, hint: object) -> str | None:
+    """Why ``value`` is not of the (simple) annotated type ``hint``, or None."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _type_problem(value, next(a for a in args if a is not type(None)))
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return f"{quote(value)} is not a list"
+        return next((p for v in value if (p := _type_problem(v, args[0])) is not None), None)
+    if dataclasses.is_dataclass(hint):
+        return _config_type_problem(value) if isinstance(value, hint) else f"{quote(value)} is not an object"
+    if hint is int and type(value) is not int:
+        return f"{quote(value)} is not an integer"
+    if hint is bool and type(value) is not bool:
+        return f"{quote(value)} is not true/false"
+    if hint is float and (type(value) not in (int, float) or not math.isfinite(value)):
+        return f"{quote(value)} is not a finite number"
+    if hint is str and type(value) is not str:
+        return f"{quote(value)} is not a string"
+    return None
+
+
+def _config_type_problem(obj: object) -> str | None:
+    """The first field of a config dataclass (recursively) whose value has the wrong type."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        problem = _type_problem(getattr(obj, f.name), hints[f.name])
+        if problem is not None:
+            return f"{f.name}: {problem}"
+    return None
+
+
+def parse_model_config(raw: Mapping[str, Any], path: object):
+    """``ModelConfig.from_dict`` with every failure (and every wrongly typed field) a
+    ModelFormatError naming ``path``."""
+    from engine.config import ModelConfig
+
+    try:
+        config = ModelConfig.from_dict(raw)
+    except (MoestreamError, TypeError, KeyError, ValueError, AttributeError, ArithmeticError) as e:
+        raise ModelFormatError(path, f"model_config: {type(e).__name__}: {str(e)[:200]}") from None
+    problem = _config_type_problem(config)
+    if problem is not None:
+        raise ModelFormatError(path, f"model_config: {problem}")
+    return config
+
+
+def is_moe_layer(config, layer: int, mlp_only: frozenset[int]) -> bool:
+    """``config.is_moe_layer`` for an index that may lie outside the model, with a set lookup."""
+    m = config.moe
+    return (m is not None and 0 <= layer < config.num_layers and layer not in mlp_only
+            and (layer + 1) % m.decoder_sparse_step == 0)
+
+
+# ------------------------------------------------------------------------------- the manifest
+
+def _check_names(m: StoreManifest, bad: Callable[[str], ModelFormatError]) -> None:
+    if not plain_name(m.dense.file):
+        raise bad(f"dense file {quote(m.dense.file)} must be a plain file name inside the store "
+                  f"(no '/', '\\' or '..')")
+    if m.tokenizer_dir is not None and not plain_name(m.tokenizer_dir):
+        raise bad(f"tokenizer_dir {quote(m.tokenizer_dir)} must be a plain directory name inside the store")
+    if m.tokenizer_dir is None and m.tokenizer_files:
+        raise bad("tokenizer_files lists files but tokenizer_dir is null")
+    for name, digest in m.tokenizer_files.items():
+        if not plain_name(name) or not (isinstance(digest, str) and len(digest) == 64
+                                        and all(c in "0123456789abcdef" for c in digest)):
+            raise bad(f"tokenizer_files entry {quote(name)} needs a plain file name and a sha256 hex digest")
+    for name in m.data_files:
+        if not plain_name(name):
+            raise bad(f"data file {quote(name)} must be a plain file name inside the store "
+                      f"(no '/', '\\' or '..')")
+        if name in (m.dense.file, MANIFEST_NAME, m.tokenizer_dir):
+            raise bad(f"data file {quote(name)} collides with another file of the store")
+
+
+def _check_capacity(m: StoreManifest, config, bad: Callable[[str], ModelFormatError]) -> int:
+    """Declared counts against what the files (as the manifest records them; the readers check
+    the files' real sizes before using them) can hold, computed, not enumerated; returns the
+    number of routed experts the model config declares."""
+    dense_cap = m.dense.nbytes
+    if config.num_layers * MIN_DENSE_BYTES_PER_LAYER > dense_cap:
+        raise bad(f"model_config declares {config.num_layers} layers, but {m.dense.file} "
+                  f"({dense_cap} bytes) can hold at most {dense_cap // MIN_DENSE_BYTES_PER_LAYER}")
+    n_exp = config.moe.num_experts if config.moe is not None else 0
+    n_moe = config.num_moe_layers
+    declared = n_moe * n_exp
+    slots = sum(-(-f.nbytes // BLOB_ALIGN) for f in m.data_files.values())
+    if declared > slots:
+        raise bad(f"model_config declares {declared} routed experts ({n_exp} in each of {n_moe} MoE "
+                  f"layers), but the data files can hold at most {slots} blobs of {BLOB_ALIGN} bytes")
+    return declared
+
+
+def _first_missing(config, by_layer: dict[int, set[int]], mlp_only: frozenset[int]) -> tuple[int, int]:
+    """The first routed expert without an entry, when fewer entries than experts exist; at most
+    (entries + mlp_only_layers + 1) steps."""
+    for layer in sorted(by_layer):
+        got = by_layer[layer]
+        if len(got) < config.moe.num_experts:
+            return layer, next(j for j in range(len(got) + 1) if j not in got)
+    step = config.moe.decoder_sparse_step
+    layer = step - 1
+    while layer in by_layer or layer in mlp_only:
+        layer += step
+    return layer, 0
+
+
+def _check_entries(m: StoreManifest, config, fmt, declared: int,
+                   bad: Callable[[str], ModelFormatError]) -> None:
+    n_exp = config.moe.num_experts if config.moe is not None else 0
+    mlp_only = frozenset(config.moe.mlp_only_layers) if config.moe is not None else frozenset()
+    by_layer: dict[int, set[int]] = {}
+    by_file: dict[str, list[ExpertEntry]] = {}
+    want_layout_fmt = fmt.to_dict()
+    for e in m.experts:
+        where = f"expert entry (layer {e.layer}, expert {e.expert})"
+        if e.expert in by_layer.get(e.layer, ()):
+            raise bad(f"duplicate {where}")
+        by_layer.setdefault(e.layer, set()).add(e.expert)
+        if not is_moe_layer(config, e.layer, mlp_only) or e.expert >= n_exp:
+            raise bad(f"{where} is not a routed expert of the model ({config.num_layers} layers, "
+                      f"{n_exp} experts in each MoE layer)")
+        if not plain_name(e.file):
+            raise bad(f"{where}: file {quote(e.file)} must be a plain file name inside the store "
+                      f"(no '/', '\\' or '..')")
+        if e.file not in m.data_files:
+            raise bad(f"{where}: file {quote(e.file)} is not listed in data_files")
+        if e.offset % BLOB_ALIGN:
+            raise bad(f"{where}: offset {e.offset} is not a multiple of {BLOB_ALIGN}")
+        size = m.data_files[e.file].nbytes
+        if e.offset + e.nbytes > size:
+            raise bad(f"{where}: blob [{e.offset}, {e.offset + e.nbytes}) lies beyond the end of "
+                      f"{e.file} ({size} bytes)")
+        lay_fmt = e.layout.get("format")
+        if lay_fmt != want_layout_fmt:
+            raise bad(f"{where}: layout format {quote(lay_fmt)} is not the store's quant {want_layout_fmt}")
+        if e.layout.get("nbytes") != e.nbytes:
+            raise bad(f"{where}: layout says {quote(e.layout.get('nbytes'))} bytes, entry says {e.nbytes}")
+        by_file.setdefault(e.file, []).append(e)
+    # Every entry is a distinct routed expert of the model, so there are at most as many as it
+    # declares, and as many exactly when every routed expert has one.
+    if len(m.experts) < declared:
+        layer, expert = _first_missing(config, by_layer, mlp_only)
+        more = declared - len(m.experts) - 1
+        raise bad(f"missing expert entry (layer {layer}, expert {expert})"
+                  f"{f' and {more} more' if more else ''}; the model config declares {declared} "
+                  f"routed experts ({n_exp} in each of {config.num_moe_layers} MoE layers)")
+    if m.totals.num_experts != len(m.experts):
+        raise bad(f"totals.num_experts is {m.totals.num_experts} but there are {len(m.experts)} entries")
+    for name, entries in by_file.items():
+        entries.sort(key=lambda x: x.offset)
+        for a, b in zip(entries, entries[1:]):
+            if a.offset + a.nbytes > b.offset:
+                raise bad(f"{name}: blob of (layer {a.layer}, expert {a.expert}) at "
+                          f"[{a.offset}, {a.offset + a.nbytes}) overlaps blob of "
+                          f"(layer {b.layer}, expert {b.expert}) at [{b.offset}, {b.offset + b.nbytes})")
+
+
 def check_manifest(m: StoreManifest, path: object) -> None:
     """Structural invariants (module docstring); raises ModelFormatError(path, problem)."""
-    from engine.config import ModelConfig
     from engine.quant.formats import QuantFormat
 
     def bad(problem: str) -> ModelFormatError:
@@ -148,98 +359,60 @@ def check_manifest(m: StoreManifest, path: object) -> None:
         fmt = QuantFormat.from_dict({"name": m.quant.format, "group_size": m.quant.group_size})
     except ConfigError as e:
         raise bad(f"quant: {e}") from None
-    try:
-        config = ModelConfig.from_dict(m.model_config_)
-    except (MoestreamError, TypeError, KeyError, ValueError) as e:
-        raise bad(f"model_config: {type(e).__name__}: {e}") from None
-
-    if not _plain_name(m.dense.file):
-        raise bad(f"dense file {m.dense.file!r} must be a plain file name inside the store "
-                  f"(no '/', '\\' or '..')")
-    if m.tokenizer_dir is not None and not _plain_name(m.tokenizer_dir):
-        raise bad(f"tokenizer_dir {m.tokenizer_dir!r} must be a plain directory name inside the store")
-    for name in m.data_files:
-        if not _plain_name(name):
-            raise bad(f"data file {name!r} must be a plain file name inside the store "
-                      f"(no '/', '\\' or '..')")
-        if name in (m.dense.file, MANIFEST_NAME):
-            raise bad(f"data file {name!r} collides with the store's {name}")
-
-    seen: dict[tuple[int, int], ExpertEntry] = {}
-    by_file: dict[str, list[ExpertEntry]] = {}
-    want_layout_fmt = fmt.to_dict()
-    for e in m.experts:
-        where = f"expert entry (layer {e.layer}, expert {e.expert})"
-        key = (e.layer, e.expert)
-        if key in seen:
-            raise bad(f"duplicate {where}")
-        seen[key] = e
-        if not _plain_name(e.file):
-            raise bad(f"{where}: file {e.file!r} must be a plain file name inside the store "
-                      f"(no '/', '\\' or '..')")
-        if e.file not in m.data_files:
-            raise bad(f"{where}: file {e.file!r} is not listed in data_files")
-        if e.offset % BLOB_ALIGN:
-            raise bad(f"{where}: offset {e.offset} is not a multiple of {BLOB_ALIGN}")
-        size = m.data_files[e.file].nbytes
-        if e.offset + e.nbytes > size:
-            raise bad(f"{where}: blob [{e.offset}, {e.offset + e.nbytes}) lies beyond the end of "
-                      f"{e.file} ({size} bytes)")
-        lay_fmt = e.layout.get("format")
-        if lay_fmt != want_layout_fmt:
-            raise bad(f"{where}: layout format {lay_fmt!r} is not the store's quant {want_layout_fmt}")
-        if e.layout.get("nbytes") != e.nbytes:
-            raise bad(f"{where}: layout says {e.layout.get('nbytes')!r} bytes, entry says {e.nbytes}")
-        by_file.setdefault(e.file, []).append(e)
-
-    for name, entries in by_file.items():
-        entries.sort(key=lambda x: x.offset)
-        for a, b in zip(entries, entries[1:]):
-            if a.offset + a.nbytes > b.offset:
-                raise bad(f"{name}: blob of (layer {a.layer}, expert {a.expert}) at "
-                          f"[{a.offset}, {a.offset + a.nbytes}) overlaps blob of "
-                          f"(layer {b.layer}, expert {b.expert}) at [{b.offset}, {b.offset + b.nbytes})")
-
-    moe_layers = config.moe_layers
-    n_exp = config.moe.num_experts if config.moe is not None else 0
-    want = {(layer, j) for layer in moe_layers for j in range(n_exp)}
-    missing = sorted(want - seen.keys())
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise bad(f"missing expert entry (layer {missing[0][0]}, expert {missing[0][1]}){more}; the "
-                  f"model has {n_exp} experts in each of layers {list(moe_layers)}")
-    extra = sorted(seen.keys() - want)
-    if extra:
-        raise bad(f"expert entry (layer {extra[0][0]}, expert {extra[0][1]}) is not a routed expert "
-                  f"of the model (MoE layers {list(moe_layers)}, {n_exp} experts each)")
-    if m.totals.num_experts != len(m.experts):
-        raise bad(f"totals.num_experts is {m.totals.num_experts} but there are {len(m.experts)} entries")
+    config = parse_model_config(m.model_config_, path)
+    _check_names(m, bad)
+    declared = _check_capacity(m, config, bad)
+    _check_entries(m, config, fmt, declared, bad)
 
 
 def parse_manifest(text: str | bytes, path: object = MANIFEST_NAME) -> StoreManifest:
     """Parse and validate manifest JSON text."""
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise ModelFormatError(path, f"manifest is {len(text)} bytes, over the "
+                                     f"{MAX_MANIFEST_BYTES}-byte limit")
     try:
         m = StoreManifest.model_validate_json(text)
     except ValidationError as e:
-        errs = e.errors()
-        first = errs[0]
+        first = e.errors(include_url=False, include_context=False, include_input=False)[0]
         loc = ".".join(str(p) for p in first["loc"]) or "<top>"
         if loc == "schema_version":
-            raw = _peek_schema_version(text)
-            raise ModelFormatError(path, f"schema_version {raw!r} is not supported; this moestream "
-                                         f"reads schema_version {SCHEMA_VERSION}") from None
-        more = f" (and {len(errs) - 1} more problems)" if len(errs) > 1 else ""
+            raise ModelFormatError(path, _schema_problem(_peek_schema_version(text))) from None
+        n = e.error_count()
+        more = f" (and {n - 1} more problems)" if n > 1 else ""
         raise ModelFormatError(path, f"invalid manifest: {loc}: {first['msg']}{more}") from None
     check_manifest(m, path)
     return m
+
+
+def _schema_problem(raw: object) -> str:
+    if type(raw) is int and 1 <= raw < SCHEMA_VERSION:
+        return (f"store written by an older moestream (schema_version {raw}: expert digests do not "
+                f"bind the expert's identity); this moestream reads schema_version {SCHEMA_VERSION}; "
+                f"{RECONVERT_HINT}")
+    shown = quote(raw) if type(raw) in (int, type(None)) else f"of type {type(raw).__name__}"
+    return (f"schema_version {shown} is not supported; this moestream reads schema_version "
+            f"{SCHEMA_VERSION}")
 
 
 def _peek_schema_version(text: str | bytes) -> object:
     try:
         raw = json.loads(text)
         return raw.get("schema_version") if isinstance(raw, dict) else None
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         return None
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    """Sizes of the regular files directly inside ``root`` (symlinks followed)."""
+    sizes = {}
+    with os.scandir(root) as it:
+        for entry in it:
+            try:
+                if entry.is_file():
+                    sizes[entry.name] = entry.stat().st_size
+            except OSError:
+                continue
+    return sizes
 
 
 def load_manifest(store_dir: str | os.PathLike[str]) -> StoreManifest:
@@ -249,17 +422,28 @@ def load_manifest(store_dir: str | os.PathLike[str]) -> StoreManifest:
         raise ModelFormatError(root, "not a store directory (does not exist or is not a directory)")
     path = root / MANIFEST_NAME
     try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise ModelFormatError(root, "incomplete store: manifest.json missing; re-run moestream convert") from None
-    if size > MAX_MANIFEST_BYTES:
-        raise ModelFormatError(path, f"manifest is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
-    return parse_manifest(path.read_bytes(), path)
+        sizes = _file_sizes(root)
+    except OSError as e:
+        raise ModelFormatError(root, f"cannot list the store directory: {e.strerror}") from None
+    if MANIFEST_NAME not in sizes:
+        raise ModelFormatError(root, "incomplete store: manifest.json missing; re-run moestream convert")
+    size = sizes.pop(MANIFEST_NAME)
+    limit = min(MAX_MANIFEST_BYTES, MANIFEST_BASE_BYTES + sum(sizes.values()))
+    if size > limit:
+        raise ModelFormatError(path, f"manifest is {size} bytes, more than the store's files can "
+                                     f"justify (at most {limit}: {MANIFEST_BASE_BYTES} plus one byte "
+                                     f"per byte of dense and expert data, capped at {MAX_MANIFEST_BYTES})")
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise ModelFormatError(path, f"cannot read: {e.strerror}") from None
+    return parse_manifest(text, path)
 
 
 __all__ = [
     "BLOB_ALIGN", "DENSE_NAME", "MANIFEST_NAME", "SCHEMA_VERSION", "TOKENIZER_DIR",
     "ConversionInfo", "DataFile", "DenseInfo", "ExpertEntry", "QuantInfo", "SourceInfo",
-    "StoreManifest", "StoreTotals", "align_up", "check_manifest", "layer_file_name",
-    "load_manifest", "parse_manifest",
+    "StoreManifest", "StoreTotals", "align_up", "blob_digest", "blob_identity", "check_manifest",
+    "layer_file_name", "load_manifest", "parse_manifest", "parse_model_config",
+    "plain_name",
 ]

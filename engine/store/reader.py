@@ -6,8 +6,11 @@ an mmap would). Where the filesystem supports it, a blob is read with ``O_DIRECT
 4096-aligned buffer, bypassing the page cache (the blob's offset and padded length are 4 KiB
 multiples by construction); otherwise, silently, a buffered read.
 
-Every blob's sha256 is checked (``verify=True``) when it is read from disk: a mismatch raises
-ChecksumError naming the layer and expert, never silently wrong tokens.
+Every blob's digest is checked (``verify=True``) when it is read from disk: it covers the blob's
+identity (layer, expert, quant format) and its bytes (manifest.blob_digest), so a corrupted blob
+and a blob the manifest places at another expert's offset both raise ChecksumError naming the
+layer and expert, never silently wrong tokens. The dense tensors are checked against the
+manifest's model config (name and shape) before a model is built from them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import torch
 
 from engine.errors import ChecksumError, ExpertLoadError, ModelFormatError, TokenizerNotFoundError
 from engine.loading.source import TensorInfo, TensorSource
-from engine.store.manifest import BLOB_ALIGN, ExpertEntry, StoreManifest, align_up, load_manifest
+from engine.store.manifest import (
+    BLOB_ALIGN, RECONVERT_HINT, ExpertEntry, StoreManifest, align_up, load_manifest,
+)
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -80,6 +85,40 @@ def _writable_u8(out: Any, need: int) -> memoryview:
     if mv.nbytes < need:
         raise ValueError(f"out has {mv.nbytes} bytes, the blob needs {need}")
     return mv
+
+
+def check_dense_tensors(config, source: TensorSource, path: object) -> None:
+    """Every non-expert tensor ``config`` implies must be in ``source`` with its shape; raises
+    ModelFormatError naming the tensor (a manifest model config that disagrees with the dense
+    file fails here, not inside a matmul). ``config``'s counts were checked against the files
+    by check_manifest, so the expected list is bounded by them."""
+    from engine.loading.source import parse_expert_name
+    from engine.loading.validate import expected_shapes
+
+    for name, shape in expected_shapes(config).items():
+        if parse_expert_name(name) is not None:
+            continue
+        if name not in source:
+            raise ModelFormatError(path, f"tensor {name!r} is missing; the manifest's model config "
+                                         f"({config.arch}, {config.num_layers} layers) implies it "
+                                         f"with shape {list(shape)}")
+        got = tuple(source.info(name).shape)
+        if got != shape:
+            raise ModelFormatError(path, f"tensor {name!r} has shape {list(got)} but the manifest's "
+                                         f"model config implies {list(shape)}")
+
+
+def tokenizer_problem(root: Path, m: StoreManifest) -> str | None:
+    """Why the tokenizer the manifest records is not all there (None: present, or none recorded)."""
+    if m.tokenizer_dir is None:
+        return None
+    tdir = root / m.tokenizer_dir
+    if not tdir.is_dir():
+        return f"the manifest records a tokenizer in {m.tokenizer_dir}/ but the directory is missing"
+    for name in m.tokenizer_files:
+        if not (tdir / name).is_file():
+            return f"tokenizer file {name} is missing"
+    return None
 
 
 class ExpertStore:
@@ -202,7 +241,7 @@ class ExpertStore:
             self.bytes_read += e.nbytes
             self.reads += 1
         if verify:
-            actual = hashlib.sha256(view).hexdigest()
+            actual = self.manifest.digest_of(layer, expert, view)
             if actual != e.sha256:
                 raise ChecksumError(layer, expert, path, e.sha256, actual)
         return view
@@ -272,7 +311,8 @@ class ExpertStore:
 
     # ---- the rest of the model -------------------------------------------------------------
     def dense_source(self, verify: bool = True) -> StoreDenseSource:
-        """The non-expert tensors under canonical names. ``verify`` checks the file's sha256."""
+        """The non-expert tensors under canonical names, checked against the model config (every
+        tensor it implies present with its shape). ``verify`` also checks the file's sha256."""
         path = self.path / self.manifest.dense.file
         if verify:
             h = hashlib.sha256()
@@ -283,14 +323,27 @@ class ExpertStore:
                 raise ModelFormatError(path, f"checksum mismatch: manifest says sha256 "
                                              f"{self.manifest.dense.sha256[:16]}..., file has "
                                              f"{h.hexdigest()[:16]}...; re-run moestream convert")
-        return StoreDenseSource(path)
+        source = StoreDenseSource(path)
+        try:
+            check_dense_tensors(self.config, source, path)
+        except BaseException:
+            source.close()
+            raise
+        return source
 
     def tokenizer(self):
+        """The store's tokenizer. TokenizerNotFoundError when its source had none;
+        ModelFormatError when the manifest records one that is missing or incomplete."""
         from engine.tokenizer import Tokenizer
 
-        if self.manifest.tokenizer_dir is None:
+        m = self.manifest
+        if m.tokenizer_dir is None:
             raise TokenizerNotFoundError(f"store {self.path} has no tokenizer (its source had none)")
-        tok = Tokenizer.from_hf_dir(self.path / self.manifest.tokenizer_dir)
+        root = self.path / m.tokenizer_dir
+        problem = tokenizer_problem(self.path, m)
+        if problem is not None:
+            raise ModelFormatError(root, f"{problem}; {RECONVERT_HINT}")
+        tok = Tokenizer.from_hf_dir(root)
         extra = set(self.config.eos_token_ids) - tok.eos_token_ids
         if extra:
             tok = Tokenizer(tok.hf, source=tok.source, extra_eos_ids=tok.eos_token_ids | extra)
@@ -317,4 +370,4 @@ class ExpertStore:
                 f"{self.fmt.name} g{self.fmt.group_size})")
 
 
-__all__ = ["ExpertStore", "StoreDenseSource"]
+__all__ = ["ExpertStore", "StoreDenseSource", "check_dense_tensors", "tokenizer_problem"]

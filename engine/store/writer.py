@@ -1,15 +1,21 @@
 """``convert``: a Hugging Face directory or GGUF file -> an expert store (see manifest.py).
 
-Order of work, each step atomic (temp name, fsync, rename, fsync of the directory)::
+Order of work, each step atomic (temp name, fsync, record in progress.json, rename, fsync of the
+directory)::
 
     tokenizer/  ->  dense.safetensors  ->  experts-L{l:03d}.bin per MoE layer  ->  manifest.json
 
-``progress.json`` (also written atomically) records the conversion parameters, the dense file and
-every finished layer with its entries and digests. An interrupted run leaves no manifest, so the
-store never opens; the next run with the same parameters reuses every finished layer whose file
-size and blob digests still match what progress.json says, and converts the rest. The manifest is
-written last; after it, progress.json is removed. Re-running on a finished store with the same
-source fingerprint and parameters touches nothing.
+``progress.json`` (also written atomically) records the conversion parameters, the tokenizer's
+files, the dense file and every finished layer with its entries and digests, each *before* the
+file gets its final name, so every file of ours in the directory is recorded. An interrupted run
+leaves no manifest, so the store never opens; the next run with the same parameters reuses every
+finished layer whose file size and blob digests still match what progress.json says, and
+converts the rest. The manifest is written last; after it, progress.json is removed.
+
+Re-running on a finished store with the same source fingerprint and parameters verifies the
+store (sizes and every digest, engine.store.verify) and touches nothing when it is intact; a
+damaged store is repaired in place (intact layers reused). Where convert may write, what
+``--overwrite`` removes and how temporary files and the lock are cleaned up: engine.store.outdir.
 
 Concurrent converts into one directory are refused (an exclusive ``flock`` on ``.convert.lock``).
 """
@@ -18,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import fcntl
 import hashlib
 import json
 import logging
@@ -27,22 +32,22 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from engine.errors import ConfigError, ModelFormatError, TokenizerNotFoundError
+from engine.store import outdir
 from engine.store.manifest import (
     BLOB_ALIGN, DENSE_NAME, MANIFEST_NAME, SCHEMA_VERSION, TOKENIZER_DIR, ConversionInfo, DataFile,
-    DenseInfo, ExpertEntry, QuantInfo, SourceInfo, StoreManifest, StoreTotals, align_up,
-    check_manifest, layer_file_name, load_manifest,
+    DenseInfo, ExpertEntry, QuantInfo, SourceInfo, StoreManifest, StoreTotals, align_up, blob_digest,
+    check_manifest, layer_file_name,
 )
+from engine.store.outdir import LOCK_NAME, PROGRESS_NAME, TMP_SUFFIX, fsync_dir
 
 log = logging.getLogger(__name__)
 
-PROGRESS_NAME = "progress.json"
-LOCK_NAME = ".convert.lock"
-TMP_SUFFIX = ".tmp"
+PROGRESS_VERSION = 2
 DENSE_DTYPES = ("auto", "bf16", "fp32")
 _HASH_CHUNK = 16 << 20
 
@@ -72,14 +77,17 @@ class ConvertSummary:
     elapsed_s: float
     layers_converted: int = 0
     layers_reused: int = 0
-    already_done: bool = False  # the store was finished with these parameters: nothing touched
+    already_done: bool = False  # finished with these parameters and verified intact: nothing touched
+    repaired: str = ""  # the damage found in a finished store that this run repaired
     tokenizer: bool = True
 
     def __str__(self) -> str:
         if self.already_done:
-            state = "already converted with these parameters; nothing to do"
+            state = "already converted with these parameters and verified intact; nothing to do"
         else:
             state = f"{self.layers_converted} layers converted, {self.layers_reused} reused"
+            if self.repaired:
+                state = f"damaged store repaired ({self.repaired}): {state}"
         rows = [("store", self.store),
                 ("model", f"{self.arch}, {self.num_moe_layers} MoE layers, {self.num_experts} experts")]
         if self.num_experts:
@@ -125,15 +133,8 @@ def _summary_from_manifest(m: StoreManifest, store: Path, elapsed: float, **kw: 
         elapsed_s=elapsed, tokenizer=m.tokenizer_dir is not None, **kw)
 
 
+
 # ---------------------------------------------------------------------------------- file helpers
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + TMP_SUFFIX)
@@ -142,21 +143,19 @@ def _write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _sha256_file(path: Path, start: int = 0, length: int | None = None) -> str:
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        f.seek(start)
-        left = length
-        while left is None or left > 0:
-            chunk = f.read(_HASH_CHUNK if left is None else min(_HASH_CHUNK, left))
-            if not chunk:
-                break
+        while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
-            if left is not None:
-                left -= len(chunk)
     return h.hexdigest()
 
 
@@ -175,39 +174,7 @@ def source_fingerprint(src: Path) -> tuple[str, str]:
     return kind, hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
 
-@contextlib.contextmanager
-def _exclusive(out: Path) -> Iterator[None]:
-    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(f"{out}: another moestream convert is writing to this store; wait "
-                              f"for it to finish") from None
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _our_files(out: Path) -> list[Path]:
-    """Everything convert writes into a store directory (what --overwrite may remove)."""
-    names = {MANIFEST_NAME, PROGRESS_NAME, DENSE_NAME, TOKENIZER_DIR}
-    found = []
-    for p in out.iterdir():
-        base = p.name.removesuffix(TMP_SUFFIX)
-        if base in names or (base.startswith("experts-L") and base.endswith(".bin")):
-            found.append(p)
-    return found
-
-
-def _remove(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p)
-    else:
-        p.unlink(missing_ok=True)
-
-
-# ------------------------------------------------------------------------------------ convert
+# ------------------------------------------------------------------------------- parameters
 
 def _params(kind: str, fingerprint: str, fmt, dense_dtype: str) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, "source_kind": kind, "fingerprint": fingerprint,
@@ -227,19 +194,46 @@ def _describe(p: dict[str, Any]) -> str:
             f"source fingerprint {p['fingerprint'][:12]}")
 
 
-def _store_is_intact(out: Path, m: StoreManifest) -> str | None:
-    """None if every file the manifest names is there with its recorded size; else the problem."""
-    checks = [(m.dense.file, m.dense.nbytes)] + [(n, f.nbytes) for n, f in m.data_files.items()]
-    for name, size in checks:
-        p = out / name
-        if not p.is_file():
-            return f"{name} is missing"
-        if p.stat().st_size != size:
-            return f"{name} is {p.stat().st_size} bytes, the manifest says {size}"
-    if m.tokenizer_dir is not None and not (out / m.tokenizer_dir).is_dir():
-        return f"{m.tokenizer_dir}/ is missing"
-    return None
+def _fresh_progress(params: dict[str, Any]) -> dict[str, Any]:
+    return {"version": PROGRESS_VERSION, "params": params, "dense": None, "tokenizer": None, "layers": {}}
 
+
+def _progress_from_manifest(m: StoreManifest, params: dict[str, Any]) -> dict[str, Any]:
+    """The progress a finished store amounts to: a repair reuses every part still intact."""
+    prog = _fresh_progress(params)
+    prog["dense"] = m.dense.model_dump()
+    if m.tokenizer_dir is not None:
+        prog["tokenizer"] = {"files": dict(m.tokenizer_files)}
+    for e in m.experts:
+        rec = prog["layers"].setdefault(str(e.layer), {"nbytes": m.data_files[e.file].nbytes, "entries": []})
+        rec["entries"].append(e.model_dump())
+    return prog
+
+
+def _resume_progress(raw: dict[str, Any] | None, out: Path, params: dict[str, Any]) -> dict[str, Any] | None:
+    """progress.json of an interrupted run with these parameters, or None (start over)."""
+    if raw is None:
+        return None
+    if raw.get("version") != PROGRESS_VERSION or raw.get("params") != params:
+        log.warning("%s: a conversion with other parameters (or by another moestream version) was "
+                    "interrupted here; starting over", out)
+        return None
+    return raw
+
+
+def _save_progress(out: Path, prog: dict[str, Any]) -> None:
+    _write_atomic(out / PROGRESS_NAME, json.dumps(prog, indent=1).encode())
+
+
+def _commit(out: Path, prog: dict[str, Any], tmp: Path, final: Path) -> None:
+    """Record the part in progress.json, then give it its final name: every file of ours under a
+    final name is recorded (engine.store.outdir refuses unrecorded ones)."""
+    _save_progress(out, prog)
+    os.replace(tmp, final)
+    fsync_dir(out)
+
+
+# ------------------------------------------------------------------------------------ convert
 
 def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, fmt,
             dense_dtype: str = "auto", progress: bool = True, overwrite: bool = False,
@@ -248,8 +242,9 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, fmt
 
     ``fmt``: the routed experts' :class:`~engine.quant.formats.QuantFormat`. ``dense_dtype``:
     "auto" keeps f16/bf16/f32 tensors as stored (anything else becomes f32), "bf16"/"fp32" force.
-    ``overwrite``: replace a finished store converted with other parameters (otherwise an error).
-    ``_fail_after_layers``: tests only; stop with an exception after that many layers.
+    ``overwrite``: replace a store converted with other parameters (or by an older moestream);
+    never anything that is not a moestream store. ``_fail_after_layers``: tests only; stop with
+    an exception after that many layers.
     """
     from engine.quant.formats import QuantFormat
 
@@ -263,81 +258,96 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, fmt
         raise FileNotFoundError(f"{src}: no such file or directory")
     if src.is_file() and src.suffix != ".gguf":
         raise ModelFormatError(src, "expected a Hugging Face checkpoint directory or a .gguf file")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a directory")
+    with outdir.io_errors(out):
+        outdir.check_out_path(out)
     if src.is_dir() and out.resolve() == src.resolve():
         raise ConfigError(f"--out {out} is the source checkpoint directory; choose another directory")
     kind, fingerprint = source_fingerprint(src)
-    params = _params(kind, fingerprint, fmt, dense_dtype)
+    job = _Job(src, out, fmt, dense_dtype, _params(kind, fingerprint, fmt, dense_dtype), kind,
+               fingerprint, progress, _fail_after_layers, t0)
 
     from engine.loading import open_model_files
 
     files = open_model_files(src)  # headers only; validates every tensor shape
-    try:
-        _check_shapes(src, files.config, fmt)
-        out.mkdir(parents=True, exist_ok=True)  # only once the source is known to be good
-    except BaseException:
-        files.source.close()
-        raise
     with contextlib.ExitStack() as stack:
         stack.callback(files.source.close)
-        stack.enter_context(_exclusive(out))
-        # ---- a finished store? -----------------------------------------------------------
-        if (out / MANIFEST_NAME).exists():
+        _check_shapes(src, files.config, fmt)
+        with outdir.io_errors(out):
+            outdir.refuse_unless_store(out)  # before anything, the lock included, is created
+            created = outdir.make_dirs(out)
             try:
-                m = load_manifest(out)
-                old, problem = _manifest_params(m), None
-            except ModelFormatError as e:
-                m, old, problem = None, None, str(e)
-            if m is not None and old == params:
-                problem = _store_is_intact(out, m)
-                if problem is None:
-                    return _summary_from_manifest(m, out, time.perf_counter() - t0, already_done=True)
-                log.warning("%s: finished store is damaged (%s); converting it again", out, problem)
-            elif not overwrite:
-                what = _describe(old) if old else f"an unreadable manifest ({problem})"
-                raise ConfigError(
-                    f"{out} already holds a store converted with {what}; this run asks for "
-                    f"{_describe(params)}. Pass --overwrite (overwrite=True) to replace it, or "
-                    f"choose another --out")
-            # Replace: the manifest goes first, so the directory never looks finished meanwhile.
-            (out / MANIFEST_NAME).unlink()
-            _fsync_dir(out)
-            for p in _our_files(out):
-                _remove(p)
+                with outdir.exclusive(out):
+                    return _convert_locked(job, files, overwrite)
+            except BaseException:
+                outdir.remove_if_empty(created)
+                raise
+
+
+@dataclass
+class _Job:
+    src: Path
+    out: Path
+    fmt: Any
+    dense_dtype: str
+    params: dict[str, Any]
+    kind: str
+    fingerprint: str
+    progress: bool
+    fail_after: int | None
+    t0: float
+
+
+def _convert_locked(job: _Job, files, overwrite: bool) -> ConvertSummary:
+    from engine.store.verify import verify_store
+
+    out = job.out
+    d = outdir.inspect(out)
+    outdir.refuse_foreign(d)
+    repaired = ""
+    if d.manifest_raw is not None:
+        m = d.manifest
+        if m is not None and _manifest_params(m) == job.params:
+            report = verify_store(out, max_problems=1, stop_early=True)
+            if report.ok:
+                (out / PROGRESS_NAME).unlink(missing_ok=True)  # left by a run killed at its end
+                return _summary_from_manifest(m, out, time.perf_counter() - job.t0, already_done=True)
+            repaired = report.problems[0]
+            log.warning("%s: finished store is damaged (%s); converting the damaged parts again", out, repaired)
+            prog = _progress_from_manifest(m, job.params)
+            _save_progress(out, prog)  # records every file, so the manifest can go
+            (out / MANIFEST_NAME).unlink()  # the directory never looks finished while repaired
+            fsync_dir(out)
+        elif not overwrite:
+            old = _manifest_params(m) if m is not None else None
+            what = _describe(old) if old else f"an unusable manifest ({d.manifest_problem})"
+            raise ConfigError(
+                f"{out} already holds a store converted with {what}; this run asks for "
+                f"{_describe(job.params)}. Pass --overwrite (overwrite=True) to replace it, or "
+                f"choose another --out")
         else:
-            ours = set(_our_files(out))
-            foreign = [p.name for p in out.iterdir() if p.name != LOCK_NAME and p not in ours]
-            if foreign and not (out / PROGRESS_NAME).exists() and not overwrite:
-                raise ConfigError(
-                    f"--out {out} is not empty and is not a moestream store (it holds "
-                    f"{', '.join(sorted(foreign)[:3])}{', ...' if len(foreign) > 3 else ''}); choose an "
-                    f"empty or new directory, or pass --overwrite")
-        return _run(src, out, files, fmt, dense_dtype, params, kind, fingerprint, progress,
-                    _fail_after_layers, t0)
+            prog = _start_over(d, job.params)
+    else:
+        resumed = _resume_progress(d.progress, out, job.params)
+        prog = resumed if resumed is not None and "stale" not in resumed else _start_over(d, job.params)
+    summary = _run(job, files, prog, d.tokenizer_owned)
+    summary.repaired = repaired
+    return summary
 
 
-def _load_progress(out: Path, params: dict[str, Any]) -> dict[str, Any]:
-    fresh = {"version": 1, "params": params, "dense": None, "tokenizer": None, "layers": {}}
-    path = out / PROGRESS_NAME
-    if not path.exists():
-        return fresh
-    try:
-        prog = json.loads(path.read_text(encoding="utf-8"))
-        ok = (isinstance(prog, dict) and prog.get("version") == 1 and isinstance(prog.get("layers"), dict))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        ok = False
-    if not ok:
-        log.warning("%s: unreadable progress.json; starting the conversion over", out)
-        return fresh
-    if prog.get("params") != params:
-        log.warning("%s: a conversion with other parameters was interrupted here; starting over", out)
-        return fresh
+def _start_over(d: outdir.OutDir, params: dict[str, Any]) -> dict[str, Any]:
+    """Remove every part the directory records (another conversion's) and return a fresh
+    progress. Crash-safe: the fresh progress.json is saved first with those parts listed as
+    "stale", so that whatever a killed removal leaves is still recorded as convert's."""
+    prog = _fresh_progress(params)
+    stale = d.owned - {PROGRESS_NAME}
+    if stale:
+        prog["stale"] = {"names": sorted(stale), "tokenizer_files": sorted(d.tokenizer_owned)}
+        _save_progress(d.path, prog)
+        d.owned = stale
+        outdir.remove_owned(d)  # the manifest first
+        del prog["stale"]
+    _save_progress(d.path, prog)
     return prog
-
-
-def _save_progress(out: Path, prog: dict[str, Any]) -> None:
-    _write_atomic(out / PROGRESS_NAME, json.dumps(prog, indent=1).encode())
 
 
 def _reusable_dense(out: Path, rec: Any) -> DenseInfo | None:
@@ -351,7 +361,7 @@ def _reusable_dense(out: Path, rec: Any) -> DenseInfo | None:
     return info if _sha256_file(p) == info.sha256 else None
 
 
-def _reusable_layer(out: Path, layer: int, rec: Any, n_exp: int) -> tuple[list[ExpertEntry], int] | None:
+def _reusable_layer(out: Path, layer: int, rec: Any, n_exp: int, fmt) -> tuple[list[ExpertEntry], int] | None:
     """The layer's entries and file size from progress.json, if its file still matches them."""
     try:
         entries = [ExpertEntry.model_validate(e) for e in rec["entries"]]
@@ -366,8 +376,8 @@ def _reusable_layer(out: Path, layer: int, rec: Any, n_exp: int) -> tuple[list[E
     with open(p, "rb") as f:
         for e in entries:
             f.seek(e.offset)
-            if hashlib.sha256(f.read(e.nbytes)).hexdigest() != e.sha256:
-                log.warning("%s: blob of expert %d does not match progress.json; converting layer %d "
+            if blob_digest(layer, e.expert, fmt.name, fmt.group_size, f.read(e.nbytes)) != e.sha256:
+                log.warning("%s: blob of expert %d does not match its record; converting layer %d "
                             "again", p, e.expert, layer)
                 return None
     return entries, size
@@ -389,7 +399,7 @@ def _dense_tensors(source, names: list[str], dense_dtype: str) -> tuple[dict[str
     return tensors, "+".join(kinds) or "none"
 
 
-def _write_dense(out: Path, source, dense_dtype: str) -> DenseInfo:
+def _write_dense(out: Path, source, dense_dtype: str, prog: dict[str, Any]) -> DenseInfo:
     from engine.loading.source import parse_expert_name
     from safetensors.torch import save_file
 
@@ -399,41 +409,46 @@ def _write_dense(out: Path, source, dense_dtype: str) -> DenseInfo:
     tmp = final.with_name(final.name + TMP_SUFFIX)
     # One metadata key only: safetensors serializes the metadata map in hash order, and the
     # file must be byte-identical across runs (resume, digests).
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    with outdir.library_io(tmp):
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     del tensors
     os.chmod(tmp, 0o644)  # safetensors creates the file owner-only
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(out)
-    return DenseInfo(file=DENSE_NAME, nbytes=final.stat().st_size, sha256=_sha256_file(final), dtype=dtype)
+    _fsync_file(tmp)
+    info = DenseInfo(file=DENSE_NAME, nbytes=tmp.stat().st_size, sha256=_sha256_file(tmp), dtype=dtype)
+    prog["dense"] = info.model_dump()
+    _commit(out, prog, tmp, final)
+    return info
 
 
-def _write_tokenizer(out: Path, files, src: Path) -> bool:
+def _write_tokenizer(job: _Job, files, prog: dict[str, Any], owned: set[str]) -> bool:
+    """Save the source's tokenizer into tokenizer/ (replacing only files recorded as ours)."""
+    out = job.out
     try:
         tok = files.tokenizer()
     except TokenizerNotFoundError as e:
-        log.warning("%s: no tokenizer (%s); the store will have none", src, e)
+        log.warning("%s: no tokenizer (%s); the store will have none", job.src, e)
+        outdir.remove_tokenizer_dir(out / TOKENIZER_DIR, owned)  # one of an earlier conversion
         return False
-    final = out / TOKENIZER_DIR
-    tmp = out / (TOKENIZER_DIR + TMP_SUFFIX)
-    _remove(tmp)
-    tok.hf.save_pretrained(str(tmp))
-    gen = src / "generation_config.json"
-    if src.is_dir() and gen.is_file():  # Tokenizer.from_hf_dir reads extra eos ids from it
+    final, tmp = out / TOKENIZER_DIR, out / (TOKENIZER_DIR + TMP_SUFFIX)
+    outdir.remove_tmp(tmp)
+    with outdir.library_io(tmp):
+        tok.hf.save_pretrained(str(tmp))
+    gen = job.src / "generation_config.json"
+    if job.src.is_dir() and gen.is_file():  # Tokenizer.from_hf_dir reads extra eos ids from it
         shutil.copyfile(gen, tmp / gen.name)
-    for p in tmp.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    if final.exists():
-        _remove(final)
-    os.replace(tmp, final)
-    _fsync_dir(out)
+    digests = {}
+    for p in sorted(tmp.iterdir()):
+        _fsync_file(p)
+        digests[p.name] = _sha256_file(p)
+    fsync_dir(tmp)
+    outdir.remove_tokenizer_dir(final, owned)
+    prog["tokenizer"] = {"files": digests}
+    _commit(out, prog, tmp, final)
     return True
 
 
-def _write_layer(out: Path, source, layer: int, n_exp: int, fmt, bar) -> tuple[list[ExpertEntry], int]:
+def _write_layer(out: Path, source, layer: int, n_exp: int, fmt, bar,
+                 prog: dict[str, Any]) -> tuple[list[ExpertEntry], int]:
     from engine.loading.source import expert_name
     from engine.quant.formats import pack_expert
 
@@ -447,7 +462,8 @@ def _write_layer(out: Path, source, layer: int, n_exp: int, fmt, bar) -> tuple[l
             w = [source.get(expert_name(layer, j, p)) for p in ("gate_proj", "up_proj", "down_proj")]
             blob, layout = pack_expert(*w, fmt)
             entries.append(ExpertEntry(layer=layer, expert=j, file=name, offset=offset, nbytes=len(blob),
-                                       sha256=hashlib.sha256(blob).hexdigest(), layout=layout))
+                                       sha256=blob_digest(layer, j, fmt.name, fmt.group_size, blob),
+                                       layout=layout))
             f.write(blob)
             padded = align_up(len(blob), BLOB_ALIGN)
             f.write(b"\0" * (padded - len(blob)))  # the file ends 4 KiB aligned too (O_DIRECT)
@@ -455,8 +471,8 @@ def _write_layer(out: Path, source, layer: int, n_exp: int, fmt, bar) -> tuple[l
             bar.update(1)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(out)
+    prog["layers"][str(layer)] = {"nbytes": offset, "entries": [e.model_dump() for e in entries]}
+    _commit(out, prog, tmp, final)
     return entries, offset
 
 
@@ -473,78 +489,79 @@ def _check_shapes(src: Path, config, fmt) -> None:
                           f"stored as {fmt.name} g{fmt.group_size}: {e}") from None
 
 
-def _run(src: Path, out: Path, files, fmt, dense_dtype: str, params: dict[str, Any], kind: str,
-         fingerprint: str, progress: bool, fail_after: int | None, t0: float) -> ConvertSummary:
+def _run(job: _Job, files, prog: dict[str, Any], tokenizer_owned: set[str]) -> ConvertSummary:
     from tqdm import tqdm
 
+    out, fmt = job.out, job.fmt
     for p in out.iterdir():  # leftovers of a killed run
-        if p.name.endswith(TMP_SUFFIX):
-            _remove(p)
-    try:
-        config, source = files.config, files.source
-        moe_layers = config.moe_layers
-        n_exp = config.moe.num_experts if config.moe is not None else 0
-        prog = _load_progress(out, params)
-        tokenizer_ok = _write_tokenizer(out, files, src)
+        if outdir.tmp_name(p.name):
+            outdir.remove_tmp(p)
+    config, source = files.config, files.source
+    moe_layers = config.moe_layers
+    n_exp = config.moe.num_experts if config.moe is not None else 0
+    tokenizer_ok = _write_tokenizer(job, files, prog, tokenizer_owned)
+    if not tokenizer_ok:
+        prog["tokenizer"] = None
 
-        dense = _reusable_dense(out, prog.get("dense")) if prog.get("dense") else None
-        if dense is None:
-            dense = _write_dense(out, source, dense_dtype)
-            prog["dense"] = dense.model_dump()
-            _save_progress(out, prog)
+    dense = _reusable_dense(out, prog.get("dense")) if prog.get("dense") else None
+    if dense is None:
+        dense = _write_dense(out, source, job.dense_dtype, prog)
 
-        all_entries: list[ExpertEntry] = []
-        data_files: dict[str, DataFile] = {}
-        converted = reused = 0
-        with tqdm(total=len(moe_layers) * n_exp, unit="expert", desc=f"convert {fmt.name}",
-                  disable=not progress, leave=False) as bar:
-            for layer in moe_layers:
-                rec = prog["layers"].get(str(layer))
-                got = _reusable_layer(out, layer, rec, n_exp) if rec is not None else None
-                if got is not None:
-                    reused += 1
-                    bar.update(n_exp)
-                else:
-                    got = _write_layer(out, source, layer, n_exp, fmt, bar)
-                    prog["layers"][str(layer)] = {"nbytes": got[1],
-                                                  "entries": [e.model_dump() for e in got[0]]}
-                    _save_progress(out, prog)
-                    converted += 1
-                    if fail_after is not None and converted >= fail_after:
-                        raise _SimulatedInterrupt(f"simulated interruption after {converted} layers")
-                entries, size = got
-                all_entries.extend(entries)
-                data_files[layer_file_name(layer)] = DataFile(nbytes=size)
+    all_entries: list[ExpertEntry] = []
+    data_files: dict[str, DataFile] = {}
+    converted = reused = 0
+    with tqdm(total=len(moe_layers) * n_exp, unit="expert", desc=f"convert {fmt.name}",
+              disable=not job.progress, leave=False) as bar:
+        for layer in moe_layers:
+            rec = prog["layers"].get(str(layer))
+            got = _reusable_layer(out, layer, rec, n_exp, fmt) if rec is not None else None
+            if got is not None:
+                reused += 1
+                bar.update(n_exp)
+            else:
+                got = _write_layer(out, source, layer, n_exp, fmt, bar, prog)
+                converted += 1
+                if job.fail_after is not None and converted >= job.fail_after:
+                    raise _SimulatedInterrupt(f"simulated interruption after {converted} layers")
+            entries, size = got
+            all_entries.extend(entries)
+            data_files[layer_file_name(layer)] = DataFile(nbytes=size)
 
-        expert_params = len(all_entries) * 3 * config.hidden_size * (
-            config.moe.expert_intermediate_size if config.moe else 0)
-        expert_file_bytes = sum(f.nbytes for f in data_files.values())
-        manifest = StoreManifest(
-            schema_version=SCHEMA_VERSION,
-            source=SourceInfo(path=str(src.resolve()), kind=kind, fingerprint=fingerprint),
-            model_config=config.to_dict(),
-            quant=QuantInfo(format=fmt.name, group_size=fmt.group_size),
-            dense=dense,
-            tokenizer_dir=TOKENIZER_DIR if tokenizer_ok else None,
-            data_files=data_files,
-            experts=all_entries,
-            totals=StoreTotals(
-                num_moe_layers=len(moe_layers), num_experts=len(all_entries),
-                expert_params=expert_params, expert_bytes=sum(e.nbytes for e in all_entries),
-                expert_file_bytes=expert_file_bytes, dense_bytes=dense.nbytes,
-                total_bytes=expert_file_bytes + dense.nbytes, bits_per_weight=fmt.bits_per_weight),
-            conversion=ConversionInfo(
-                created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                moestream_version=_version(), dense_dtype=dense_dtype),
-        )
-        check_manifest(manifest, out / MANIFEST_NAME)  # never write a manifest the reader refuses
-        _write_atomic(out / MANIFEST_NAME, manifest.to_json().encode())
-        (out / PROGRESS_NAME).unlink(missing_ok=True)
-        _fsync_dir(out)
-    finally:
-        files.source.close()  # views of its mappings are gone; closing twice is harmless
-    return _summary_from_manifest(manifest, out, time.perf_counter() - t0,
+    manifest = _manifest(job, config, dense, prog, data_files, all_entries)
+    check_manifest(manifest, out / MANIFEST_NAME)  # never write a manifest the reader refuses
+    _write_atomic(out / MANIFEST_NAME, manifest.to_json().encode())
+    (out / PROGRESS_NAME).unlink(missing_ok=True)
+    fsync_dir(out)
+    return _summary_from_manifest(manifest, out, time.perf_counter() - job.t0,
                                   layers_converted=converted, layers_reused=reused)
+
+
+def _manifest(job: _Job, config, dense: DenseInfo, prog: dict[str, Any], data_files: dict[str, DataFile],
+              entries: list[ExpertEntry]) -> StoreManifest:
+    fmt = job.fmt
+    expert_params = len(entries) * 3 * config.hidden_size * (
+        config.moe.expert_intermediate_size if config.moe else 0)
+    expert_file_bytes = sum(f.nbytes for f in data_files.values())
+    tok = prog.get("tokenizer")
+    return StoreManifest(
+        schema_version=SCHEMA_VERSION,
+        source=SourceInfo(path=str(job.src.resolve()), kind=job.kind, fingerprint=job.fingerprint),
+        model_config=config.to_dict(),
+        quant=QuantInfo(format=fmt.name, group_size=fmt.group_size),
+        dense=dense,
+        tokenizer_dir=TOKENIZER_DIR if tok else None,
+        tokenizer_files=dict(tok["files"]) if tok else {},
+        data_files=data_files,
+        experts=entries,
+        totals=StoreTotals(
+            num_moe_layers=len(config.moe_layers), num_experts=len(entries),
+            expert_params=expert_params, expert_bytes=sum(e.nbytes for e in entries),
+            expert_file_bytes=expert_file_bytes, dense_bytes=dense.nbytes,
+            total_bytes=expert_file_bytes + dense.nbytes, bits_per_weight=fmt.bits_per_weight),
+        conversion=ConversionInfo(
+            created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            moestream_version=_version(), dense_dtype=job.dense_dtype),
+    )
 
 
 def _version() -> str:
@@ -556,4 +573,4 @@ def _version() -> str:
         return "0+unknown"
 
 
-__all__ = ["ConvertSummary", "convert", "source_fingerprint", "PROGRESS_NAME"]
+__all__ = ["ConvertSummary", "convert", "source_fingerprint", "LOCK_NAME", "PROGRESS_NAME"]

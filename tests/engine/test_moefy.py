@@ -190,8 +190,11 @@ def test_moefy_from_text_records_metadata(dense, tmp_path):
     assert meta["seed"] == 3 and meta["experts"] == 4 and meta["top_k"] == 2
     assert meta["shared_intermediate_size"] == 32 and meta["expert_intermediate_size"] == 8
     rec = meta["router_recall"]["per_layer"]
-    assert len(rec) == 2 and all(0.0 <= r <= 1.0 for r in rec)
-    assert len(meta["router_recall_by_k"]) == 4 and meta["router_recall_by_k"][-1] == 1.0
+    # the fitted router beats a random one (top-2 of 4: recall 0.5); measured 0.84 and 0.77
+    assert len(rec) == 2 and all(0.65 <= r <= 1.0 for r in rec)
+    by_k = meta["router_recall_by_k"]
+    assert len(by_k) == 4 and by_k[-1] == 1.0  # K = E: every expert is in both sets
+    assert by_k[1] == pytest.approx(sum(rec) / 2) == meta["router_recall"]["mean"]
     assert cfg["qkv_bias"] is False and cfg["norm_topk_prob"] is True
     assert cfg["num_experts_per_tok"] == 2 and cfg["moe_intermediate_size"] == 8
     detail = json.loads((out / "moefy.json").read_text())

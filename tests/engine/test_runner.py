@@ -112,7 +112,11 @@ def test_fp8_kv_agreement_with_bf16(tiny):
     pairs = [(a, b) for x, y in zip(out["bf16"], out["fp8"]) for a, b in zip(x, y)]
     agreement = sum(a == b for a, b in pairs) / len(pairs)
     print(f"FP8 (per-block scale) vs bf16 KV: {agreement:.3f} of {len(pairs)} greedy tokens identical")
-    assert 0.0 <= agreement <= 1.0 and len(pairs) > 0
+    # Measured 40/52 = 0.769 (seeded model and requests, CPU): FP8 e4m3 keys/values perturb
+    # the logits slightly, so greedy paths drift apart after a near tie. A fixed scale of 1e-3
+    # (values saturate at +-0.45) measured 23/52 = 0.44; chance is 1/96.
+    assert len(pairs) == sum(MAX_TOKENS)
+    assert agreement >= 0.70
 
 
 def test_seeded_sampling_same_alone_and_in_a_batch(tiny):

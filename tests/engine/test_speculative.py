@@ -329,20 +329,51 @@ def test_exact_match_drafter_accepts_everything_when_sampling(tiny):
         assert st.drafted > 0 and st.acceptance_rate == 1.0
 
 
+def _rules_by_hand(logits, sc, seen, counts):
+    """The sampling rules as documented (penalties, temperature, top-k, softmax, min-p, top-p),
+    in float64 numpy: an oracle that shares no code with engine.layers.sampler."""
+    import numpy as np
+
+    z = logits.double().numpy().copy()
+    for t in seen | set(counts):
+        z[t] = z[t] / sc.repetition_penalty if z[t] > 0 else z[t] * sc.repetition_penalty
+    for t, c in counts.items():
+        z[t] -= sc.frequency_penalty * c + sc.presence_penalty
+    z = z / sc.temperature
+    kth = np.sort(z)[::-1][sc.top_k - 1]
+    z[z < kth] = -np.inf
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    p[p < sc.min_p * p.max()] = 0.0
+    order = np.argsort(-p, kind="stable")
+    before = np.cumsum(p[order]) - p[order]  # mass of the tokens ranked above each one
+    p[order[before >= sc.top_p]] = 0.0
+    return p / p.sum()
+
+
 def test_processed_probs_matches_sampler(tiny):
     from engine.layers.sampler import SamplerState, sample
 
     logits = torch.randn(32, generator=torch.Generator().manual_seed(0)) * 3
     sc = SamplingConfig(temperature=0.7, top_k=10, top_p=0.8, min_p=0.05, repetition_penalty=1.2,
                         presence_penalty=0.3, frequency_penalty=0.2, seed=1)
+    top = torch.argsort(logits, descending=True).tolist()
+    seen, counts = {top[2], top[20]}, {top[0]: 2, top[3]: 1}  # penalties hit the likely tokens
     st = SamplerState(sc)
-    st.prompt_tokens = {1, 2, 3}
-    st.counts = {4: 2, 5: 1}
+    st.prompt_tokens, st.counts = set(seen), dict(counts)
     p = processed_probs(logits, st)
+    want = _rules_by_hand(logits, sc, seen, counts)
+    assert set(torch.nonzero(p).flatten().tolist()) == set(want.nonzero()[0].tolist())
+    assert 2 <= len(want.nonzero()[0]) < 10  # top-p / min-p really cut inside the top-k
+    torch.testing.assert_close(p.double(), torch.from_numpy(want), rtol=1e-5, atol=1e-6)
+    # a penalty the rules must apply: without the counts the distribution differs
+    bare = SamplerState(sc)
+    assert float((processed_probs(logits, bare) - p).abs().sum()) > 0.01
+    # and sample() draws from exactly this distribution
     draws = [sample(logits, st) for _ in range(3000)]
-    emp = torch.bincount(torch.tensor(draws), minlength=32).float() / len(draws)
-    assert set(torch.nonzero(emp).flatten().tolist()) <= set(torch.nonzero(p).flatten().tolist())
-    assert 0.5 * float((emp - p).abs().sum()) < 0.05
+    emp = torch.bincount(torch.tensor(draws), minlength=32).double() / len(draws)
+    assert set(torch.nonzero(emp).flatten().tolist()) <= set(want.nonzero()[0].tolist())
+    assert 0.5 * float((emp - torch.from_numpy(want)).abs().sum()) < 0.05
 
 
 # ---- stop rules mid-draft ------------------------------------------------------------------------

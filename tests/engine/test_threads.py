@@ -7,28 +7,30 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
+from engine.options import RuntimeOptions, configure
 from engine.threads import SMALL_STEP_TOKENS, step_threads
 
 
 @pytest.fixture
 def two_threads():
-    prev = torch.get_num_threads()
+    prev, opts = torch.get_num_threads(), configure()
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(prev)
+    configure(opts)
 
 
-def test_small_steps_use_decode_threads_and_restore(two_threads, monkeypatch):
+def test_small_steps_use_decode_threads_and_restore(two_threads):
     cpu = torch.device("cpu")
     with step_threads(1, cpu):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == 2
     with step_threads(SMALL_STEP_TOKENS + 1, cpu):
         assert torch.get_num_threads() == 2
-    monkeypatch.setenv("MOESTREAM_DECODE_THREADS", "2")
+    configure(decode_threads=2)
     with step_threads(1, cpu):
         assert torch.get_num_threads() == 2
-    monkeypatch.setenv("MOESTREAM_DECODE_THREADS", "5")  # never more than the process allows
+    configure(decode_threads=5)  # never more than the process allows
     with step_threads(1, cpu):
         assert torch.get_num_threads() == 2
     with pytest.raises(RuntimeError):
@@ -37,12 +39,15 @@ def test_small_steps_use_decode_threads_and_restore(two_threads, monkeypatch):
     assert torch.get_num_threads() == 2
 
 
-def test_bad_setting_is_a_clear_error(monkeypatch):
+def test_bad_setting_is_a_clear_error():
     for bad in ("0", "two"):
-        monkeypatch.setenv("MOESTREAM_DECODE_THREADS", bad)
         with pytest.raises(ConfigError, match="MOESTREAM_DECODE_THREADS"):
-            with step_threads(1, torch.device("cpu")):
-                pass
+            RuntimeOptions.from_env({"MOESTREAM_DECODE_THREADS": bad})
+    with pytest.raises(ConfigError, match="MOESTREAM_INT8_ACTIVATIONS"):
+        RuntimeOptions.from_env({"MOESTREAM_INT8_ACTIVATIONS": "yes"})
+    with pytest.raises(ConfigError, match="decode_threads"):
+        configure(decode_threads=0)
+    assert RuntimeOptions.from_env({"MOESTREAM_FUSED_STEP": "0"}).fused_step is False
 
 
 def test_model_forward_applies_it(two_threads):

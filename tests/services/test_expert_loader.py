@@ -20,6 +20,7 @@ from services.expert_loader import (
     LoaderPoolSource,
     MappedSegment,
     rendezvous_owner,
+    segment_prefix,
 )
 
 
@@ -146,10 +147,14 @@ def test_checksum_checked_when_a_blob_enters_ram(store_path, slot_info, tmp_path
             src = LoaderPoolSource(s, {"loader-0": FakeHandle(ld, lt)}, get=fake_get)
             with pytest.raises(ExpertLoadError, match="checksum"):
                 src.read_into((e.layer, e.expert), torch.empty(src.slot_bytes, dtype=torch.uint8))
-        assert not os.path.exists(os.path.join(SHM_DIR, "x"))
+        # the failed read gave its slot back and the loader's segment is still there
+        assert ld.tier.slot_of == {} and sorted(ld.tier.free_slots) == list(range(ld.tier.num_slots))
+        assert ld.tier.name.startswith(segment_prefix("unit-test", "loader-0"))
+        assert os.path.isfile(os.path.join(SHM_DIR, ld.tier.name))
     finally:
         lt.run(ld.close()).result()
         lt.stop()
+    assert not os.path.exists(os.path.join(SHM_DIR, ld.tier.name))  # close unlinked it
 
 
 def test_failed_fetches_are_retried_on_the_new_owner(env):

@@ -98,9 +98,16 @@ def test_metrics_count_tiers_and_prefetch(store):
         assert s["nvme_hits"] == len(sm.cache.source.slot_of)
         assert s["ram_hits"] > 0
         assert s["prefetch_issued"] > 0
-        assert 0.0 <= s["prefetch_precision"] <= 1.0 and 0.0 <= s["prefetch_recall"] <= 1.0
+        # The next layer's router on this layer's hidden state predicts its experts far better
+        # than chance (a decode step's top-2 of 8: 0.25). Measured (seeded model, CPU):
+        # precision 33/57 = 0.58, recall 33/52 = 0.63 (mixtral); 31/55 = 0.56, 31/52 = 0.60
+        # (qwen3_moe). A predictor scored against the wrong layer or step falls to ~chance.
+        assert s["prefetch_precision"] >= 0.45 and s["prefetch_recall"] >= 0.45, s
         assert s["bytes_to_device_per_token"] > 0
         t = sm.cache.metrics.total()
+        # recall's denominator is what was routed in the scored steps: 11 decode steps x 2
+        # predicted layers x top-2, plus the prefill's distinct experts in those 2 layers
+        assert t.predicted_tp + t.predicted_fn - 11 * 2 * 2 in range(2 * 2, 2 * 8 + 1)
         assert t.bytes_to_device == (t.misses - t.cpu_computed) * sm.store.entry(0, 0).nbytes + \
             sm.cache.metrics.prefetch_issued * sm.store.entry(0, 0).nbytes - \
             t.late_prefetch * sm.store.entry(0, 0).nbytes

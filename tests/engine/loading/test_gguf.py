@@ -24,6 +24,10 @@ from gguf import GGMLQuantizationType as QT
 from engine.errors import ModelFormatError, MoestreamError, UnsupportedArchitectureError
 from engine.loading.gguf import GGUFFile, GGUFSource
 from engine.loading.source import expert_name
+from tests.engine.loading.builders import (  # byte-level GGUF builders
+    BASE_DATA, BASE_KVS, F32, Q8_0, T_ARR, T_I32, T_STR, T_U32, U32, U64, build, kv, kv_str, kv_u32, s,
+    ti, write,
+)
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -408,67 +412,6 @@ def test_get_after_close_and_tensor_owns_memory(tmp_path):
 # ================================================================================================
 # Malformed files
 # ================================================================================================
-U32, U64 = (lambda v: struct.pack("<I", v)), (lambda v: struct.pack("<Q", v))
-T_U32, T_I32, T_STR, T_ARR = 4, 5, 8, 9
-F32, Q8_0 = 0, 8
-
-
-def s(text: str | bytes) -> bytes:
-    b = text.encode() if isinstance(text, str) else text
-    return U64(len(b)) + b
-
-
-def kv(key: str | bytes, vtype: int, payload: bytes) -> bytes:
-    return s(key) + U32(vtype) + payload
-
-
-def kv_u32(key: str, v: int) -> bytes:
-    return kv(key, T_U32, U32(v))
-
-
-def kv_str(key: str, v: str) -> bytes:
-    return kv(key, T_STR, s(v))
-
-
-BASE_KVS = [
-    kv_str("general.architecture", "llama"),
-    kv_u32("llama.block_count", 1),
-    kv_u32("llama.embedding_length", 64),
-    kv_u32("llama.attention.head_count", 2),
-    kv_u32("llama.vocab_size", 32),
-    kv_u32("llama.feed_forward_length", 128),
-]
-
-
-def ti(name: str | bytes, ne: list[int], gtype: int, offset: int, n_dims: int | None = None) -> bytes:
-    n = len(ne) if n_dims is None else n_dims
-    return s(name) + U32(n) + b"".join(U64(d) for d in ne) + U32(gtype) + U64(offset)
-
-
-# output_norm: f32 [64] = 256 bytes at 0; token_embd: q8_0 ne [64, 32] = 64 blocks x 34 = 2176 at 256
-BASE_TENSORS = [ti("output_norm.weight", [64], F32, 0), ti("token_embd.weight", [64, 32], Q8_0, 256)]
-BASE_DATA = (np.arange(64, dtype=np.float32).tobytes()
-             + (np.float16(0.25).tobytes() + bytes(range(32))) * 64)
-
-
-def build(*, magic=b"GGUF", version=3, kvs=None, tensors=None, data=None, n_kv=None,
-          n_tensors=None, alignment=32, pad=True) -> bytes:
-    kvs = BASE_KVS if kvs is None else kvs
-    tensors = BASE_TENSORS if tensors is None else tensors
-    data = BASE_DATA if data is None else data
-    head = (magic + U32(version) + U64(len(tensors) if n_tensors is None else n_tensors)
-            + U64(len(kvs) if n_kv is None else n_kv) + b"".join(kvs) + b"".join(tensors))
-    if pad:
-        head += bytes(-len(head) % alignment)
-    return head + data
-
-
-def write(tmp_path: Path, blob: bytes, name: str = "bad.gguf") -> Path:
-    p = tmp_path / name
-    p.write_bytes(blob)
-    return p
-
-
 def expect_format_error(path: Path, match: str) -> ModelFormatError:
     t0 = time.perf_counter()
     with pytest.raises(ModelFormatError, match=match) as ei:

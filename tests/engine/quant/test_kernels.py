@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.quant import FORMATS, GROUP_SIZES, QuantFormat, QuantizedTensor, quantize
+from engine.quant import FORMATS, GROUP_SIZES, NF4_CODEBOOK, QuantFormat, QuantizedTensor, quantize
 from engine.quant import kernels as K
 from engine.quant.reference import (dequantize, dequantize_activations, expert_ref, linear_ref,
-                                    linear_ref_int8_act, quantize_activations)
+                                    linear_ref_int8_act, quantize_activations,
+                                    takes_int8_activations)
 
 SHAPES = [(16, 128), (72, 256), (33, 384)]   # N not a multiple of the row tiles on purpose
 TOKENS = [1, 2, 3, 4, 17]   # direct (decode) loop, its odd tail, the scratch loop
@@ -27,7 +30,7 @@ def assert_close_to_ref(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ref: 
 def cpp_ref(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     """What the C++ backend computes: int4 weights take int8 activations when that is on."""
     x = x.reshape(-1, q.shape[1])
-    return linear_ref_int8_act(x, q) if q.fmt.name == "int4" and K.int8_activations() else linear_ref(x, q)
+    return linear_ref_int8_act(x, q) if takes_int8_activations(q) and K.int8_activations() else linear_ref(x, q)
 
 
 def assert_close_to_cpp_ref(y: torch.Tensor, x: torch.Tensor, q: QuantizedTensor) -> None:
@@ -55,17 +58,40 @@ def _candidates(fmt_name: str) -> list[str]:
     return c
 
 
+def on_grid(n: int, k: int, fmt: QuantFormat, gen: torch.Generator) -> torch.Tensor:
+    """A float weight [n, k] the format holds exactly, built from the format's definition (not
+    from engine.quant): per group a power-of-two scale, codes spanning the group's range (so
+    quantize recovers that scale and min exactly), w = decoded codes."""
+    if fmt.name == "bf16":
+        return torch.randn(n, k, generator=gen).to(torch.bfloat16).float()
+    g = fmt.group_size
+    s = 2.0 ** -torch.randint(4, 9, (n, k // g, 1), generator=gen).float()
+    if fmt.name == "int8":
+        c = torch.randint(-127, 128, (n, k // g, g), generator=gen).float()
+        c[..., 0] = 127.0  # the group's absmax is 127 s: scale = s exactly
+        return (c * s).reshape(n, k)
+    c = torch.randint(0, 16, (n, k // g, g), generator=gen)
+    c[..., 0], c[..., 1] = 0, 15
+    if fmt.name == "nf4":
+        return (torch.tensor(NF4_CODEBOOK)[c] * s).reshape(n, k)  # absmax = s (NF4[15] = 1)
+    m = -torch.randint(0, 16, (n, k // g, 1), generator=gen).float() * s  # int4: min, scale s
+    return (m + c.float() * s).reshape(n, k)
+
+
 @pytest.mark.parametrize("g", GROUP_SIZES)
 @pytest.mark.parametrize("name", FORMATS)
 def test_qlinear_candidates_match_reference(name, g):
-    gen = torch.Generator().manual_seed(hash((name, g)) % 2**31)
+    """Every candidate against x @ w.T of the float weights themselves (weights on the format's
+    grid): independent of reference.dequantize, which the torch candidates call."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}/{g}".encode()))
     fmt = QuantFormat(name, g)
     for n, k in SHAPES:
-        q = quantize(torch.randn(n, k, generator=gen) * 0.05, fmt)
-        w = dequantize(q)
+        w = on_grid(n, k, fmt, gen)
+        q = quantize(w, fmt)
+        assert torch.equal(dequantize(q), w)  # what was encoded decodes exactly
         for t in TOKENS:
             x = torch.randn(t, k, generator=gen)
-            ref = linear_ref(x, q)
+            exact = (x.double() @ w.double().T).float()
             for cand in _candidates(name):
                 if cand == "torch_int4pack" and not K.int4pack_supported(q):
                     continue
@@ -73,7 +99,19 @@ def test_qlinear_candidates_match_reference(name, g):
                 if cand == "cpp":
                     assert_close_to_cpp_ref(fn(x, q), x, q)
                 else:
-                    assert_close_to_ref(fn(x, q), x, w, ref)
+                    assert_close_to_ref(fn(x, q), x, w, exact)
+
+
+def test_a_wrong_weight_fails_the_candidate_check():
+    """The check above can fail: one weight flipped to the other end of its group's range."""
+    gen = torch.Generator().manual_seed(zlib.crc32(b"mutation"))
+    fmt = QuantFormat("int8", 32)
+    w = on_grid(16, 128, fmt, gen)
+    q = quantize(w, fmt)
+    q.parts["codes"][3, 5] = -127 if int(q.parts["codes"][3, 5]) >= 0 else 127
+    x = torch.ones(1, 128)
+    with pytest.raises(AssertionError, match="excess over tolerance"):
+        assert_close_to_ref(K.qlinear_torch(x, q), x, w, (x.double() @ w.double().T).float())
 
 
 @pytest.mark.parametrize("mode", ["auto", "torch"])
@@ -114,13 +152,13 @@ def test_expert_forward_matches_reference(name, mode, backend):
         y = K.expert_forward(x, g, u, d)
         # the bound of each linear propagates; the hidden activation is formed in fp32 either way
         bound = 1e-4 * (hid.abs() @ dequantize(d).abs().T) * 4 + 1e-5
-        if lin is cpp_ref and name == "int4":
+        if lin is cpp_ref and takes_int8_activations(d) and K.int8_activations():
             # int8 activations: a reordering difference in hid can flip the rounding of a few of
             # its codes by one step, each moving the output by at most dx * max |w_down|
             _, dh = quantize_activations(hid)
             bound = bound + 4 * dh.max() * dequantize(d).abs().amax(1)[None, :]
         assert y.shape == (t, h) and ((y - ref).abs() <= bound).all()
-        if name != "int4" or lin is linear_ref:
+        if lin is linear_ref or not K.int8_activations() or not any(map(takes_int8_activations, (g, u, d))):
             assert ((y - expert_ref(x, g, u, d)).abs() <= bound).all()
 
 
@@ -197,13 +235,19 @@ def test_int8_activation_results_do_not_depend_on_the_batch():
 
 
 @needs_i8a
-def test_int8_activations_can_be_switched_off(monkeypatch):
+def test_int8_activations_can_be_switched_off():
+    from engine.options import configure
+
     gen = torch.Generator().manual_seed(6)
     q = quantize(torch.randn(32, 256, generator=gen) * 0.05, QuantFormat("int4", 64))
     x = torch.randn(1, 256, generator=gen)
-    monkeypatch.setenv("MOESTREAM_INT8_ACTIVATIONS", "0")
-    assert not K.int8_activations()
-    assert_close_to_ref(K.qlinear(x, q), x, dequantize(q), linear_ref(x, q))  # exact float path
+    prev = configure(int8_activations=False)
+    try:
+        assert not K.int8_activations()
+        assert_close_to_ref(K.qlinear(x, q), x, dequantize(q), linear_ref(x, q))  # exact float path
+    finally:
+        configure(prev)
+    assert K.int8_activations()
 
 
 def test_quantize_activations_rule_and_zero_blocks():

@@ -27,7 +27,11 @@ def test_quant_linear_equals_reference(name, t):
         lin.bias.copy_(torch.randn(72, generator=g))
     q = QuantLinear.from_linear(lin, QuantFormat(name, 64))
     x = torch.randn(t, 128, generator=g)
-    want = x @ dequantize(q.q).T + lin.bias
+    from engine.quant.kernels import backend_for, int8_activations
+    from engine.quant.reference import linear_ref_int8_act, takes_int8_activations
+
+    i8a = backend_for(q.q) == "cpp" and int8_activations() and takes_int8_activations(q.q)
+    want = (linear_ref_int8_act(x, q.q) if i8a else x @ dequantize(q.q).T) + lin.bias
     torch.testing.assert_close(q(x), want, rtol=1e-4, atol=1e-4)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+import zlib
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def backend():
 @pytest.mark.parametrize("fmt", ["int4", "nf4", "int8", "bf16"])
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_matches_reference_every_format_and_group(fmt, group):
-    g = torch.Generator().manual_seed(hash((fmt, group)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{fmt}/{group}".encode()))
     for t, n, k in [(1, 48, 256), (3, 70, 384), (MAX_T, 33, 128), (MAX_T + 3, 40, 256)]:
         q = quantize(torch.randn(n, k, generator=g) * 0.05, QuantFormat(fmt, group)).to(DEV)
         x = torch.randn(t, k, generator=g).to(DEV)

@@ -1,30 +1,24 @@
-"""C++ source of the AVX-512 CPU kernels (built by ``kernels.py`` with cpp_extension.load).
+// Quantized linear and SwiGLU-expert kernels for AVX-512 CPUs (moestream engine/quant).
+//
+// Shape legend: weight [N, K] (out, in), groups of G along K, 4-bit blocks of 32 (byte j of a
+// block = code j | code j+16 << 4, see engine/quant/formats.py); x [T, K] float32; out [T, N].
+//
+// Two loop nests:
+// - direct (small T, decode): a tile of 8 rows x 2 tokens keeps 16 16-lane accumulators in
+//   registers; each 32-weight block is dequantized into two vectors and FMA'd against the tokens;
+//   further token pairs re-read the tile's codes from L1, so memory is read once.
+//   4-bit formats dequantize with one table lookup (vpermps) into a per-(row, group) 16-entry table
+//   lut[c] = base[c] * scale + min (int4: base = 0..15; nf4: base = code book, min = 0), so a
+//   block costs one byte->dword expansion, one shift and two permutes.
+// - scratch (larger T): R rows are dequantized into an fp32 scratch (L1/L2 resident) and an
+//   R x TT register-tiled FMA micro-kernel runs over all tokens, so dequantization is paid once per
+//   weight per call.
+// Threads: every entry point runs on the calling thread. The step's worker pool (step.cpp) splits
+// a layer's work across cores above these kernels; an OpenMP build of them was measured slower
+// inside a decode step on 2 cores (demo store 39.8 -> 19.8 tok/s).
+#include "quant.h"
 
-Shape legend: weight ``[N, K]`` (out, in), groups of ``G`` along K, 4-bit blocks of 32 (byte j of a
-block = code j | code j+16 << 4, see formats.py); ``x`` ``[T, K]`` float32; ``out`` ``[T, N]``.
-
-Two loop nests:
-- direct (small T, decode): a tile of 8 rows x 2 tokens keeps 16 16-lane accumulators in
-  registers; each 32-weight block is dequantized into two vectors and FMA'd against the tokens;
-  further token pairs re-read the tile's codes from L1, so memory is read once.
-  4-bit formats dequantize with one table lookup (vpermps) into a per-(row, group) 16-entry table
-  ``lut[c] = base[c] * scale + min`` (int4: base = 0..15; nf4: base = code book, min = 0), so a
-  block costs one byte->dword expansion, one shift and two permutes.
-- scratch (larger T): R rows are dequantized into an fp32 scratch (L1/L2 resident) and an
-  R x TT register-tiled FMA micro-kernel runs over all tokens, so dequantization is paid once per
-  weight per call.
-Threads: the rows are handed to at::parallel_for, but the extension is built without OpenMP, so
-that runs them on the calling thread. Measured (an 864 KiB int4 expert at T=1, H=1024, I=512):
-built with -fopenmp, 2 threads took 57 µs against 76 now, but the single-thread kernel slowed to
-107 µs, and inside a decode step 2 kernel threads lost on the 2-vCPU dev machine (demo store
-39.8 -> 19.8 tok/s); decode runs on one thread anyway (engine/threads.py). A many-core machine
-may want an OpenMP build with its own thread pool: not done.
-"""
-
-CPP_SOURCE = r"""
-// Light headers on purpose (not torch/extension.h): the build takes ~10 s instead of ~30 s.
 #include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 #include <immintrin.h>
@@ -33,8 +27,8 @@ CPP_SOURCE = r"""
 #include <vector>
 
 namespace {
+using namespace ms;
 
-enum { F_INT4 = 0, F_NF4 = 1, F_INT8 = 2, F_BF16 = 3 };
 
 alignas(64) const float NF4_CB[16] = {
   -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
@@ -43,12 +37,6 @@ alignas(64) const float NF4_CB[16] = {
   0.44070982985687256f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
 alignas(64) const float IOTA16[16] = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
 
-struct QW {            // one quantized weight [N, K]
-  int fmt; int64_t G, N, K;
-  const uint8_t* codes;      // int4/nf4: [N, K/2]; int8: [N, K] (int8); bf16: [N, K] (2 bytes each)
-  const uint16_t* scales;    // [N, K/G] fp16 (not bf16)
-  const uint16_t* mins;      // [N, K/G] fp16 (int4 only)
-};
 
 static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -261,40 +249,6 @@ static void rows_dispatch(const QW& w, int64_t nb, int64_t ne, const float* x, i
   }
 }
 
-static QW make_qw(int64_t fmt, int64_t G, int64_t N, int64_t K, const at::Tensor& codes,
-                  const at::Tensor& scales, const at::Tensor& mins) {
-  TORCH_CHECK(fmt >= 0 && fmt <= 3, "bad format id");
-  TORCH_CHECK(K % 32 == 0 && (fmt == F_BF16 || K % G == 0), "K must be a multiple of 32 and of G");
-  TORCH_CHECK(codes.is_contiguous(), "codes must be contiguous");
-  int64_t want = fmt == F_INT4 || fmt == F_NF4 ? N * K / 2 : fmt == F_INT8 ? N * K : N * K * 2;
-  TORCH_CHECK(codes.numel() * codes.element_size() == want, "codes have the wrong size");
-  QW w{(int)fmt, G, N, K, (const uint8_t*)codes.data_ptr(), nullptr, nullptr};
-  if (fmt != F_BF16) {
-    TORCH_CHECK(scales.is_contiguous() && scales.numel() == N * (K / G) && scales.element_size() == 2, "bad scales");
-    w.scales = (const uint16_t*)scales.data_ptr();
-  }
-  if (fmt == F_INT4) {
-    TORCH_CHECK(mins.is_contiguous() && mins.numel() == N * (K / G) && mins.element_size() == 2, "bad mins");
-    w.mins = (const uint16_t*)mins.data_ptr();
-  }
-  return w;
-}
-
-static at::Tensor as_f32_2d(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [T, ", K, "]");
-  if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x;
-  return x.to(at::kFloat).contiguous();
-}
-
-// grain in rows: split over threads only when each share has enough work (~weight bytes x tokens)
-static int64_t row_grain(const QW& w, int64_t T, int64_t min_work) {
-  int64_t per_row = w.K * (T < 4 ? 4 : T);
-  int64_t g = min_work / (per_row > 0 ? per_row : 1);
-  return g < 8 ? 8 : g;
-}
-
-static inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
-
 // ---- int4 weights x int8 activations (decode; AVX512-VNNI) -------------------------------
 // x is quantized per block of 32 to int8 (dx = absmax / 127, q = round-half-even(x * (1 / dx)));
 // a block's 16 code bytes hold weights j (low nibble) and j + 16 (high), so per chunk of 4 blocks
@@ -389,6 +343,73 @@ static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* acts,
   }
 }
 
+// ---- int8 weights x int8 activations (decode; AVX512-VNNI) -------------------------------
+// The activations in natural order (q[k] for k = 0..K-1, quant_block's rule per block of 32), and
+// per 64-byte chunk a 16-lane vector of their block scales (lanes 0-7: block 2c, 8-15: 2c + 1),
+// matching vpdpbusd's lanes. vpdpbusd multiplies unsigned by signed bytes, so |w| times q with
+// w's sign moved onto q. Per row: sum over chunks of scale(group) * dx(block) * sum(w * q).
+struct QAct8 {
+  std::vector<int8_t> q;   // [K]
+  std::vector<float> dx;   // [K / 64 * 16]
+};
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+static void quant_act8(const float* x, int64_t K, QAct8& a) {
+  a.q.resize(K);
+  a.dx.resize(K / 64 * 16);
+  for (int64_t b = 0; b < K / 32; b++) {
+    __m512i q0, q1;
+    const float d = quant_block(x + 32 * b, q0, q1);
+    _mm_storeu_si128((__m128i*)(a.q.data() + 32 * b), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(a.q.data() + 32 * b + 16), _mm512_cvtsepi32_epi8(q1));
+    for (int l = 0; l < 8; l++) a.dx[(b / 2) * 16 + (b % 2) * 8 + l] = d;
+  }
+}
+
+template <int TT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")))
+static void rows_int8_i8a(const QW& w, int64_t nb, int64_t ne, const QAct8* acts, float* out, int64_t ldo) {
+  const int64_t K = w.K, G = w.G, NG = K / G, C = K / 64;
+  const __m512i zero = _mm512_setzero_si512();
+  const __mmask16 hi8 = 0xFF00;
+  for (int64_t n = nb; n < ne; n++) {
+    const int8_t* row = (const int8_t*)w.codes + n * K;
+    const uint16_t* srow = w.scales + n * NG;
+    __m512 facc[TT];
+    for (int t = 0; t < TT; t++) facc[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+      const __m512i v = _mm512_loadu_si512(row + c * 64);
+      const __m512i av = _mm512_abs_epi8(v);
+      const __mmask64 neg = _mm512_movepi8_mask(v);
+      const __m512 sv = _mm512_mask_blend_ps(hi8, _mm512_set1_ps(_cvtsh_ss(srow[c * 64 / G])),
+                                             _mm512_set1_ps(_cvtsh_ss(srow[(c * 64 + 32) / G])));
+      for (int t = 0; t < TT; t++) {
+        const __m512i q = _mm512_loadu_si512(acts[t].q.data() + c * 64);
+        const __m512i acc = _mm512_dpbusd_epi32(zero, av, _mm512_mask_sub_epi8(q, neg, zero, q));
+        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, _mm512_loadu_ps(acts[t].dx.data() + c * 16)),
+                                  facc[t]);
+      }
+    }
+    for (int t = 0; t < TT; t++) out[t * ldo + n] = _mm512_reduce_add_ps(facc[t]);
+  }
+}
+
+static const std::vector<QAct8>& quant_acts8(const float* x, int64_t T, int64_t K, int slot) {
+  static thread_local std::vector<QAct8> bufs[2];
+  std::vector<QAct8>& acts = bufs[slot];
+  acts.resize(T);
+  for (int64_t t = 0; t < T; t++) quant_act8(x + t * K, K, acts[t]);
+  return acts;
+}
+
+static void rows_i8a_int8(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct8>& acts, float* out, int64_t ldo) {
+  const int64_t T = (int64_t)acts.size();
+  int64_t t = 0;
+  for (; t + 3 <= T; t += 3) rows_int8_i8a<3>(w, nb, ne, acts.data() + t, out + t * ldo, ldo);
+  if (T - t == 2) rows_int8_i8a<2>(w, nb, ne, acts.data() + t, out + t * ldo, ldo);
+  if (T - t == 1) rows_int8_i8a<1>(w, nb, ne, acts.data() + t, out + t * ldo, ldo);
+}
+
 // rows [nb, ne) for T <= 3 tokens whose activations are already quantized
 static void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct>& acts, float* out, int64_t ldo) {
   const int64_t T = (int64_t)acts.size();
@@ -408,7 +429,10 @@ static const std::vector<QAct>& quant_acts(const float* x, int64_t T, int64_t K,
   return acts;
 }
 
-static bool use_i8a(const QW& w, int64_t i8a) { return i8a && w.fmt == F_INT4; }
+// int8 activations: int4 weights (any K % 32 == 0), int8 weights with K % 64 == 0
+static bool use_i8a(const QW& w, int64_t i8a) {
+  return i8a && (w.fmt == F_INT4 || (w.fmt == F_INT8 && w.K % 64 == 0));
+}
 
 // x' = q * dx for n values (n % 32 == 0; xq may be x), by quant_block's rule
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
@@ -426,98 +450,117 @@ static void dequant_acts(const float* x, int64_t n, float* xq) {
 // does not depend on how many tokens share the call).
 static void linear_i8a(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, int slot) {
   if (T <= direct_max_t) {
-    rows_i8a(w, 0, w.N, quant_acts(x, T, w.K, w.G, slot), out, w.N);
+    if (w.fmt == F_INT8) rows_i8a_int8(w, 0, w.N, quant_acts8(x, T, w.K, slot), out, w.N);
+    else rows_i8a(w, 0, w.N, quant_acts(x, T, w.K, w.G, slot), out, w.N);
     return;
   }
   std::vector<float> xq(T * w.K);
   dequant_acts(x, T * w.K, xq.data());
-  rows_range<F_INT4>(w, 0, w.N, xq.data(), T, out, w.N, 0);
+  rows_dispatch(w, 0, w.N, xq.data(), T, out, w.N, 0);
 }
 
 }  // namespace
+
+namespace ms {
 
 bool has_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 
 void set_prefetch_rows(int64_t rows) { g_pf_rows = rows; }
 
+void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, bool i8a, int slot) {
+  if (T == 0) return;
+  if (use_i8a(w, i8a)) {
+    linear_i8a(w, x, T, out, direct_max_t, slot);
+    return;
+  }
+  rows_dispatch(w, 0, w.N, x, T, out, w.N, direct_max_t);
+}
+
+void expert(const QW& wg, const QW& wu, const QW& wd, const float* xp, int64_t T, float* op,
+            int64_t direct_max_t, bool i8a) {
+  if (T == 0) return;
+  const int64_t I = wg.N, H = wg.K;
+  static thread_local std::vector<float> gbuf, ubuf, xq;
+  gbuf.resize(T * I);
+  ubuf.resize(T * I);
+  float *gp = gbuf.data(), *up = ubuf.data();
+  // gate and up (same shape) take int8 activations together, sharing the quantized x; down on
+  // its own (its in-dim may not allow it)
+  const bool gu8 = use_i8a(wg, i8a) && use_i8a(wu, i8a) && wg.fmt == wu.fmt && wg.G == wu.G;
+  if (gu8 && T <= direct_max_t && wg.fmt == F_INT8) {
+    const std::vector<QAct8>& ax = quant_acts8(xp, T, H, 0);
+    rows_i8a_int8(wg, 0, I, ax, gp, I);
+    rows_i8a_int8(wu, 0, I, ax, up, I);
+  } else if (gu8 && T <= direct_max_t) {
+    const std::vector<QAct>& ax = quant_acts(xp, T, H, wg.G, 0);
+    rows_i8a(wg, 0, I, ax, gp, I);
+    rows_i8a(wu, 0, I, ax, up, I);
+  } else {
+    if (gu8) {  // prefill sizes: the float kernels on x'
+      xq.resize(T * H);
+      dequant_acts(xp, T * H, xq.data());
+      xp = xq.data();
+    }
+    rows_dispatch(wg, 0, I, xp, T, gp, I, direct_max_t);
+    rows_dispatch(wu, 0, I, xp, T, up, I, direct_max_t);
+  }
+  silu_mul_n(gp, up, T * I);
+  if (use_i8a(wd, i8a)) linear_i8a(wd, gp, T, op, direct_max_t, 1);
+  else rows_dispatch(wd, 0, H, gp, T, op, H, direct_max_t);
+}
+
+QW make_qw(int64_t fmt, int64_t G, int64_t N, int64_t K, const at::Tensor& codes,
+           const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(fmt >= 0 && fmt <= 3, "bad format id");
+  TORCH_CHECK(K % 32 == 0 && (fmt == F_BF16 || K % G == 0), "K must be a multiple of 32 and of G");
+  TORCH_CHECK(codes.is_contiguous(), "codes must be contiguous");
+  int64_t want = fmt == F_INT4 || fmt == F_NF4 ? N * K / 2 : fmt == F_INT8 ? N * K : N * K * 2;
+  TORCH_CHECK(codes.numel() * codes.element_size() == want, "codes have the wrong size");
+  QW w{(int)fmt, G, N, K, (const uint8_t*)codes.data_ptr(), nullptr, nullptr};
+  if (fmt != F_BF16) {
+    TORCH_CHECK(scales.is_contiguous() && scales.numel() == N * (K / G) && scales.element_size() == 2, "bad scales");
+    w.scales = (const uint16_t*)scales.data_ptr();
+  }
+  if (fmt == F_INT4) {
+    TORCH_CHECK(mins.is_contiguous() && mins.numel() == N * (K / G) && mins.element_size() == 2, "bad mins");
+    w.mins = (const uint16_t*)mins.data_ptr();
+  }
+  return w;
+}
+
+at::Tensor as_f32_2d(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [T, ", K, "]");
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x;
+  return x.to(at::kFloat).contiguous();
+}
+
 at::Tensor qlinear(at::Tensor x, int64_t fmt, int64_t G, int64_t N, int64_t K, at::Tensor codes,
-                      at::Tensor scales, at::Tensor mins, int64_t direct_max_t, int64_t min_work,
-                      int64_t i8a) {
+                   at::Tensor scales, at::Tensor mins, int64_t direct_max_t, int64_t i8a) {
   QW w = make_qw(fmt, G, N, K, codes, scales, mins);
   at::Tensor xf = as_f32_2d(x, K);
-  const int64_t T = xf.size(0);
-  at::Tensor out = at::empty({T, N}, at::kFloat);
-  if (T == 0) return out;
+  at::Tensor out = at::empty({xf.size(0), N}, at::kFloat);
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;  // other Python threads (disk readers) run meanwhile
-  if (use_i8a(w, i8a)) {
-    linear_i8a(w, xp, T, op, direct_max_t, 0);
-    return out;
-  }
-  at::parallel_for(0, N, row_grain(w, T, min_work), [&](int64_t b, int64_t e) {
-    // keep thread shares aligned to 8 rows so the register tiles stay full
-    int64_t bb = b == 0 ? 0 : (b + 7) / 8 * 8, ee = e == N ? N : (e + 7) / 8 * 8;
-    if (ee > N) ee = N;
-    if (bb < ee) rows_dispatch(w, bb, ee, xp, T, op, N, direct_max_t);
-  });
+  linear(w, xp, xf.size(0), op, direct_max_t, i8a != 0, 0);
   return out;
 }
 
 // SwiGLU expert: out[T, H] = (silu(x @ gate.T) * (x @ up.T)) @ down.T; gate/up [I, H], down [H, I].
 at::Tensor expert_forward(at::Tensor x, int64_t fmt, int64_t G, int64_t I, int64_t H,
-                             at::Tensor gc, at::Tensor gs, at::Tensor gm,
-                             at::Tensor uc, at::Tensor us, at::Tensor um,
-                             at::Tensor dc, at::Tensor ds, at::Tensor dm,
-                             int64_t direct_max_t, int64_t min_work, int64_t i8a) {
+                          at::Tensor gc, at::Tensor gs, at::Tensor gm,
+                          at::Tensor uc, at::Tensor us, at::Tensor um,
+                          at::Tensor dc, at::Tensor ds, at::Tensor dm,
+                          int64_t direct_max_t, int64_t i8a) {
   QW wg = make_qw(fmt, G, I, H, gc, gs, gm), wu = make_qw(fmt, G, I, H, uc, us, um),
      wd = make_qw(fmt, G, H, I, dc, ds, dm);
   at::Tensor xf = as_f32_2d(x, H);
-  const int64_t T = xf.size(0);
-  at::Tensor out = at::empty({T, H}, at::kFloat);
-  if (T == 0) return out;
-  at::Tensor hg = at::empty({T, I}, at::kFloat), hu = at::empty({T, I}, at::kFloat);
+  at::Tensor out = at::empty({xf.size(0), H}, at::kFloat);
   const float* xp = xf.data_ptr<float>();
-  float *gp = hg.data_ptr<float>(), *up = hu.data_ptr<float>(), *op = out.data_ptr<float>();
+  float* op = out.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;
-  std::vector<float> xq;
-  const bool i8 = use_i8a(wg, i8a);
-  if (i8 && T <= direct_max_t) {  // gate and up share the quantized x
-    const std::vector<QAct>& ax = quant_acts(xp, T, H, G, 0);
-    rows_i8a(wg, 0, I, ax, gp, I);
-    rows_i8a(wu, 0, I, ax, up, I);
-    for (int64_t i = 0; i < T * I; i++) gp[i] = silu_mul(gp[i], up[i]);
-    linear_i8a(wd, gp, T, op, direct_max_t, 1);
-    return out;
-  }
-  if (i8) {  // prefill sizes: the float kernels below on x', then on h'
-    xq.resize(T * H);
-    dequant_acts(xp, T * H, xq.data());
-    xp = xq.data();
-  }
-  // gate and up rows of the same range go to the same thread, which then forms h for them
-  at::parallel_for(0, I, row_grain(wg, T, min_work / 2), [&](int64_t b, int64_t e) {
-    int64_t bb = b == 0 ? 0 : (b + 7) / 8 * 8, ee = e == I ? I : (e + 7) / 8 * 8;
-    if (ee > I) ee = I;
-    if (bb >= ee) return;
-    rows_dispatch(wg, bb, ee, xp, T, gp, I, direct_max_t);
-    rows_dispatch(wu, bb, ee, xp, T, up, I, direct_max_t);
-    for (int64_t t = 0; t < T; t++)
-      for (int64_t i = bb; i < ee; i++) gp[t * I + i] = silu_mul(gp[t * I + i], up[t * I + i]);
-  });
-  if (i8) dequant_acts(gp, T * I, gp);  // h' for the down projection
-  at::parallel_for(0, H, row_grain(wd, T, min_work), [&](int64_t b, int64_t e) {
-    int64_t bb = b == 0 ? 0 : (b + 7) / 8 * 8, ee = e == H ? H : (e + 7) / 8 * 8;
-    if (ee > H) ee = H;
-    if (bb < ee) rows_dispatch(wd, bb, ee, gp, T, op, H, direct_max_t);
-  });
+  expert(wg, wu, wd, xp, xf.size(0), op, direct_max_t, i8a != 0);
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qlinear", &qlinear, "out[T, N] = x[T, K] @ w[N, K].T for a quantized w");
-  m.def("expert_forward", &expert_forward, "SwiGLU expert on quantized gate/up/down");
-  m.def("set_prefetch_rows", &set_prefetch_rows, "software prefetch distance in rows (bench)");
-  m.def("has_vnni", &has_vnni, "whether this CPU has AVX512-VNNI (the int8-activation int4 path)");
-}
-"""
+}  // namespace ms

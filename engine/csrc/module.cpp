@@ -1,0 +1,32 @@
+// Python bindings of the native kernels (built by engine/quant/kernels.py:load_extension).
+#include "quant.h"
+#include "step.h"
+
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &ms::qlinear, "out[T, N] = x[T, K] @ w[N, K].T for a quantized w");
+  m.def("expert_forward", &ms::expert_forward, "SwiGLU expert on quantized gate/up/down");
+  m.def("set_prefetch_rows", &ms::set_prefetch_rows, "software prefetch distance in rows (bench)");
+  m.def("has_vnni", &ms::has_vnni, "whether this CPU has AVX512-VNNI (the int8-activation int4 path)");
+
+  py::class_<ms::Linear>(m, "Linear").def(py::init(&ms::make_linear));
+  py::class_<ms::Attn>(m, "Attn")
+      .def(py::init([](ms::Linear q, ms::Linear k, ms::Linear v, ms::Linear o, at::Tensor ln1,
+                       at::Tensor ln2, at::Tensor qn, at::Tensor kn, int64_t nh, int64_t nkv, int64_t d,
+                       double eps) {
+        return ms::Attn{q, k, v, o, ln1, ln2, qn, kn, nh, nkv, d, eps};
+      }));
+  py::class_<ms::FFN>(m, "FFN").def(py::init([](ms::Linear g, ms::Linear u, ms::Linear d, at::Tensor gate) {
+    return ms::FFN{g, u, d, gate};
+  }));
+  m.attr("SLOT_ROW") = ms::SLOT_ROW;
+  m.def("attn_block", &ms::attn_block, "x += attention block; returns the post-attention norm of x");
+  m.def("route", &ms::route, "top-k routing in float32: (ids [T, K], weights [T, K])");
+  m.def("ffn_block", &ms::ffn_block, "x += routed experts from slots (+ shared or dense SwiGLU)",
+        py::arg("x"), py::arg("h"), py::arg("ids"), py::arg("w"), py::arg("experts"), py::arg("slots"),
+        py::arg("slot_table"), py::arg("dense").none(true), py::arg("dmt"), py::arg("i8a"));
+}

@@ -1,0 +1,330 @@
+// The decode step's fused native calls (DESIGN.md, "The step contract").
+//
+// A transformer layer is three calls from Python, whatever the batch:
+//   attn_block : x += o_proj(attention(rope(qk_norm(qkv(rmsnorm(x)))))) over the KV blocks of
+//                each sequence, read through its block table; returns h = rmsnorm(x) (post-attn)
+//   route      : top-k of softmax(h @ router.T) in float32 (+ renormalisation)
+//   ffn_block  : x += sum_k w[t,k] * expert_{ids[t,k]}(h[t]) (+ sigmoid-gated shared expert, or a
+//                dense SwiGLU), the routed experts read from the expert cache's slots through a
+//                slot table: one int64 row per slot [fmt, G, I, H, 9 part addresses]
+// Between route and ffn_block Python asks the expert cache to make the routed experts resident
+// and hands back their slot numbers; the kernels never see a Python object per expert.
+//
+// Shapes: x, h [T, H] float32 (T tokens of S sequences, flat); q [T, Nh, D]; k, v [T, Nkv, D];
+// KV storage [L, 2, NB, BS, Nkv, D] (float32, bf16 or fp16; a contiguous per-sequence cache is the
+// case NB = 1, BS = capacity); tables [S, max blocks] int32; cos, sin [T, D].
+// Numbers: the same operations in the same order as the torch layers (engine/layers), float32
+// throughout; only summation order differs (tests compare the two on random inputs).
+#include "step.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+namespace ms {
+
+namespace {
+
+float dot(const float* a, const float* b, int64_t n) {
+  __m512 v = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
+  float acc = _mm512_reduce_add_ps(v);
+  for (; i < n; i++) acc += a[i] * b[i];
+  return acc;
+}
+
+// out = w * (x * rsqrt(mean(x^2) + eps)), as engine.layers.norm.rms_norm in float32
+void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* out) {
+  const float r = 1.0f / std::sqrt(dot(x, x, n) / (float)n + eps);
+  for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+// x [N, D] rotated in place: x * cos + rotate_half(x) * sin (engine.layers.rope.apply_rotary)
+void rope(float* x, int64_t heads, int64_t d, const float* cos, const float* sin) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; h++) {
+    float* p = x + h * d;
+    for (int64_t i = 0; i < half; i++) {
+      const float a = p[i], b = p[i + half];
+      p[i] = a * cos[i] - b * sin[i];
+      p[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+  }
+}
+
+inline float to_f(float v) { return v; }
+inline float to_f(c10::BFloat16 v) { return (float)v; }
+inline float to_f(c10::Half v) { return (float)v; }
+
+template <typename S>
+void store_row(S* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; i++) dst[i] = S(src[i]);
+}
+
+template <typename S>
+void load_row(const S* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i++) dst[i] = to_f(src[i]);
+}
+
+struct KVView {  // one layer of the cache and one sequence's block table
+  char* k; char* v; int64_t bs, row;  // row: elements per position (Nkv * D)
+  const int32_t* table;
+  template <typename S> S* at(char* base, int64_t pos) const {
+    return (S*)base + ((int64_t)table[pos / bs] * bs + pos % bs) * row;
+  }
+};
+
+// softmax of s[0..n) in place (float32; the exponentials 16 lanes at a time)
+void softmax(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; j++) mx = std::max(mx, s[j]);
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+    _mm512_storeu_ps(s + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; j < n; j++) sum += (s[j] = std::exp(s[j] - mx));
+  const float inv = 1.0f / sum;
+  for (j = 0; j < n; j++) s[j] *= inv;
+}
+
+// q [n, Nh, D] for positions ctx .. ctx+n-1 of one sequence whose keys/values (new ones included)
+// are in the cache -> out [n, Nh, D]. Query head h reads KV head h / (Nh / Nkv). A position's K
+// (then V) row [Nkv, D] is converted to float32 once and used by every head.
+template <typename S>
+void attend(const KVView& kv, const float* q, int64_t n, int64_t ctx, int64_t nh, int64_t nkv,
+            int64_t d, float* out) {
+  const int64_t g = nh / nkv, total = ctx + n, row = nkv * d;
+  const float scale = 1.0f / std::sqrt((float)d);
+  static thread_local std::vector<float> scores, buf;
+  scores.resize(nh * total);
+  buf.resize(row);
+  float* r = buf.data();
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t seen = ctx + i + 1;  // causal: keys 0 .. ctx + i
+    const float* qi = q + i * nh * d;
+    for (int64_t j = 0; j < seen; j++) {
+      load_row(kv.at<S>(kv.k, j), r, row);
+      for (int64_t h = 0; h < nh; h++) scores[h * total + j] = dot(qi + h * d, r + (h / g) * d, d) * scale;
+    }
+    for (int64_t h = 0; h < nh; h++) softmax(scores.data() + h * total, seen);
+    float* o = out + i * nh * d;
+    std::fill(o, o + nh * d, 0.f);
+    for (int64_t j = 0; j < seen; j++) {
+      load_row(kv.at<S>(kv.v, j), r, row);
+      for (int64_t h = 0; h < nh; h++) {
+        const float p = scores[h * total + j];
+        const float* vr = r + (h / g) * d;
+        float* oh = o + h * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; c++) oh[c] += p * vr[c];
+      }
+    }
+  }
+}
+
+template <typename S>
+void write_kv(const KVView& kv, const float* k, const float* v, int64_t n, int64_t ctx) {
+  for (int64_t i = 0; i < n; i++) {
+    store_row(kv.at<S>(kv.k, ctx + i), k + i * kv.row, kv.row);
+    store_row(kv.at<S>(kv.v, ctx + i), v + i * kv.row, kv.row);
+  }
+}
+
+void add_bias(float* y, const at::Tensor& bias, int64_t T, int64_t N) {
+  if (!bias.defined() || bias.numel() == 0) return;
+  const float* b = bias.data_ptr<float>();
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t i = 0; i < N; i++) y[t * N + i] += b[i];
+}
+
+void apply(const Linear& l, const float* x, int64_t T, float* out, int64_t dmt, bool i8a) {
+  linear(l.w, x, T, out, dmt, i8a, 0);
+  add_bias(out, l.bias, T, l.w.N);
+}
+
+const float* opt_ptr(const at::Tensor& t) {
+  return t.defined() && t.numel() > 0 ? t.data_ptr<float>() : nullptr;
+}
+
+// a slot table row: [fmt, G, I, H, gate codes, scales, mins, up codes, scales, mins, down ...]
+void slot_expert(const int64_t* r, QW& g, QW& u, QW& d) {
+  const int fmt = (int)r[0];
+  const int64_t G = r[1], I = r[2], H = r[3];
+  auto w = [&](int64_t N, int64_t K, const int64_t* p) {
+    return QW{fmt, G, N, K, (const uint8_t*)p[0], (const uint16_t*)p[1], (const uint16_t*)p[2]};
+  };
+  g = w(I, H, r + 4);
+  u = w(I, H, r + 7);
+  d = w(H, I, r + 10);
+}
+
+}  // namespace
+
+Linear make_linear(int64_t fmt, int64_t G, int64_t N, int64_t K, at::Tensor codes, at::Tensor scales,
+                   at::Tensor mins, at::Tensor bias) {
+  Linear l{make_qw(fmt, G, N, K, codes, scales, mins), codes, scales, mins, bias};
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N &&
+                                    bias.is_contiguous()), "bias must be float32 [N]");
+  return l;
+}
+
+at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& storage, int64_t layer, const at::Tensor& tables,
+                      const std::vector<int64_t>& qlens, const std::vector<int64_t>& ctxs,
+                      int64_t dmt, bool i8a) {
+  const int64_t T = x.size(0), H = x.size(1), nh = a.nh, nkv = a.nkv, d = a.d;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32");
+  TORCH_CHECK(storage.dim() == 6 && storage.size(4) == nkv && storage.size(5) == d && storage.is_contiguous(),
+              "KV storage must be [L, 2, NB, BS, Nkv, D]");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() && tables.size(0) == (int64_t)qlens.size(),
+              "tables must be int32 [S, max blocks]");
+  TORCH_CHECK(cos.size(0) == T && cos.size(1) == d && cos.is_contiguous() && sin.is_contiguous(), "cos/sin [T, D]");
+  at::Tensor h = at::empty({T, H}, at::kFloat);
+  float* xp = x.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int64_t mb = tables.size(1), nb = storage.size(2), bs = storage.size(3), row = nkv * d;
+  const int64_t esz = storage.element_size(), plane = nb * bs * row * esz;
+  char* kbase = (char*)storage.data_ptr() + (layer * 2) * plane;
+  const auto st = storage.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "KV storage dtype");
+  pybind11::gil_scoped_release no_gil;
+  std::vector<float> hn(T * H), q(T * nh * d), k(T * row), v(T * row), o(T * nh * d), y(T * H);
+  const float eps = (float)a.eps;
+  for (int64_t t = 0; t < T; t++) rmsnorm(xp + t * H, a.ln1.data_ptr<float>(), H, eps, hn.data() + t * H);
+  apply(a.q, hn.data(), T, q.data(), dmt, i8a);
+  apply(a.k, hn.data(), T, k.data(), dmt, i8a);
+  apply(a.v, hn.data(), T, v.data(), dmt, i8a);
+  const float *qn = opt_ptr(a.qn), *kn = opt_ptr(a.kn);
+  for (int64_t t = 0; t < T; t++) {
+    if (qn) for (int64_t i = 0; i < nh; i++) rmsnorm(q.data() + (t * nh + i) * d, qn, d, eps, q.data() + (t * nh + i) * d);
+    if (kn) for (int64_t i = 0; i < nkv; i++) rmsnorm(k.data() + (t * nkv + i) * d, kn, d, eps, k.data() + (t * nkv + i) * d);
+    rope(q.data() + t * nh * d, nh, d, cp + t * d, sp + t * d);
+    rope(k.data() + t * row, nkv, d, cp + t * d, sp + t * d);
+  }
+  int64_t off = 0;
+  for (size_t s = 0; s < qlens.size(); s++) {
+    const int64_t n = qlens[s], ctx = ctxs[s];
+    TORCH_CHECK((ctx + n + bs - 1) / bs <= mb, "block table too short for the context");
+    KVView kv{kbase, kbase + plane, bs, row, tp + s * mb};
+    const float *ks = k.data() + off * row, *vs = v.data() + off * row, *qs = q.data() + off * nh * d;
+    float* os = o.data() + off * nh * d;
+    if (st == at::kFloat) { write_kv<float>(kv, ks, vs, n, ctx); attend<float>(kv, qs, n, ctx, nh, nkv, d, os); }
+    else if (st == at::kBFloat16) { write_kv<c10::BFloat16>(kv, ks, vs, n, ctx); attend<c10::BFloat16>(kv, qs, n, ctx, nh, nkv, d, os); }
+    else { write_kv<c10::Half>(kv, ks, vs, n, ctx); attend<c10::Half>(kv, qs, n, ctx, nh, nkv, d, os); }
+    off += n;
+  }
+  TORCH_CHECK(off == T, "query lengths do not add up to the tokens");
+  apply(a.o, o.data(), T, y.data(), dmt, i8a);
+  for (int64_t i = 0; i < T * H; i++) xp[i] += y[i];
+  for (int64_t t = 0; t < T; t++) rmsnorm(xp + t * H, a.ln2.data_ptr<float>(), H, eps, hp + t * H);
+  return h;
+}
+
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& h, const at::Tensor& wr, int64_t top_k, bool normalize) {
+  const int64_t T = h.size(0), H = h.size(1), E = wr.size(0);
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be contiguous float32");
+  TORCH_CHECK(wr.scalar_type() == at::kFloat && wr.is_contiguous() && wr.size(1) == H, "router must be float32 [E, H]");
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k out of range");
+  at::Tensor ids = at::empty({T, top_k}, at::kLong), w = at::empty({T, top_k}, at::kFloat);
+  const float *hp = h.data_ptr<float>(), *wp = wr.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* op = w.data_ptr<float>();
+  std::vector<float> p(E);
+  std::vector<int64_t> order(E);
+  for (int64_t t = 0; t < T; t++) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t e = 0; e < E; e++) mx = std::max(mx, p[e] = dot(hp + t * H, wp + e * H, H));
+    for (int64_t e = 0; e < E; e++) sum += (p[e] = std::exp(p[e] - mx));
+    for (int64_t e = 0; e < E; e++) p[e] /= sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float ks = 0.f;
+    for (int64_t k = 0; k < top_k; k++) ks += p[order[k]];
+    for (int64_t k = 0; k < top_k; k++) {
+      ip[t * top_k + k] = order[k];
+      op[t * top_k + k] = normalize ? p[order[k]] / ks : p[order[k]];
+    }
+  }
+  return {ids, w};
+}
+
+void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
+               const at::Tensor& experts, const at::Tensor& slots, const at::Tensor& slot_table,
+               const FFN* dense, int64_t dmt, bool i8a) {
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && h.is_contiguous() &&
+              h.scalar_type() == at::kFloat && h.sizes() == x.sizes(), "x, h must be float32 [T, H]");
+  const int64_t K = ids.numel() ? ids.size(1) : 0, U = experts.numel();
+  TORCH_CHECK(U == 0 || (ids.scalar_type() == at::kLong && w.scalar_type() == at::kFloat && ids.size(0) == T &&
+                         ids.is_contiguous() && w.is_contiguous() && w.sizes() == ids.sizes()), "routing [T, K]");
+  TORCH_CHECK(slots.numel() == U && slots.scalar_type() == at::kLong && experts.scalar_type() == at::kLong,
+              "experts and slots: int64 [U]");
+  const int64_t *ep = experts.data_ptr<int64_t>(), *sp = slots.data_ptr<int64_t>();
+  bool any_slot = false;
+  for (int64_t u = 0; u < U; u++) any_slot |= sp[u] >= 0;
+  TORCH_CHECK(!any_slot || (slot_table.dim() == 2 && slot_table.size(1) == SLOT_ROW &&
+                            slot_table.scalar_type() == at::kLong && slot_table.is_contiguous()),
+              "slot table must be int64 [slots, ", SLOT_ROW, "]");
+  const float* hp = h.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  const int64_t* ip = U ? ids.data_ptr<int64_t>() : nullptr;
+  const float* wp = U ? w.data_ptr<float>() : nullptr;
+  const int64_t* rows = any_slot ? slot_table.data_ptr<int64_t>() : nullptr;
+  const int64_t nslots = any_slot ? slot_table.size(0) : 0;
+  pybind11::gil_scoped_release no_gil;
+  std::vector<float> acc(T * H, 0.f), xs, ys;
+  std::vector<int64_t> tok;
+  std::vector<float> wt;
+  for (int64_t u = 0; u < U; u++) {  // experts in the order given (ascending ids), tokens in order
+    if (sp[u] < 0) continue;  // computed elsewhere (e.g. on the CPU from the RAM tier)
+    TORCH_CHECK(sp[u] < nslots, "slot out of range");
+    const int64_t* r = rows + sp[u] * SLOT_ROW;
+    TORCH_CHECK(r[3] == H, "slot ", sp[u], " holds an expert of hidden size ", r[3], ", not ", H);
+    tok.clear();
+    wt.clear();
+    for (int64_t i = 0; i < T * K; i++)
+      if (ip[i] == ep[u]) { tok.push_back(i / K); wt.push_back(wp[i]); }
+    const int64_t n = (int64_t)tok.size();
+    if (n == 0) continue;
+    xs.resize(n * H);
+    ys.resize(n * H);
+    for (int64_t j = 0; j < n; j++) std::copy(hp + tok[j] * H, hp + (tok[j] + 1) * H, xs.data() + j * H);
+    QW g, up, dn;
+    slot_expert(r, g, up, dn);
+    expert(g, up, dn, xs.data(), n, ys.data(), dmt, i8a);
+    for (int64_t j = 0; j < n; j++) {
+      float* a = acc.data() + tok[j] * H;
+      const float* y = ys.data() + j * H;
+      for (int64_t c = 0; c < H; c++) a[c] += y[c] * wt[j];
+    }
+  }
+  if (dense != nullptr) {  // shared expert (optionally sigmoid-gated) or a dense SwiGLU MLP
+    ys.resize(T * H);
+    expert(dense->g.w, dense->u.w, dense->d.w, hp, T, ys.data(), dmt, i8a);
+    const float* gate = opt_ptr(dense->gate);
+    for (int64_t t = 0; t < T; t++) {
+      const float s = gate ? 1.0f / (1.0f + std::exp(-dot(hp + t * H, gate, H))) : 1.0f;
+      for (int64_t c = 0; c < H; c++) acc[t * H + c] += gate ? s * ys[t * H + c] : ys[t * H + c];
+    }
+  }
+  for (int64_t i = 0; i < T * H; i++) xp[i] += acc[i];
+}
+
+}  // namespace ms

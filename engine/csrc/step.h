@@ -1,0 +1,41 @@
+// Weights of the fused step (step.cpp), built once per layer from Python and kept alive there.
+#pragma once
+#include "quant.h"
+
+#include <ATen/core/Tensor.h>
+#include <tuple>
+#include <vector>
+
+namespace ms {
+
+constexpr int64_t SLOT_ROW = 13;  // slot table row: fmt, G, I, H, 9 part addresses (gate, up, down)
+
+struct Linear {  // a dense weight: its QW over the tensors it keeps alive, optional float32 bias
+  QW w;
+  at::Tensor codes, scales, mins, bias;
+};
+
+struct Attn {  // one attention block with the norms around it
+  Linear q, k, v, o;
+  at::Tensor ln1, ln2, qn, kn;  // float32 [H], [H], [D] (qn/kn empty without q/k norm)
+  int64_t nh, nkv, d;
+  double eps;
+};
+
+struct FFN {  // a SwiGLU on every token: a dense MLP or a shared expert (gate: empty or float32 [H])
+  Linear g, u, d;
+  at::Tensor gate;
+};
+
+Linear make_linear(int64_t fmt, int64_t G, int64_t N, int64_t K, at::Tensor codes, at::Tensor scales,
+                   at::Tensor mins, at::Tensor bias);
+at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& storage, int64_t layer, const at::Tensor& tables,
+                      const std::vector<int64_t>& qlens, const std::vector<int64_t>& ctxs,
+                      int64_t dmt, bool i8a);
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& h, const at::Tensor& wr, int64_t top_k, bool normalize);
+void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
+               const at::Tensor& experts, const at::Tensor& slots, const at::Tensor& slot_table,
+               const FFN* dense, int64_t dmt, bool i8a);
+
+}  // namespace ms

@@ -1,0 +1,87 @@
+"""Runtime switches, resolved once at start-up and passed down, never read from the environment
+inside a kernel.
+
+Each has an environment variable (read by :func:`options` the first time it is called, i.e. at
+start-up of a process) and can be changed in-process with :func:`configure` (tests, benchmarks,
+the CLI). Code that caches something per setting (a bound kernel) compares :func:`generation`.
+
+| option | variable | default | meaning |
+|---|---|---|---|
+| quant_kernel | MOESTREAM_QUANT_KERNEL | auto | auto, cpp, triton or torch (engine.quant.kernels) |
+| int8_activations | MOESTREAM_INT8_ACTIVATIONS | 1 | int4 weights take int8 activations where the CPU has VNNI |
+| decode_threads | MOESTREAM_DECODE_THREADS | 1 | intra-op torch threads of decode-sized steps (engine.threads) |
+| fused_step | MOESTREAM_FUSED_STEP | 1 | decode through the native per-layer calls (engine.step) where the model allows |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from engine.errors import ConfigError
+
+QUANT_KERNELS = ("auto", "cpp", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    quant_kernel: str = "auto"
+    int8_activations: bool = True
+    decode_threads: int = 1
+    fused_step: bool = True
+
+    def __post_init__(self) -> None:
+        if self.quant_kernel not in QUANT_KERNELS:
+            raise ConfigError(f"quant kernel backend {self.quant_kernel!r}; allowed: {', '.join(QUANT_KERNELS)}")
+        if isinstance(self.decode_threads, bool) or not isinstance(self.decode_threads, int) \
+                or self.decode_threads < 1:
+            raise ConfigError(f"decode_threads={self.decode_threads!r}; allowed: an integer >= 1")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "RuntimeOptions":
+        env = os.environ if env is None else env
+
+        def flag(name: str, default: str) -> bool:
+            raw = env.get(name, default)
+            if raw not in ("0", "1"):
+                raise ConfigError(f"{name}={raw!r}; allowed: 0 or 1")
+            return raw == "1"
+
+        raw_threads = env.get("MOESTREAM_DECODE_THREADS", "1")
+        try:
+            threads = int(raw_threads)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ConfigError(f"MOESTREAM_DECODE_THREADS={raw_threads!r}; allowed: an integer >= 1")
+        kernel = env.get("MOESTREAM_QUANT_KERNEL", "auto")
+        if kernel not in QUANT_KERNELS:
+            raise ConfigError(f"MOESTREAM_QUANT_KERNEL={kernel!r}; allowed: {', '.join(QUANT_KERNELS)}")
+        return cls(quant_kernel=kernel, int8_activations=flag("MOESTREAM_INT8_ACTIVATIONS", "1"),
+                   decode_threads=threads, fused_step=flag("MOESTREAM_FUSED_STEP", "1"))
+
+
+_state: dict = {"opts": None, "gen": 0}
+
+
+def options() -> RuntimeOptions:
+    """The options in force (from the environment the first time)."""
+    if _state["opts"] is None:
+        _state["opts"] = RuntimeOptions.from_env()
+    return _state["opts"]
+
+
+def configure(opts: RuntimeOptions | None = None, **changes) -> RuntimeOptions:
+    """Replace the options (``opts``), or change some of them (``configure(int8_activations=False)``);
+    ``configure()`` re-reads the environment. Returns the previous options, for restoring."""
+    prev = options()
+    base = opts if opts is not None else (RuntimeOptions.from_env() if not changes else prev)
+    _state["opts"] = replace(base, **changes)
+    _state["gen"] += 1
+    return prev
+
+
+def generation() -> int:
+    """Bumped by every :func:`configure`: a cache keyed by it is never stale."""
+    return _state["gen"]

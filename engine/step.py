@@ -1,0 +1,157 @@
+"""The forward step as a few native calls per layer (DESIGN.md, "The step contract").
+
+Per layer (engine/csrc/step.cpp):
+
+    h = attn_block(x)          fused norm, QKV, q/k norm, RoPE, KV write + attention through the
+                               block tables, o_proj and the residual add (x in place); returns the
+                               post-attention norm of x
+    ids, w = route(h)          float32 softmax top-k (+ renormalisation)
+    experts acquired           the expert cache makes them resident and pins them (Python: the
+                               cache's bookkeeping), then hands out slot numbers
+    ffn_block(x, h, ...)       every routed expert read from its slot, weighted and summed, the
+                               shared expert (or a dense SwiGLU) beside them, residual add
+
+So a decode layer is three native calls plus the cache's lookups, instead of hundreds of torch
+ops. The torch layers (engine.layers) stay the reference: :func:`NativeStep.for_model` says
+when the model can run this way (CPU, native kernels built, dense linears quantized by
+engine.quant.linear, float32 activations) and :meth:`NativeStep.supports` per step (the KV
+cache can hand out block tables: not FP8). Anything else runs the torch path. The ``fused_step``
+runtime option (engine.options) turns it off. Tests compare both paths on random inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.kv.base import BatchLayout, KVCache
+from engine.layers.mlp import SwiGLU
+from engine.layers.moe import SparseMoE
+from engine.options import options
+from engine.quant.kernels import DIRECT_MAX_T, int8_activations, load_extension, native_linear, backend_for
+from engine.quant.linear import QuantLinear
+
+EMPTY = torch.empty(0)
+EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+
+
+def _lin(ext: Any, m: nn.Module) -> Any:
+    return native_linear(ext, m.q, m.bias)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().contiguous()
+
+
+def _ffn(ext: Any, mlp: SwiGLU, gate: nn.Linear | None) -> Any:
+    g = EMPTY if gate is None else _f32(gate.weight).view(-1)
+    return ext.FFN(_lin(ext, mlp.gate_proj), _lin(ext, mlp.up_proj), _lin(ext, mlp.down_proj), g)
+
+
+def _native_linears(model) -> bool:
+    """Every dense linear of the layers is a QuantLinear the C++ kernels take."""
+    from engine.quant.linear import dense_linears
+
+    for parent, name in dense_linears(model):
+        if parent is model:  # the LM head runs through QuantLinear / nn.Linear either way
+            continue
+        m = getattr(parent, name)
+        if not isinstance(m, QuantLinear) or backend_for(m.q) != "cpp":
+            return False
+    return True
+
+
+class NativeStep:
+    """Per-layer native handles of one model (built once; they hold its weight tensors)."""
+
+    def __init__(self, model, ext: Any) -> None:
+        self.ext = ext
+        cfg = model.config
+        self.attn, self.ffn, self.routers = [], [], []
+        for layer in model.model.layers:
+            a = layer.self_attn
+            qn = _f32(a.q_norm.weight) if a.q_norm is not None else EMPTY
+            kn = _f32(a.k_norm.weight) if a.k_norm is not None else EMPTY
+            self.attn.append(ext.Attn(_lin(ext, a.q_proj), _lin(ext, a.k_proj), _lin(ext, a.v_proj),
+                                      _lin(ext, a.o_proj), _f32(layer.input_layernorm.weight),
+                                      _f32(layer.post_attention_layernorm.weight), qn, kn,
+                                      a.nh, a.nkv, a.d, float(cfg.rms_norm_eps)))
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoE):
+                shared = (_ffn(ext, mlp.shared_expert, mlp.shared_expert_gate)
+                          if mlp.shared_expert is not None else None)
+                self.ffn.append(shared)
+                self.routers.append(_f32(mlp.gate.weight))
+            else:
+                self.ffn.append(_ffn(ext, mlp, None))
+                self.routers.append(None)
+
+    @classmethod
+    def for_model(cls, model) -> "NativeStep | None":
+        """The native step of ``model`` if it can run that way now, else None (torch layers)."""
+        if not options().fused_step:
+            return None
+        emb = model.model.embed_tokens.weight
+        if emb.device.type != "cpu" or emb.dtype != torch.float32:
+            return None
+        if model.config.head_dim % 2 or not _native_linears(model):
+            return None
+        ext = load_extension()
+        if ext is None or not hasattr(ext, "attn_block"):
+            return None
+        return cls(model, ext)
+
+    def forward(self, model, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """Hidden states [T, H] after the last layer (before the final norm), or None when the KV
+        cache cannot hand out block tables (the caller runs the torch layers)."""
+        view = kv.native_view(layout, tokens.device)
+        if view is None:
+            return None
+        storage, tables = view
+        ext, dmt, i8a = self.ext, DIRECT_MAX_T, int8_activations()
+        qlens, ctxs = list(layout.query_lens), list(layout.context_lens)
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        x = model.model.embed_tokens(tokens).float().contiguous()
+        for i, layer in enumerate(model.model.layers):
+            h = ext.attn_block(self.attn[i], x, cos, sin, storage, i, tables, qlens, ctxs, dmt, i8a)
+            if self.routers[i] is None:
+                ext.ffn_block(x, h, EMPTY_IDS, EMPTY, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS, self.ffn[i], dmt, i8a)
+            else:
+                self._moe(layer.mlp, i, x, h)
+        return x
+
+    def _moe(self, mlp: SparseMoE, i: int, x: torch.Tensor, h: torch.Tensor) -> None:
+        """route -> fetch (the provider) -> compute + combine (native), x updated in place."""
+        ext, provider = self.ext, mlp.provider
+        allowed = provider.allowed_experts(mlp.layer)
+        if allowed is None:
+            ids, w = ext.route(h, self.routers[i], mlp.gate.top_k, mlp.gate.normalize)
+        else:  # restricted routing (self-speculative drafts): the torch router masks the rest
+            r = mlp.gate(h, allowed)
+            ids, w = r.ids.contiguous(), r.weights.contiguous()
+        for observe in mlp.observers:
+            observe(mlp.layer, ids)
+        uniq = torch.unique(ids).tolist()  # ascending, as the torch layer groups them
+        chunk = provider.max_experts_per_acquire or len(uniq)
+        dense = self.ffn[i]
+        for start in range(0, len(uniq), chunk):
+            part = uniq[start:start + chunk]
+            experts = provider.acquire(mlp.layer, part)  # fetch
+            try:
+                if start == 0:
+                    provider.observe_hidden(mlp.layer, h)
+                resolved = provider.slot_table(mlp.layer, part, experts)
+                table, slots = resolved if resolved is not None else (EMPTY_IDS, [-1] * len(part))
+                ext.ffn_block(x, h, ids, w, torch.tensor(part, dtype=torch.int64),
+                              torch.tensor(slots, dtype=torch.int64), table,
+                              dense if start == 0 else None, DIRECT_MAX_T, int8_activations())
+                for e, slot in zip(part, slots):
+                    if slot < 0:  # computed through the expert's own forward
+                        tok, k = (ids == e).nonzero(as_tuple=True)
+                        y = experts[e].forward(h[tok]).float() * w[tok, k, None]
+                        x.index_add_(0, tok, y)
+            finally:
+                provider.release(mlp.layer, part)
