@@ -11,6 +11,7 @@ the CLI). Code that caches something per setting (a bound kernel) compares :func
 | int8_activations | MOESTREAM_INT8_ACTIVATIONS | 1 | int4 weights take int8 activations where the CPU has VNNI |
 | decode_threads | MOESTREAM_DECODE_THREADS | 1 | intra-op torch threads of decode-sized steps (engine.threads) |
 | fused_step | MOESTREAM_FUSED_STEP | 1 | decode through the native per-layer calls (engine.step) where the model allows |
+| cpu_isa | MOESTREAM_CPU_ISA | auto | native kernels for avx512 or avx2 (auto: the best this CPU has) |
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Mapping
 from engine.errors import ConfigError
 
 QUANT_KERNELS = ("auto", "cpp", "triton", "torch")
+CPU_ISAS = ("auto", "avx512", "avx2")
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,11 @@ class RuntimeOptions:
     int8_activations: bool = True
     decode_threads: int = 1
     fused_step: bool = True
+    cpu_isa: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cpu_isa not in CPU_ISAS:
+            raise ConfigError(f"cpu_isa={self.cpu_isa!r}; allowed: {', '.join(CPU_ISAS)}")
         if self.quant_kernel not in QUANT_KERNELS:
             raise ConfigError(f"quant kernel backend {self.quant_kernel!r}; allowed: {', '.join(QUANT_KERNELS)}")
         if isinstance(self.decode_threads, bool) or not isinstance(self.decode_threads, int) \
@@ -58,8 +63,11 @@ class RuntimeOptions:
         kernel = env.get("MOESTREAM_QUANT_KERNEL", "auto")
         if kernel not in QUANT_KERNELS:
             raise ConfigError(f"MOESTREAM_QUANT_KERNEL={kernel!r}; allowed: {', '.join(QUANT_KERNELS)}")
+        isa = env.get("MOESTREAM_CPU_ISA", "auto")
+        if isa not in CPU_ISAS:
+            raise ConfigError(f"MOESTREAM_CPU_ISA={isa!r}; allowed: {', '.join(CPU_ISAS)}")
         return cls(quant_kernel=kernel, int8_activations=flag("MOESTREAM_INT8_ACTIVATIONS", "1"),
-                   decode_threads=threads, fused_step=flag("MOESTREAM_FUSED_STEP", "1"))
+                   decode_threads=threads, fused_step=flag("MOESTREAM_FUSED_STEP", "1"), cpu_isa=isa)
 
 
 _state: dict = {"opts": None, "gen": 0}

@@ -15,6 +15,7 @@
 // case NB = 1, BS = capacity); tables [S, max blocks] int32; cos, sin [T, D].
 // Numbers: the same operations in the same order as the torch layers (engine/layers), float32
 // throughout; only summation order differs (tests compare the two on random inputs).
+#include "simd.h"
 #include "step.h"
 
 #include <ATen/ops/empty.h>
@@ -31,15 +32,6 @@
 namespace ms {
 
 namespace {
-
-float dot(const float* a, const float* b, int64_t n) {
-  __m512 v = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
-  float acc = _mm512_reduce_add_ps(v);
-  for (; i < n; i++) acc += a[i] * b[i];
-  return acc;
-}
 
 // out = w * (x * rsqrt(mean(x^2) + eps)), as engine.layers.norm.rms_norm in float32
 void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* out) {
@@ -81,24 +73,6 @@ struct KVView {  // one layer of the cache and one sequence's block table
     return (S*)base + ((int64_t)table[pos / bs] * bs + pos % bs) * row;
   }
 };
-
-// softmax of s[0..n) in place (float32; the exponentials 16 lanes at a time)
-void softmax(float* s, int64_t n) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < n; j++) mx = std::max(mx, s[j]);
-  const __m512 m = _mm512_set1_ps(mx);
-  __m512 acc = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
-    _mm512_storeu_ps(s + j, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  float sum = _mm512_reduce_add_ps(acc);
-  for (; j < n; j++) sum += (s[j] = std::exp(s[j] - mx));
-  const float inv = 1.0f / sum;
-  for (j = 0; j < n; j++) s[j] *= inv;
-}
 
 // q [n, Nh, D] for positions ctx .. ctx+n-1 of one sequence whose keys/values (new ones included)
 // are in the cache -> out [n, Nh, D]. Query head h reads KV head h / (Nh / Nkv). A position's K

@@ -62,17 +62,24 @@ FORMAT_IDS = {"int4": 0, "nf4": 1, "int8": 2, "bf16": 3}
 # scratch loop (measured crossover: see bench/quant_kernels.py).
 DIRECT_MAX_T = 3
 
-_ext: Any = None
-_ext_error: str | None = None
+_exts: dict[str, Any] = {}  # ISA -> built module (None: unavailable, see _errors)
+_errors: dict[str, str] = {}
 _ext_lock = threading.Lock()
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"  # engine/csrc: the native sources
-SOURCES = ("quant.cpp", "step.cpp", "module.cpp")
-HEADERS = ("quant.h", "step.h")
-# -march=native where the compiler takes it (tuned for this CPU; its flags are in the cache key),
-# else the explicit AVX-512 set the kernels need.
-NATIVE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
-PORTABLE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-fopenmp-simd"]
+HEADERS = ("quant.h", "step.h", "simd.h")
+# Per instruction set: the kernel file, and the compiler flags (first choice, then a fallback).
+# AVX-512: -march=native where the compiler takes it (tuned for this CPU; its flags are in the
+# cache key), else the explicit set the kernels need. AVX2: x86-64-v3 (AVX2, FMA, F16C), also
+# on an AVX-512 CPU when forced (how the tests run it here).
+VARIANTS = {
+    "avx512": ("quant.cpp", [["-O3", "-march=native", "-fopenmp-simd"],
+                             ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                              "-fopenmp-simd"]]),
+    "avx2": ("quant_avx2.cpp", [["-O3", "-march=x86-64-v3", "-fopenmp-simd"],
+                                ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd"]]),
+}
+COMMON_SOURCES = ("entry.cpp", "step.cpp", "module.cpp")
 
 
 def _cpu_flags() -> str:
@@ -85,62 +92,83 @@ def _cpu_flags() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def _cache_dir(flags: list[str]) -> Path:
+def _sources(isa: str) -> list[Path]:
+    return [CSRC / VARIANTS[isa][0], *(CSRC / n for n in COMMON_SOURCES)]
+
+
+def _cache_dir(isa: str, flags: list[str]) -> Path:
     h = hashlib.sha256()
-    for name in SOURCES + HEADERS:
-        h.update((CSRC / name).read_bytes())
+    for f in [*_sources(isa), *(CSRC / n for n in HEADERS)]:
+        h.update(f.read_bytes())
     h.update(" ".join([torch.__version__, *flags, _cpu_flags()]).encode())
     root = Path(os.environ.get("MOESTREAM_CACHE", Path.home() / ".cache" / "moestream"))
-    return root / "torch_extensions" / f"moestream_native_{h.hexdigest()[:12]}"
+    return root / "torch_extensions" / f"moestream_{isa}_{h.hexdigest()[:12]}"
 
 
 def cpu_has_avx512() -> bool:
-    try:
-        cap = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # pragma: no cover - very old torch
-        return False
-    return "AVX512" in cap.upper()
+    return "avx512f" in _cpu_flags().split() or "AVX512" in torch.backends.cpu.get_cpu_capability().upper()
 
 
-def _build(flags: list[str], verbose: bool) -> Any:
+def cpu_has_avx2() -> bool:
+    flags = _cpu_flags().split()
+    return ("avx2" in flags and "fma" in flags and "f16c" in flags) or cpu_has_avx512()
+
+
+def native_isa() -> str | None:
+    """The instruction set the native kernels are built for here: the ``cpu_isa`` runtime option,
+    ``auto`` meaning the best this CPU has; None when it has neither AVX-512 nor AVX2."""
+    want = options().cpu_isa
+    if want == "auto":
+        return "avx512" if cpu_has_avx512() else "avx2" if cpu_has_avx2() else None
+    return want
+
+
+def _build(isa: str, flags: list[str], verbose: bool) -> Any:
     from torch.utils.cpp_extension import load
 
-    d = _cache_dir(flags)
+    d = _cache_dir(isa, flags)
     d.mkdir(parents=True, exist_ok=True)
-    return load(name=d.name, sources=[str(CSRC / n) for n in SOURCES], extra_cflags=flags,
+    return load(name=d.name, sources=[str(p) for p in _sources(isa)], extra_cflags=flags,
                 extra_include_paths=[str(CSRC)], build_directory=str(d), verbose=verbose)
 
 
 def load_extension(verbose: bool = False) -> Any:
-    """Build (or load from cache) the native kernels of ``engine/csrc``; returns the module or
-    None if unavailable. Built by the setup command and at the decode actor's start, so a request
-    never waits for a compiler (~30 s on 2 cores the first time, a cache hit afterwards)."""
-    global _ext, _ext_error
-    if _ext is not None or _ext_error is not None:
-        return _ext
+    """Build (or load from cache) the native kernels of ``engine/csrc`` for :func:`native_isa`;
+    returns the module or None if unavailable (the torch fallback is used, with one warning).
+    Built by the setup command and at the decode actor's start, so a request never waits for a
+    compiler (~30 s on 2 cores the first time, a cache hit afterwards)."""
+    isa = native_isa()
+    if isa in _exts:
+        return _exts[isa]
     with _ext_lock:
-        if _ext is not None or _ext_error is not None:
-            return _ext
+        if isa in _exts:
+            return _exts[isa]
+        ext = None
         try:
-            if not cpu_has_avx512():
-                raise RuntimeError(f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX-512")
+            if isa is None:
+                raise RuntimeError(f"CPU capability {torch.backends.cpu.get_cpu_capability()} has neither "
+                                   "AVX-512 nor AVX2")
+            if isa == "avx512" and not cpu_has_avx512():
+                raise RuntimeError("cpu_isa=avx512 but this CPU lacks AVX-512")
+            first, fallback = VARIANTS[isa][1]
             try:
-                _ext = _build(NATIVE_FLAGS, verbose)
-            except Exception as e:  # a compiler without -march=native for this CPU: portable flags
-                log.info("native build with %s failed (%s); retrying with %s", NATIVE_FLAGS, e, PORTABLE_FLAGS)
-                _ext = _build(PORTABLE_FLAGS, verbose)
-        except Exception as e:  # no compiler / ninja / AVX-512, or a build error: fall back
-            _ext_error = f"{type(e).__name__}: {e}"
+                ext = _build(isa, first, verbose)
+            except Exception as e:  # e.g. a compiler that does not know this CPU for -march=native
+                log.info("native build with %s failed (%s); retrying with %s", first, e, fallback)
+                ext = _build(isa, fallback, verbose)
+        except Exception as e:  # no compiler / ninja, or a build error: fall back
+            _errors[isa or "none"] = f"{type(e).__name__}: {e}"
             log.warning("moestream native kernels unavailable, using the torch fallback: %s",
-                        _ext_error.splitlines()[0][:300])
-        return _ext
+                        _errors[isa or "none"].splitlines()[0][:300])
+        _exts[isa] = ext
+        return ext
 
 
 def extension_error() -> str | None:
-    return _ext_error
+    return _errors.get(native_isa() or "none")
 
 
-_vnni: list[bool] = []
+_vnni: dict[str, bool] = {}
 
 
 def int8_activations() -> bool:
@@ -153,10 +181,11 @@ def int8_activations() -> bool:
     torch; off gives the exact float path. Numbers in README.md (Quantization)."""
     if not options().int8_activations:
         return False
-    if not _vnni:
+    isa = native_isa()
+    if isa not in _vnni:
         ext = load_extension()
-        _vnni.append(bool(ext is not None and ext.has_vnni()))
-    return _vnni[0]
+        _vnni[isa] = bool(ext is not None and ext.has_vnni())
+    return _vnni[isa]
 
 
 _MODES = QUANT_KERNELS
@@ -198,7 +227,7 @@ def backend_for(q: QuantizedTensor) -> str:
     if dev.type == "cpu" and _cpp_ok(q) and load_extension() is not None:
         return "cpp"
     if mode == "cpp":
-        why = f"weight is on {dev}" if dev.type != "cpu" else _ext_error or f"in-dim {q.in_features} % 32 != 0"
+        why = f"weight is on {dev}" if dev.type != "cpu" else extension_error() or f"in-dim {q.in_features} % 32 != 0"
         raise ConfigError(f"MOESTREAM_QUANT_KERNEL=cpp but the C++ kernels are unavailable for this weight: {why}")
     return "torch"
 

@@ -12,12 +12,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from engine.units import format_bytes
 from services import cli_serve
 from services.cli import main
-from services.cli_checks import host_memory
+from services.cli_checks import device_memory, host_memory
 from tests.engine.models.hf_tiny import add_mixtral_tokenizer, make_checkpoint
 
 BAD = "caf\udce9 \udcff"  # what Python makes of the argv bytes b"caf\xe9 \xff" (surrogateescape)
@@ -104,11 +105,13 @@ def test_budgets_larger_than_the_machine_are_refused_before_allocating(tiny, opt
     monkeypatch.setattr(engine.experts.runtime, "load_from_store",
                         lambda *a, **k: pytest.fail("allocated before checking the budget"))
     monkeypatch.setattr(services.app, "deploy", lambda *a, **k: pytest.fail("deployed"))
-    avail = format_bytes(host_memory())  # no GPU here: the device tier is host memory too
     for cmd in (["generate", "--store", store, "--device", "cpu"], ["serve", store]):
+        avail = host_memory()  # RAM, and the device tier of a CPU generate
+        if option == "--device-budget" and cmd[0] == "serve":  # the decode actor's device
+            avail = device_memory("cuda" if torch.cuda.is_available() else "cpu")[0]
         line = one_line_error(run(*cmd, option, "10TiB", "hi" if cmd[0] == "generate" else "--"),
-                              f"{option} 10TiB = 10.00 TiB is more than this machine's", avail)
-        assert line.endswith(f": {avail}")
+                              f"{option} 10TiB = 10.00 TiB is more than this machine's")
+        assert line.endswith(f": {format_bytes(avail)}")
 
 
 def test_budgets_within_the_machine_still_run(tiny):

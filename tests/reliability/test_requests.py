@@ -5,6 +5,7 @@ the codec and the engine alike; float token ids and bool counts are refused with
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -34,7 +35,6 @@ from protocol import (
 )
 from tests.engine.models.hf_tiny import make_checkpoint
 
-N = 10**6
 PEAK_MIB = 64  # growth allowed over the baseline; pydantic's per-item errors took ~870 MiB
 
 
@@ -180,7 +180,7 @@ def tiny(tmp_path_factory):
     ([5, None], "[1]=NoneType"), ([5, 96], "[1]=96"), ([-1], "[0]=-1"),
 ])
 def test_engine_refuses_float_bool_and_out_of_range_ids(tiny, ids, first):
-    msg = rf"1 of {len(ids)} prompt token ids out of range or not integers \(first: {__import__('re').escape(first)}\)"
+    msg = rf"1 of {len(ids)} prompt token ids out of range or not integers \(first: {re.escape(first)}\)"
     with pytest.raises(RequestValidationError, match=msg):
         next(generate_ids(tiny, ids, SamplingConfig(max_tokens=2)))
     c = tiny.config
@@ -188,8 +188,11 @@ def test_engine_refuses_float_bool_and_out_of_range_ids(tiny, ids, first):
     with pytest.raises(RequestValidationError, match=msg):
         engine.add_request("bad", ids, SamplingConfig(max_tokens=2))
     assert not engine.has_unfinished() and engine.kv.pool.num_free == 8
-    engine.add_request("ok", [5, 6], SamplingConfig(max_tokens=2))  # the engine is unaffected
-    (res,) = [r for r in engine.generate([]) if r.request_id == "ok"] or [None]
+    engine.add_request("ok", [5, 6], SamplingConfig(max_tokens=2, ignore_eos=True))  # unaffected
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [(o.request_id, o.finished) for o in outs] == [("ok", False), ("ok", True)]
     assert engine.kv.pool.num_free == 8
 
 

@@ -170,8 +170,9 @@ def test_kernels_on_zero_copy_views():
 
 
 def test_fallback_when_extension_missing(monkeypatch, backend):
-    monkeypatch.setattr(K, "_ext", None)
-    monkeypatch.setattr(K, "_ext_error", "RuntimeError: no compiler (simulated)")
+    isa = K.native_isa()
+    monkeypatch.setitem(K._exts, isa, None)
+    monkeypatch.setitem(K._errors, isa, "RuntimeError: no compiler (simulated)")
     backend("auto")
     q = quantize(torch.randn(16, 128), QuantFormat("int4", 32))
     assert K.backend_for(q) == "torch"

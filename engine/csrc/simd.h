@@ -1,0 +1,113 @@
+// Vector helpers of the native step and kernels, one implementation per instruction set: AVX-512
+// (16 lanes) when the translation unit is built for it, else AVX2 + FMA (8 lanes). The same
+// formulas in both, so results differ only in float32 summation order.
+#pragma once
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace ms {
+
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+using vf = __m512;
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline vf vpow2i(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+#else
+constexpr int LANES = 8;
+using vf = __m256;
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf vpow2i(vf p, vf n) {  // n in [-126, 127] after the clamp in vexp
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// e^x lane-wise: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of degree 6 (relative error
+// < 2e-7 against std::exp; inputs clamped to [-87.3, 88.3]).
+inline vf vexp(vf x) {
+  x = vmax(vmin(x, vset(88.3f)), vset(-87.3f));
+  const vf n = vround(vmul(x, vset(1.44269504f)));
+  vf r = vfnma(n, vset(0.693359375f), x);
+  r = vfnma(n, vset(-2.12194440e-4f), r);
+  vf p = vset(1.0f / 720);
+  p = vfma(p, r, vset(1.0f / 120));
+  p = vfma(p, r, vset(1.0f / 24));
+  p = vfma(p, r, vset(1.0f / 6));
+  p = vfma(p, r, vset(0.5f));
+  p = vfma(p, r, vset(1.0f));
+  p = vfma(p, r, vset(1.0f));
+  return vpow2i(p, n);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  vf v = vzero();
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) v = vfma(vload(a + i), vload(b + i), v);
+  float acc = vsum(v);
+  for (; i < n; i++) acc += a[i] * b[i];
+  return acc;
+}
+
+// g[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u, for n values
+inline void silu_mul_n(float* g, const float* u, int64_t n) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const vf gv = vload(g + i);
+    const vf e = vexp(vsub(vzero(), gv));
+    vstore(g + i, vmul(vdiv(gv, vadd(vset(1.0f), e)), vload(u + i)));
+  }
+  for (; i < n; i++) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+// softmax of s[0..n) in place, float32
+inline void softmax(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+  const vf m = vset(mx);
+  vf acc = vzero();
+  int64_t j = 0;
+  for (; j + LANES <= n; j += LANES) {
+    const vf e = vexp(vsub(vload(s + j), m));
+    vstore(s + j, e);
+    acc = vadd(acc, e);
+  }
+  float sum = vsum(acc);
+  for (; j < n; j++) sum += (s[j] = std::exp(s[j] - mx));
+  const float inv = 1.0f / sum;
+  for (j = 0; j < n; j++) s[j] *= inv;
+}
+
+}  // namespace ms
