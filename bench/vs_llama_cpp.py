@@ -1,0 +1,466 @@
+"""moestream against llama.cpp on this CPU: prefill and decode tokens/s on the same weights, in one
+run, beside the memory-bandwidth roofline of each format; then the dispatcher ops and native calls
+moestream spends per decoded token.
+
+    python bench/vs_llama_cpp.py                          # the issue's size (12 layers, 512 + 128)
+    python bench/vs_llama_cpp.py --layers 2 --prompt 64 --new 32 --rounds 1   # a quick run
+
+Weights: a random Qwen3-MoE 1.3B-A0.2B built by transformers with ``torch.manual_seed(0)``
+(hidden 1024, 16/4 heads of 64, 64 experts top-8 of intermediate 512, vocab 32000,
+norm_topk_prob). One checkpoint feeds both systems:
+
+* moestream: the checkpoint converted to an expert store (int4 g64 experts), dense linears int8
+  or bf16, every expert resident (engine.experts.runtime.load_from_store, prefetch_depth 0).
+* llama.cpp (through llama-cpp-python): the checkpoint written here as an F32 GGUF (llama.cpp's
+  qwen3moe names: stacked ``blk.N.ffn_{gate,up,down}_exps``, dummy 32000-token vocabulary: both
+  sides are fed token ids), then quantized by llama.cpp itself (llama_model_quantize) to Q8_0,
+  Q4_0 and Q4_K_M. The Q8_0 file is only checked: its greedy tokens against moestream fp32.
+
+Prompt: ``--prompt`` random ids (torch.Generator seed 1234), then ``--new`` greedy tokens, batch 1,
+``--threads`` threads each. Rows alternate inside a round (moestream, llama.cpp, moestream, ...)
+after one warm-up run each; the table holds the median of ``--rounds`` rounds.
+
+Roofline decode tok/s = measured memory read bandwidth / bytes of weights read per decoded
+token: every dense weight once, top_k of the routed experts, one embedding row. For moestream
+from the format's bits per weight (bench/decode_cpu.py active_weight_bytes); for llama.cpp from
+the GGUF's own tensor types and sizes (Q4_0: 4.5 bits/weight, Q4_K_M ~4.9, its output matrix
+Q6_K in both).
+
+llama.cpp is optional: without llama_cpp installed the bench says how to install it and prints
+the moestream rows only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_cpu import active_weight_bytes, measure_bandwidth  # noqa: E402
+
+INSTALL_HINT = ("llama.cpp column skipped: llama_cpp is not installed; install it with "
+                "`.venv/bin/pip install --no-deps ../shared/wheels/llama_cpp_python-*.whl numpy "
+                "diskcache jinja2` (from the repository root)")
+
+# The issue's model: Qwen3-MoE 1.3B-A0.2B.
+ISSUE_SHAPE = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
+                   num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
+                   moe_intermediate_size=512, intermediate_size=2816)
+PROMPT_SEED = 1234
+WEIGHT_SEED = 0
+LLAMA_FORMATS = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}  # llama_ftype values (llama.h)
+MOESTREAM_DENSE = {"int8": 8.25 / 8, "bf16": 2.0}  # bytes per dense weight (int8 g64: fp16 scale)
+
+
+# ---------------------------------------------------------------------------------- the weights
+
+def build_hf(shape: dict | None = None, seed: int = WEIGHT_SEED):
+    """(transformers model, moestream ModelConfig) of a random Qwen3-MoE of ``shape``."""
+    import transformers as T
+
+    from engine.config import ModelConfig
+
+    hf_cfg = T.Qwen3MoeConfig(**{**ISSUE_SHAPE, **(shape or {})}, norm_topk_prob=True,
+                              max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    hf = T.Qwen3MoeForCausalLM(hf_cfg).eval()
+    cfg = ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]})
+    return hf, cfg
+
+
+def make_prompt(n: int, vocab: int, seed: int = PROMPT_SEED) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _experts(sd: dict, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked gate [E, I, H], up [E, I, H], down [E, H, I] of one layer, whichever way
+    transformers holds them (5.x: fused gate_up_proj [E, 2I, H] and down_proj [E, H, I];
+    older: one module per expert)."""
+    p = f"model.layers.{layer}.mlp.experts."
+    if p + "gate_up_proj" in sd:
+        gu, down = sd[p + "gate_up_proj"], sd[p + "down_proj"]
+        i = gu.shape[1] // 2
+        return gu[:, :i], gu[:, i:], down
+    n = len({k.split(".")[5] for k in sd if k.startswith(p)})
+    return tuple(torch.stack([sd[f"{p}{e}.{w}_proj.weight"] for e in range(n)])  # type: ignore[return-value]
+                 for w in ("gate", "up", "down"))
+
+
+def gguf_tensors(hf, cfg) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(llama.cpp qwen3moe name, tensor thunk) of every weight, as convert_hf_to_gguf.py names
+    them. Qwen uses NEOX rope (rotate_half), so q/k rows are written unpermuted."""
+    sd = hf.state_dict()
+    yield "token_embd.weight", lambda: sd["model.embed_tokens.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for gname, hname in (("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"),
+                             ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                             ("attn_output", "self_attn.o_proj"), ("attn_q_norm", "self_attn.q_norm"),
+                             ("attn_k_norm", "self_attn.k_norm"), ("ffn_norm", "post_attention_layernorm"),
+                             ("ffn_gate_inp", "mlp.gate")):
+            yield f"blk.{i}.{gname}.weight", (lambda k=p + hname + ".weight": sd[k])
+        for j, proj in enumerate(("gate", "up", "down")):
+            yield f"blk.{i}.ffn_{proj}_exps.weight", (lambda i=i, j=j: _experts(sd, i)[j])
+    yield "output_norm.weight", lambda: sd["model.norm.weight"]
+    yield "output.weight", lambda: sd["lm_head.weight"]
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet (the 256 one-character tokens of a 'gpt2' vocabulary)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def write_gguf(path: Path, hf, cfg) -> Path:
+    """The checkpoint as an F32 GGUF that llama.cpp and moestream both load: qwen3moe metadata,
+    a dummy byte-level 'gpt2' vocabulary of ``vocab_size`` tokens (both sides take token ids).
+    Tensors are streamed to the file one at a time (the full model never exists twice)."""
+    import gguf
+
+    assert cfg.moe is not None and cfg.vocab_size > 258
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_name("moestream bench random Qwen3-MoE")
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(float(cfg.rope.theta))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    w.add_expert_count(cfg.moe.num_experts)
+    w.add_expert_used_count(cfg.moe.top_k)
+    w.add_expert_feed_forward_length(cfg.moe.expert_intermediate_size)
+    w.add_vocab_size(cfg.vocab_size)
+    tokens = _byte_chars() + ["Ġt"] + [f"<tok{i}>" for i in range(257, cfg.vocab_size)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * (cfg.vocab_size - 1) + [gguf.TokenType.CONTROL])
+    w.add_token_merges(["Ġ t"])
+    w.add_eos_token_id(cfg.vocab_size - 1)
+    w.add_bos_token_id(cfg.vocab_size - 1)
+    w.add_add_bos_token(False)
+    thunks = list(gguf_tensors(hf, cfg))
+    for name, fn in thunks:
+        t = fn()
+        w.add_tensor_info(name, list(t.shape), np.dtype(np.float32), t.numel() * 4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, fn in thunks:
+        w.write_tensor_data(fn().detach().float().contiguous().numpy())
+    w.close()
+    return path
+
+
+def gguf_active_bytes(path: Path, cfg) -> float:
+    """Bytes of weights one decoded token reads from a GGUF: every tensor once, top_k/E of each
+    stacked expert tensor, one row of the token embedding."""
+    import gguf
+
+    assert cfg.moe is not None
+    total = 0.0
+    for t in gguf.GGUFReader(str(path)).tensors:
+        n = float(t.n_bytes)
+        if "_exps." in t.name:
+            n *= cfg.moe.top_k / cfg.moe.num_experts
+        elif t.name == "token_embd.weight":
+            n /= cfg.vocab_size
+        total += n
+    return total
+
+
+def gguf_bits_per_weight(path: Path) -> float:
+    import gguf
+
+    ts = gguf.GGUFReader(str(path)).tensors
+    return 8 * sum(int(t.n_bytes) for t in ts) / sum(int(t.n_elements) for t in ts)
+
+
+# ------------------------------------------------------------------------------------ llama.cpp
+
+def have_llama_cpp() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def llama_quantize(src: Path, dst: Path, fmt: str, threads: int) -> Path:
+    """``src`` quantized by llama.cpp itself (llama_model_quantize) to ``fmt`` (a llama_ftype)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FORMATS[fmt]
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize {src} -> {fmt} failed ({rc})")
+    return dst
+
+
+class LlamaCpp:
+    """One GGUF in llama.cpp; greedy decoding over token ids."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int, n_batch: int) -> None:
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+                                   n_threads=threads, n_threads_batch=threads, flash_attn=True,
+                                   verbose=False)
+        self.vocab = self.llm.n_vocab()
+
+    def _argmax(self) -> int:
+        ptr = self._lib.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return int(np.ctypeslib.as_array(ptr, shape=(self.vocab,)).argmax())
+
+    def greedy(self, prompt: list[int], new: int) -> tuple[list[int], float, float]:
+        """(tokens, prefill tok/s, decode tok/s), counted as engine.generate counts them: the
+        first token comes out of the prefill, ``new - 1`` decode steps make the rest."""
+        self.llm.reset()
+        t = time.perf_counter()
+        self.llm.eval(prompt)
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        out = [self._argmax()]
+        while len(out) < new:
+            self.llm.eval([out[-1]])
+            out.append(self._argmax())
+        decode = time.perf_counter() - t
+        return out, len(prompt) / prefill, (new - 1) / decode if new > 1 else 0.0
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+# ------------------------------------------------------------------------------------ moestream
+
+def load_fp32(path: Path):
+    """moestream's fp32 model of a checkpoint directory or GGUF (load_model without the tokenizer,
+    which a bare checkpoint directory lacks)."""
+    from engine.loading import open_model_files
+    from engine.models.load import build_model
+
+    files = open_model_files(path)
+    return build_model(files.config, files.source)
+
+
+def moestream_greedy(model, prompt: list[int], new: int) -> tuple[list[int], float, float]:
+    from engine.generate import generate_ids
+    from engine.layers.sampler import SamplingConfig
+
+    out, stats = [], None
+    for tok, _, stats in generate_ids(model, prompt, SamplingConfig(max_tokens=new, temperature=0.0,
+                                                                    ignore_eos=True)):
+        out.append(tok)
+    return out, stats.prefill_tps, stats.decode_tps
+
+
+@contextlib.contextmanager
+def count_native_calls(counts: Counter):
+    """Count every call into moestream's native extension (engine/csrc) while inside: each of the
+    module's functions is replaced by a counting wrapper (callers look them up on the module at
+    call time: the fused step's ``ext.attn_block``, the LM head's ``ext.qlinear``, ...)."""
+    from engine.quant.kernels import load_extension
+
+    ext = load_extension()
+    if ext is None:
+        yield
+        return
+    saved = {}
+    for name in dir(ext):
+        fn = getattr(ext, name)
+        if name.startswith("_") or isinstance(fn, type) or not callable(fn):
+            continue
+        saved[name] = fn
+
+        def wrapper(*a, _fn=fn, _name=name, **k):
+            counts[_name] += 1
+            return _fn(*a, **k)
+        setattr(ext, name, wrapper)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(ext, name, fn)
+
+
+def op_counts(model, prompt: list[int], steps: int) -> dict:
+    """Torch profiler events (every dispatcher op, nested ones included) and native calls per
+    decoded token, over ``steps`` decode steps after the prompt (sampling included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.generate import generate_ids
+    from engine.layers.sampler import SamplingConfig
+
+    gen = generate_ids(model, prompt, SamplingConfig(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+    next(gen)  # prefill + first token
+    next(gen)  # one decode step outside the profiler (first-use work)
+    native: Counter = Counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, count_native_calls(native):
+        for _ in range(steps):
+            next(gen)
+    gen.close()
+    ops = Counter()
+    for e in prof.key_averages():
+        ops[e.key] += e.count
+    layers = model.config.num_layers
+    n_ops, n_native = sum(ops.values()) / steps, sum(native.values()) / steps
+    return dict(ops=n_ops, ops_per_layer=n_ops / layers, native=n_native, native_per_layer=n_native / layers,
+                top_ops={k: v / steps for k, v in ops.most_common(12)},
+                native_by_name={k: v / steps for k, v in native.most_common()})
+
+
+# ------------------------------------------------------------------------------------ the bench
+
+@dataclass
+class Row:
+    system: str
+    fmt: str
+    run: Callable[[], tuple[list[int], float, float]]
+    roofline: float
+    prefill: list[float]
+    decode: list[float]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=ISSUE_SHAPE["num_hidden_layers"])
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--check-tokens", type=int, default=16,
+                    help="greedy tokens compared between llama.cpp Q8_0 and moestream fp32")
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--no-llama", action="store_true", help="moestream rows only")
+    args = ap.parse_args(argv)
+
+    from engine.experts.runtime import load_from_store
+    from engine.quant.formats import QuantFormat
+    from engine.store import convert
+
+    torch.set_num_threads(args.threads)
+    bw = measure_bandwidth()
+    print(f"threads {args.threads}, memory read bandwidth {bw / 1e9:.1f} GB/s, prompt {args.prompt} tokens, "
+          f"{args.new} new tokens, batch 1, {args.rounds} alternating rounds (median), "
+          f"Qwen3-MoE random weights, {args.layers} layers", flush=True)
+    llama = not args.no_llama and have_llama_cpp()
+    if not llama and not args.no_llama:
+        print(INSTALL_HINT)
+
+    fmt = QuantFormat("int4", 64)
+    rows: list[Row] = []
+    closers: list[Callable[[], None]] = []
+    with tempfile.TemporaryDirectory(prefix="vs_llama_cpp_") as tmp_s:
+        tmp = Path(tmp_s)
+        t = time.perf_counter()
+        hf, cfg = build_hf({"num_hidden_layers": args.layers})
+        prompt = make_prompt(args.prompt, cfg.vocab_size)
+        hf.save_pretrained(tmp / "hf")
+        convert(tmp / "hf", tmp / "store", fmt=fmt, progress=False)
+        ggufs: dict[str, Path] = {}
+        if llama:
+            write_gguf(tmp / "f32.gguf", hf, cfg)
+            for name in LLAMA_FORMATS:
+                ggufs[name] = llama_quantize(tmp / "f32.gguf", tmp / f"{name}.gguf", name, args.threads)
+            (tmp / "f32.gguf").unlink()
+        del hf
+        gc.collect()
+        print(f"weights, store{' and GGUFs' if llama else ''} written in {time.perf_counter() - t:.0f} s",
+              flush=True)
+
+        if llama:  # does llama.cpp run the same model? greedy tokens on Q8_0 vs moestream fp32
+            n = min(args.check_tokens, args.new)
+            ref_model = load_fp32(tmp / "hf")
+            ref = moestream_greedy(ref_model, prompt, n)[0]
+            del ref_model
+            gc.collect()
+            q8 = LlamaCpp(ggufs.pop("Q8_0"), args.threads, args.prompt + args.new + 16, min(args.prompt, 512))
+            got = q8.greedy(prompt, n)[0]
+            q8.close()
+            agree = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), n)
+            print(f"llama.cpp Q8_0 vs moestream fp32, greedy: first {agree} of {n} tokens agree "
+                  f"({sum(a == b for a, b in zip(ref, got))}/{n} positions equal)\n"
+                  f"  moestream fp32 {ref}\n  llama.cpp Q8_0 {got}", flush=True)
+
+        ours = {}
+        for dense, nbytes in MOESTREAM_DENSE.items():
+            sm = load_from_store(tmp / "store", prefetch_depth=0, dense=dense)
+            closers.append(sm.close)
+            ours[dense] = sm.model
+            rows.append(Row("moestream", f"store int4 g64 experts, {dense} dense",
+                            (lambda m=sm.model: moestream_greedy(m, prompt, args.new)),
+                            bw / active_weight_bytes(cfg, nbytes, fmt.bits_per_weight / 8), [], []))
+        for name, path in ggufs.items():
+            lc = LlamaCpp(path, args.threads, args.prompt + args.new + 16, min(args.prompt, 512))
+            closers.append(lc.close)
+            rows.append(Row("llama.cpp", f"{name} ({gguf_bits_per_weight(path):.2f} bits/weight)",
+                            (lambda lc=lc: lc.greedy(prompt, args.new)), bw / gguf_active_bytes(path, cfg), [], []))
+        # alternate systems: moestream, llama.cpp, moestream, llama.cpp
+        llama_rows = [r for r in rows if r.system == "llama.cpp"]
+        our_rows = [r for r in rows if r.system == "moestream"]
+        order = [r for pair in zip(our_rows, llama_rows) for r in pair]
+        order += [r for r in rows if r not in order]
+        for r in order:  # warm-up: allocations, first touch of the weights, expert loads
+            r.run()
+        for k in range(args.rounds):
+            for r in order:
+                _, p, d = r.run()
+                r.prefill.append(p)
+                r.decode.append(d)
+            print(f"round {k + 1}/{args.rounds}: " + ", ".join(
+                f"{r.system} {r.fmt.split(' (')[0]} {r.prefill[-1]:.0f}/{r.decode[-1]:.1f}" for r in order),
+                flush=True)
+
+        best_llama = max((statistics.median(r.decode) for r in llama_rows), default=None)
+        best_llama_pf = max((statistics.median(r.prefill) for r in llama_rows), default=None)
+        print("\n| system | format | prefill tok/s | decode tok/s | roofline decode tok/s | % of roofline "
+              "| decode x faster llama.cpp | prefill x faster llama.cpp |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in llama_rows + our_rows:
+            p, d = statistics.median(r.prefill), statistics.median(r.decode)
+            xd = f"{d / best_llama:.2f}x" if best_llama else "n/a"
+            xp = f"{p / best_llama_pf:.2f}x" if best_llama_pf else "n/a"
+            print(f"| {r.system} | {r.fmt} | {p:.0f} | {d:.1f} | {r.roofline:.1f} | "
+                  f"{100 * d / r.roofline:.0f}% | {xd} | {xp} |")
+
+        print(f"\nmoestream ops per decoded token (torch profiler, {args.profile_steps} decode steps after "
+              f"the prompt, sampling included):")
+        for dense, model in ours.items():
+            c = op_counts(model, prompt, args.profile_steps)
+            print(f"  {dense} dense: dispatcher ops per token: {c['ops']:.0f} ({c['ops_per_layer']:.1f} per layer), "
+                  f"native calls per token: {c['native']:.0f} ({c['native_per_layer']:.1f} per layer)")
+            print("    ops: " + ", ".join(f"{k} {v:g}" for k, v in c["top_ops"].items()))
+            print("    native: " + ", ".join(f"{k} {v:g}" for k, v in c["native_by_name"].items()))
+        for close in closers:
+            close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The native step (engine.step, engine/csrc/step.cpp) against the torch layers it replaces, on
+random tiny models: logits of mixed prefill/decode batches over contiguous and paged KV caches,
+greedy tokens through the expert cache (full, minimal with chunked prefill, misses computed on
+the CPU), and the number of native calls per layer."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from engine.experts.runtime import load_from_store
+from engine.experts.tiers import align_up
+from engine.generate import generate_ids
+from engine.kv.base import BatchLayout, ContiguousKVCache
+from engine.kv.paged import FP8, PagedKVCache
+from engine.layers.sampler import SamplingConfig
+from engine.loading import open_model_files
+from engine.models.load import build_model
+from engine.options import configure, options
+from engine.quant.kernels import load_extension
+from engine.quant.linear import quantize_dense
+from engine.store import convert
+from engine.quant.formats import QuantFormat
+from tests.engine.models.hf_tiny import make_checkpoint
+
+pytestmark = pytest.mark.skipif(load_extension() is None, reason="native kernels unavailable")
+
+PROMPT = [5, 17, 33, 8, 61, 12, 40, 3, 27]
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def store(request, tmp_path_factory):
+    arch = request.param
+    d = tmp_path_factory.mktemp(arch)
+    kw = dict(hidden_size=64, num_hidden_layers=3, head_dim=16, num_attention_heads=4, num_key_value_heads=2)
+    if arch == "mixtral":
+        kw.update(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
+    else:
+        kw.update(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        kw.update(shared_expert_intermediate_size=64)
+    make_checkpoint(arch, d / "hf", **kw)
+    convert(d / "hf", d / "store", fmt=QuantFormat("int4", 32), progress=False)
+    return d / "store"
+
+
+@pytest.fixture
+def fused():
+    """configure(fused_step=...) for the test, restored after."""
+    prev = configure()
+
+    def set_fused(on: bool) -> None:
+        if options().fused_step != on:  # a change rebuilds the step (and drops a spy)
+            configure(fused_step=on)
+    yield set_fused
+    configure(prev)
+
+
+class Counting:
+    """Counts the native step's calls (a proxy in front of the extension module)."""
+
+    def __init__(self, ext) -> None:
+        self.ext, self.calls = ext, Counter()
+
+    def __getattr__(self, name):
+        f = getattr(self.ext, name)
+        if not callable(f) or name[:1].isupper():
+            return f
+
+        def counted(*a, **k):
+            self.calls[name] += 1
+            return f(*a, **k)
+        return counted
+
+
+def spy(model, fused) -> Counting:
+    fused(True)
+    step = model.native_step()
+    assert step is not None, "the native step should apply to this model"
+    step.ext = Counting(step.ext)
+    return step.ext
+
+
+def steps(model, kv, fused_on: bool, fused) -> list[torch.Tensor]:
+    """A mixed schedule over three sequences: a batched prefill, a decode step of all three, a
+    step mixing 2 new tokens of one sequence with 1 of another. Logits of every step."""
+    fused(fused_on)
+    g = torch.Generator().manual_seed(3)
+    v = model.config.vocab_size
+    plan = [BatchLayout((0, 1, 2), (5, 9, 3), (0, 0, 0)),
+            BatchLayout((0, 1, 2), (1, 1, 1), (5, 9, 3)),
+            BatchLayout((0, 2), (2, 1), (6, 4))]
+    out = []
+    for layout in plan:
+        tokens = torch.randint(0, v, (layout.num_tokens,), generator=g)
+        out.append(model(tokens, layout, kv, all_logits=True))
+    return out
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    # the same operations; float32 summation order differs, and int8 activations may round a
+    # few codes differently as a result: a small bound relative to the logits' scale
+    scale = b.abs().max().item()
+    assert (a - b).abs().max().item() <= 2e-3 * (1 + scale), (a - b).abs().max().item()
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("dense", ["int8", "bf16"])
+@pytest.mark.parametrize("kv_kind", ["paged-bf16", "paged-fp32"])
+def test_native_step_matches_torch_layers_on_mixed_batches(store, dense, kv_kind, fused):
+    sm = load_from_store(store, prefetch_depth=0, dense=dense)
+    cfg = sm.model.config
+    dtype = torch.bfloat16 if kv_kind == "paged-bf16" else torch.float32
+
+    def kv():
+        return PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=4, dtype=dtype)
+
+    try:
+        want = steps(sm.model, kv(), False, fused)
+        calls = spy(sm.model, fused).calls
+        got = steps(sm.model, kv(), True, fused)
+        assert calls["attn_block"] == 3 * cfg.num_layers  # the native path ran every step
+        for a, b in zip(got, want):
+            close(a, b)
+    finally:
+        sm.close()
+
+
+def greedy(model, n=16, kv=None):
+    return [t for t, _, _ in generate_ids(model, PROMPT, SamplingConfig(max_tokens=n, ignore_eos=True), kv=kv)]
+
+
+def test_greedy_tokens_identical_through_the_expert_cache(store, fused):
+    sm = load_from_store(store, prefetch_depth=0, dense="int8")
+    try:
+        fused(False)
+        want = greedy(sm.model)
+        fused(True)
+        calls = spy(sm.model, fused).calls
+        assert greedy(sm.model) == want
+        assert calls["ffn_block"] > 0
+    finally:
+        sm.close()
+    from engine.store import ExpertStore
+
+    with ExpertStore(store) as s:
+        slot, top_k = align_up(s.expert_nbytes), s.config.moe.top_k
+    for kw in (dict(device_budget=top_k * slot, prefetch_depth=1),  # chunked prefill, misses, prefetch
+               dict(device_budget=top_k * slot, prefetch_depth=0, miss_compute="cpu")):  # slot -1 path
+        sm = load_from_store(store, dense="int8", **kw)
+        try:
+            calls = spy(sm.model, fused).calls
+            assert greedy(sm.model) == want, kw
+            assert calls["ffn_block"] > 0
+            sm.cache.drain()
+            assert sm.cache.pins == {}, kw
+        finally:
+            sm.close()
+
+
+def test_decode_is_three_native_calls_per_layer(store, fused):
+    fused(True)
+    sm = load_from_store(store, prefetch_depth=0, dense="int8")
+    try:
+        cfg = sm.model.config
+        kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        sm.model(torch.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv)
+        calls = spy(sm.model, fused).calls
+        sm.model(torch.tensor([7]), BatchLayout.single(0, 1, len(PROMPT)), kv)
+        assert dict(calls) == {"attn_block": cfg.num_layers, "route": cfg.num_layers, "ffn_block": cfg.num_layers}
+    finally:
+        sm.close()
+
+
+def test_fp8_kv_and_fp32_dense_run_the_torch_layers(store, fused):
+    fused(True)
+    sm = load_from_store(store, prefetch_depth=0, dense="fp32")
+    try:
+        assert sm.model.native_step() is None  # fp32 dense: the exact reference path
+    finally:
+        sm.close()
+    sm = load_from_store(store, prefetch_depth=0, dense="int8")
+    try:
+        cfg = sm.model.config
+        kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=8, block_size=4, dtype=FP8)
+        calls = spy(sm.model, fused).calls
+        want = greedy(sm.model, 6)
+        fp8 = greedy(sm.model, 6, kv=kv)
+        assert calls["attn_block"] == 6 * cfg.num_layers  # only the contiguous run was native
+        assert len(fp8) == 6 and fp8[0] == want[0]
+    finally:
+        sm.close()
+
+
+def test_dense_llama_matches(tmp_path, fused):
+    make_checkpoint("llama", tmp_path, hidden_size=64, intermediate_size=128, head_dim=16,
+                    num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    files = open_model_files(tmp_path)
+    cfg = files.config
+    model = quantize_dense(build_model(cfg, files.source), "int8")
+    kv = lambda: PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=4)
+    want = steps(model, kv(), False, fused)
+    calls = spy(model, fused).calls
+    got = steps(model, kv(), True, fused)
+    assert calls["ffn_block"] == 3 * cfg.num_layers and calls["route"] == 0
+    for a, b in zip(got, want):
+        close(a, b)
