@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import ctypes
 import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -59,6 +60,10 @@ INSTALL_HINT = ("llama.cpp column skipped: llama_cpp is not installed; install i
 ISSUE_SHAPE = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
                    moe_intermediate_size=512, intermediate_size=2816)
+# A tiny model of the same family (dimensions multiples of 256, as Q4_K needs): the probe, tests.
+TINY_SHAPE = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=256, intermediate_size=512)
 PROMPT_SEED = 1234
 WEIGHT_SEED = 0
 LLAMA_FORMATS = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}  # llama_ftype values (llama.h)
@@ -210,6 +215,52 @@ def have_llama_cpp() -> bool:
     return True
 
 
+_PROBE = """
+import sys
+import llama_cpp
+import numpy as np
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_batch=32, n_ubatch=32, n_threads=int(sys.argv[2]),
+                      n_threads_batch=int(sys.argv[2]), flash_attn=True, verbose=False)
+llm.eval(list(range(1, 20)))
+llm.eval([5])
+print(int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).argmax()))
+"""
+
+
+def probe_llama_cpp(tmp: Path, threads: int) -> str | None:
+    """None if llama.cpp runs every bench format here, else why not. Runs a tiny model of each
+    format in a child process: a wheel built for instructions this CPU lacks (e.g. AVX-VNNI on an
+    AVX-512 machine) dies of SIGILL, which would take the whole bench down with it."""
+    import signal
+    import subprocess
+
+    hf, cfg = build_hf(TINY_SHAPE)
+    write_gguf(tmp / "probe-f32.gguf", hf, cfg)
+    try:
+        for fmt in LLAMA_FORMATS:
+            path = llama_quantize(tmp / "probe-f32.gguf", tmp / f"probe-{fmt}.gguf", fmt, threads)
+            r = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(threads)],
+                               capture_output=True, text=True, timeout=300)
+            path.unlink()
+            if r.returncode != 0:
+                why = (f"killed by {signal.Signals(-r.returncode).name}" if r.returncode < 0
+                       else f"exit status {r.returncode}")
+                hint = (" (an instruction this CPU lacks: the wheel was built for another CPU; build it "
+                        "here: CMAKE_ARGS=-DGGML_NATIVE=ON .venv/bin/pip install --no-deps --no-binary "
+                        f"llama-cpp-python llama-cpp-python=={llama_cpp_version()})"
+                        if r.returncode == -signal.SIGILL else f": {r.stderr.strip()[-300:]}")
+                return f"llama.cpp {llama_cpp_version()} fails on a {fmt} model: {why}{hint}"
+    finally:
+        (tmp / "probe-f32.gguf").unlink()
+    return None
+
+
+def llama_cpp_version() -> str:
+    import llama_cpp
+
+    return getattr(llama_cpp, "__version__", "?")
+
+
 def llama_quantize(src: Path, dst: Path, fmt: str, threads: int) -> Path:
     """``src`` quantized by llama.cpp itself (llama_model_quantize) to ``fmt`` (a llama_ftype)."""
     import llama_cpp
@@ -217,10 +268,29 @@ def llama_quantize(src: Path, dst: Path, fmt: str, threads: int) -> Path:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = LLAMA_FORMATS[fmt]
     params.nthread = threads
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    with _quiet_native_output():
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize {src} -> {fmt} failed ({rc})")
     return dst
+
+
+@contextlib.contextmanager
+def _quiet_native_output():
+    """Silence what native code writes to stdout/stderr (llama.cpp's per-tensor quantize log)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
 
 
 class LlamaCpp:
@@ -238,6 +308,13 @@ class LlamaCpp:
     def _argmax(self) -> int:
         ptr = self._lib.llama_get_logits_ith(self.llm._ctx.ctx, -1)
         return int(np.ctypeslib.as_array(ptr, shape=(self.vocab,)).argmax())
+
+    def prompt_logits(self, prompt: list[int]) -> np.ndarray:
+        """The logits after ``prompt`` (those the first generated token is picked from)."""
+        self.llm.reset()
+        self.llm.eval(prompt)
+        return np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self.llm._ctx.ctx, -1),
+                                     shape=(self.vocab,)).copy()
 
     def greedy(self, prompt: list[int], new: int) -> tuple[list[int], float, float]:
         """(tokens, prefill tok/s, decode tok/s), counted as engine.generate counts them: the
@@ -268,6 +345,23 @@ def load_fp32(path: Path):
 
     files = open_model_files(path)
     return build_model(files.config, files.source)
+
+
+def moestream_prompt_logits(model, prompt: list[int]) -> np.ndarray:
+    from engine.generate import generate_ids
+    from engine.layers.sampler import SamplingConfig
+
+    gen = generate_ids(model, prompt, SamplingConfig(max_tokens=1, ignore_eos=True))
+    _, logits, _ = next(gen)
+    gen.close()
+    return logits.float().numpy().copy()
+
+
+def compare_logits(a: np.ndarray, b: np.ndarray) -> str:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+    return (f"cosine {cos:.5f}, max |diff| {np.abs(a - b).max():.4f} (logits' std {a.std():.4f}), "
+            f"same argmax: {'yes' if a.argmax() == b.argmax() else 'no'}")
 
 
 def moestream_greedy(model, prompt: list[int], new: int) -> tuple[list[int], float, float]:
@@ -322,7 +416,7 @@ def op_counts(model, prompt: list[int], steps: int) -> dict:
     next(gen)  # prefill + first token
     next(gen)  # one decode step outside the profiler (first-use work)
     native: Counter = Counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof, count_native_calls(native):
+    with _quiet_native_output(), profile(activities=[ProfilerActivity.CPU]) as prof, count_native_calls(native):
         for _ in range(steps):
             next(gen)
     gen.close()
@@ -380,6 +474,11 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="vs_llama_cpp_") as tmp_s:
         tmp = Path(tmp_s)
         t = time.perf_counter()
+        if llama:
+            why = probe_llama_cpp(tmp, args.threads)
+            if why is not None:
+                print(f"llama.cpp column skipped: {why}", flush=True)
+                llama = False
         hf, cfg = build_hf({"num_hidden_layers": args.layers})
         prompt = make_prompt(args.prompt, cfg.vocab_size)
         hf.save_pretrained(tmp / "hf")
@@ -395,19 +494,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"weights, store{' and GGUFs' if llama else ''} written in {time.perf_counter() - t:.0f} s",
               flush=True)
 
-        if llama:  # does llama.cpp run the same model? greedy tokens on Q8_0 vs moestream fp32
+        if llama:  # does llama.cpp run the same model? Q8_0 against moestream fp32
             n = min(args.check_tokens, args.new)
             ref_model = load_fp32(tmp / "hf")
+            ref_logits = moestream_prompt_logits(ref_model, prompt)
             ref = moestream_greedy(ref_model, prompt, n)[0]
             del ref_model
             gc.collect()
             q8 = LlamaCpp(ggufs.pop("Q8_0"), args.threads, args.prompt + args.new + 16, min(args.prompt, 512))
+            q8_logits = q8.prompt_logits(prompt)
             got = q8.greedy(prompt, n)[0]
             q8.close()
             agree = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), n)
-            print(f"llama.cpp Q8_0 vs moestream fp32, greedy: first {agree} of {n} tokens agree "
-                  f"({sum(a == b for a, b in zip(ref, got))}/{n} positions equal)\n"
-                  f"  moestream fp32 {ref}\n  llama.cpp Q8_0 {got}", flush=True)
+            print(f"llama.cpp Q8_0 vs moestream fp32, logits after the prompt: {compare_logits(ref_logits, q8_logits)}\n"
+                  f"  greedy: first {agree} of {n} tokens agree ({sum(a == b for a, b in zip(ref, got))}/{n} "
+                  f"positions equal)\n  moestream fp32 {ref}\n  llama.cpp Q8_0 {got}", flush=True)
 
         ours = {}
         for dense, nbytes in MOESTREAM_DENSE.items():
@@ -449,6 +550,13 @@ def main(argv: list[str] | None = None) -> None:
             xp = f"{p / best_llama_pf:.2f}x" if best_llama_pf else "n/a"
             print(f"| {r.system} | {r.fmt} | {p:.0f} | {d:.1f} | {r.roofline:.1f} | "
                   f"{100 * d / r.roofline:.0f}% | {xd} | {xp} |")
+
+        if best_llama:
+            d = max(statistics.median(r.decode) for r in our_rows)
+            p = max(statistics.median(r.prefill) for r in our_rows)
+            print(f"\ngoal (faster moestream row / faster llama.cpp row >= 1.0x): decode {d / best_llama:.2f}x "
+                  f"({'met' if d >= best_llama else 'not met'}), prefill {p / best_llama_pf:.2f}x "
+                  f"({'met' if p >= best_llama_pf else 'not met'})")
 
         print(f"\nmoestream ops per decoded token (torch profiler, {args.profile_steps} decode steps after "
               f"the prompt, sampling included):")

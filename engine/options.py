@@ -12,6 +12,7 @@ the CLI). Code that caches something per setting (a bound kernel) compares :func
 | decode_threads | MOESTREAM_DECODE_THREADS | 1 | intra-op torch threads of decode-sized steps (engine.threads) |
 | fused_step | MOESTREAM_FUSED_STEP | 1 | decode through the native per-layer calls (engine.step) where the model allows |
 | cpu_isa | MOESTREAM_CPU_ISA | auto | native kernels for avx512 or avx2 (auto: the best this CPU has) |
+| native_threads | MOESTREAM_NATIVE_THREADS | 0 | threads of the native kernels' worker pool (0: every core of the process) |
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ class RuntimeOptions:
     decode_threads: int = 1
     fused_step: bool = True
     cpu_isa: str = "auto"
+    native_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.cpu_isa not in CPU_ISAS:
             raise ConfigError(f"cpu_isa={self.cpu_isa!r}; allowed: {', '.join(CPU_ISAS)}")
         if self.quant_kernel not in QUANT_KERNELS:
             raise ConfigError(f"quant kernel backend {self.quant_kernel!r}; allowed: {', '.join(QUANT_KERNELS)}")
+        if isinstance(self.native_threads, bool) or not isinstance(self.native_threads, int) \
+                or self.native_threads < 0:
+            raise ConfigError(f"native_threads={self.native_threads!r}; allowed: an integer >= 0 (0: every core)")
         if isinstance(self.decode_threads, bool) or not isinstance(self.decode_threads, int) \
                 or self.decode_threads < 1:
             raise ConfigError(f"decode_threads={self.decode_threads!r}; allowed: an integer >= 1")
@@ -53,13 +58,17 @@ class RuntimeOptions:
                 raise ConfigError(f"{name}={raw!r}; allowed: 0 or 1")
             return raw == "1"
 
-        raw_threads = env.get("MOESTREAM_DECODE_THREADS", "1")
-        try:
-            threads = int(raw_threads)
-        except ValueError:
-            threads = 0
-        if threads < 1:
-            raise ConfigError(f"MOESTREAM_DECODE_THREADS={raw_threads!r}; allowed: an integer >= 1")
+        def count(name: str, default: str, least: int) -> int:
+            raw = env.get(name, default)
+            try:
+                n = int(raw)
+            except ValueError:
+                n = least - 1
+            if n < least:
+                raise ConfigError(f"{name}={raw!r}; allowed: an integer >= {least}")
+            return n
+
+        threads = count("MOESTREAM_DECODE_THREADS", "1", 1)
         kernel = env.get("MOESTREAM_QUANT_KERNEL", "auto")
         if kernel not in QUANT_KERNELS:
             raise ConfigError(f"MOESTREAM_QUANT_KERNEL={kernel!r}; allowed: {', '.join(QUANT_KERNELS)}")
@@ -67,7 +76,8 @@ class RuntimeOptions:
         if isa not in CPU_ISAS:
             raise ConfigError(f"MOESTREAM_CPU_ISA={isa!r}; allowed: {', '.join(CPU_ISAS)}")
         return cls(quant_kernel=kernel, int8_activations=flag("MOESTREAM_INT8_ACTIVATIONS", "1"),
-                   decode_threads=threads, fused_step=flag("MOESTREAM_FUSED_STEP", "1"), cpu_isa=isa)
+                   decode_threads=threads, fused_step=flag("MOESTREAM_FUSED_STEP", "1"), cpu_isa=isa,
+                   native_threads=count("MOESTREAM_NATIVE_THREADS", "0", 0))
 
 
 _state: dict = {"opts": None, "gen": 0}

@@ -67,7 +67,10 @@ class NativeStep:
     """Per-layer native handles of one model (built once; they hold its weight tensors)."""
 
     def __init__(self, model, ext: Any) -> None:
+        from engine.quant.kernels import native_threads
+
         self.ext = ext
+        ext.set_threads(native_threads())
         cfg = model.config
         self.attn, self.ffn, self.routers = [], [], []
         for layer in model.model.layers:

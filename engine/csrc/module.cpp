@@ -1,4 +1,5 @@
 // Python bindings of the native kernels (built by engine/quant/kernels.py:load_extension).
+#include "pool.h"
 #include "quant.h"
 #include "step.h"
 
@@ -24,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return ms::FFN{g, u, d, gate};
   }));
   m.attr("SLOT_ROW") = ms::SLOT_ROW;
+  m.def("set_threads", &ms::set_threads, "threads (caller included) of the native worker pool");
+  m.def("num_threads", &ms::num_threads, "threads of the native worker pool");
   m.def("attn_block", &ms::attn_block, "x += attention block; returns the post-attention norm of x");
   m.def("route", &ms::route, "top-k routing in float32: (ids [T, K], weights [T, K])");
   m.def("ffn_block", &ms::ffn_block, "x += routed experts from slots (+ shared or dense SwiGLU)",

@@ -17,6 +17,7 @@
 // a layer's work across cores above these kernels; an OpenMP build of them was measured slower
 // inside a decode step on 2 cores (demo store 39.8 -> 19.8 tok/s).
 #include "quant.h"
+#include "pool.h"
 #include "simd.h"
 
 #include <immintrin.h>
@@ -443,20 +444,6 @@ static void dequant_acts(const float* x, int64_t n, float* xq) {
   }
 }
 
-// out[T, N] = x' @ w.T for an int4 w with int8 activations, any T: VNNI for decode sizes, the
-// float kernel on x' above (the same numbers up to float32 summation order, so a token's result
-// does not depend on how many tokens share the call).
-static void linear_i8a(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, int slot) {
-  if (T <= direct_max_t) {
-    if (w.fmt == F_INT8) rows_i8a_int8(w, 0, w.N, quant_acts8(x, T, w.K, slot), out, w.N);
-    else rows_i8a(w, 0, w.N, quant_acts(x, T, w.K, w.G, slot), out, w.N);
-    return;
-  }
-  std::vector<float> xq(T * w.K);
-  dequant_acts(x, T * w.K, xq.data());
-  rows_dispatch(w, 0, w.N, xq.data(), T, out, w.N, 0);
-}
-
 }  // namespace
 
 namespace ms {
@@ -465,13 +452,29 @@ bool has_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 
 void set_prefetch_rows(int64_t rows) { g_pf_rows = rows; }
 
+// rows per thread share: at least ~32K weights, so a split pays for its hand-off
+static int64_t min_rows(const QW& w) { return std::max<int64_t>(8, (1 << 15) / w.K); }
+
 void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, bool i8a, int slot) {
   if (T == 0) return;
-  if (use_i8a(w, i8a)) {
-    linear_i8a(w, x, T, out, direct_max_t, slot);
+  if (use_i8a(w, i8a) && T <= direct_max_t) {  // quantize once here; threads share the codes
+    if (w.fmt == F_INT8) {
+      const std::vector<QAct8>& a = quant_acts8(x, T, w.K, slot);
+      parallel(w.N, 8, min_rows(w), [&](int64_t b, int64_t e) { rows_i8a_int8(w, b, e, a, out, w.N); });
+    } else {
+      const std::vector<QAct>& a = quant_acts(x, T, w.K, w.G, slot);
+      parallel(w.N, 8, min_rows(w), [&](int64_t b, int64_t e) { rows_i8a(w, b, e, a, out, w.N); });
+    }
     return;
   }
-  rows_dispatch(w, 0, w.N, x, T, out, w.N, direct_max_t);
+  static thread_local std::vector<float> xq;
+  if (use_i8a(w, i8a)) {  // larger T: the float kernel on the dequantized activations x'
+    xq.resize(T * w.K);
+    dequant_acts(x, T * w.K, xq.data());
+    x = xq.data();
+    direct_max_t = 0;
+  }
+  parallel(w.N, 8, min_rows(w), [&](int64_t b, int64_t e) { rows_dispatch(w, b, e, x, T, out, w.N, direct_max_t); });
 }
 
 void expert(const QW& wg, const QW& wu, const QW& wd, const float* xp, int64_t T, float* op,
@@ -483,28 +486,38 @@ void expert(const QW& wg, const QW& wu, const QW& wd, const float* xp, int64_t T
   ubuf.resize(T * I);
   float *gp = gbuf.data(), *up = ubuf.data();
   // gate and up (same shape) take int8 activations together, sharing the quantized x; down on
-  // its own (its in-dim may not allow it)
+  // its own (its in-dim may not allow it). A thread's share of rows does gate, up and silu.
   const bool gu8 = use_i8a(wg, i8a) && use_i8a(wu, i8a) && wg.fmt == wu.fmt && wg.G == wu.G;
+  auto silu_rows = [&](int64_t b, int64_t e) {
+    for (int64_t t = 0; t < T; t++) silu_mul_n(gp + t * I + b, up + t * I + b, e - b);
+  };
   if (gu8 && T <= direct_max_t && wg.fmt == F_INT8) {
     const std::vector<QAct8>& ax = quant_acts8(xp, T, H, 0);
-    rows_i8a_int8(wg, 0, I, ax, gp, I);
-    rows_i8a_int8(wu, 0, I, ax, up, I);
+    parallel(I, 8, min_rows(wg), [&](int64_t b, int64_t e) {
+      rows_i8a_int8(wg, b, e, ax, gp, I);
+      rows_i8a_int8(wu, b, e, ax, up, I);
+      silu_rows(b, e);
+    });
   } else if (gu8 && T <= direct_max_t) {
     const std::vector<QAct>& ax = quant_acts(xp, T, H, wg.G, 0);
-    rows_i8a(wg, 0, I, ax, gp, I);
-    rows_i8a(wu, 0, I, ax, up, I);
+    parallel(I, 8, min_rows(wg), [&](int64_t b, int64_t e) {
+      rows_i8a(wg, b, e, ax, gp, I);
+      rows_i8a(wu, b, e, ax, up, I);
+      silu_rows(b, e);
+    });
   } else {
     if (gu8) {  // prefill sizes: the float kernels on x'
       xq.resize(T * H);
       dequant_acts(xp, T * H, xq.data());
       xp = xq.data();
     }
-    rows_dispatch(wg, 0, I, xp, T, gp, I, direct_max_t);
-    rows_dispatch(wu, 0, I, xp, T, up, I, direct_max_t);
+    parallel(I, 8, min_rows(wg), [&](int64_t b, int64_t e) {
+      rows_dispatch(wg, b, e, xp, T, gp, I, direct_max_t);
+      rows_dispatch(wu, b, e, xp, T, up, I, direct_max_t);
+      silu_rows(b, e);
+    });
   }
-  silu_mul_n(gp, up, T * I);
-  if (use_i8a(wd, i8a)) linear_i8a(wd, gp, T, op, direct_max_t, 1);
-  else rows_dispatch(wd, 0, H, gp, T, op, H, direct_max_t);
+  linear(wd, gp, T, op, direct_max_t, i8a, 1);
 }
 
 }  // namespace ms

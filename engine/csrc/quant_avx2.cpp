@@ -23,11 +23,16 @@
 //   once per weight per call.
 // int8 activations (VNNI) do not exist here: has_vnni() is false and i8a is ignored, so the
 // results are x @ dequantize(w).T in float32 for every format (reference.linear_ref).
-// Threads: every entry point runs on the calling thread (step.cpp splits work above them).
+// Threads: linear() and expert() split a weight's rows over the worker pool (pool.h) in shares of
+// 8 rows; a row's result is the same whichever tile, share or loop nest computes it (the same
+// dequantized values and the same per-lane FMA order), so results depend neither on the thread
+// count nor on T.
+#include "pool.h"
 #include "quant.h"
 #include "simd.h"
 
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -263,22 +268,29 @@ bool has_vnni() { return false; }  // float activations only on this path
 
 void set_prefetch_rows(int64_t rows) { g_prefetch_rows = rows; }
 
+// rows per thread share: at least ~32K weights, so a split pays for its hand-off (as quant.cpp)
+static int64_t min_rows(const QW& w) { return std::max<int64_t>(8, (1 << 15) / w.K); }
+
 void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, bool /*i8a*/, int /*slot*/) {
   if (T == 0) return;
-  rows_dispatch(w, 0, w.N, x, T, out, w.N, direct_max_t);
+  parallel(w.N, 8, min_rows(w), [&](int64_t b, int64_t e) { rows_dispatch(w, b, e, x, T, out, w.N, direct_max_t); });
 }
 
 void expert(const QW& wg, const QW& wu, const QW& wd, const float* x, int64_t T, float* out,
             int64_t direct_max_t, bool /*i8a*/) {
   if (T == 0) return;
-  const int64_t I = wg.N, H = wg.K;
-  static thread_local std::vector<float> gbuf, ubuf;  // [T, I] each
+  const int64_t I = wg.N;
+  static thread_local std::vector<float> gbuf, ubuf;  // [T, I] each, the caller's
   gbuf.resize(T * I);
   ubuf.resize(T * I);
-  rows_dispatch(wg, 0, I, x, T, gbuf.data(), I, direct_max_t);
-  rows_dispatch(wu, 0, I, x, T, ubuf.data(), I, direct_max_t);
-  silu_mul_n(gbuf.data(), ubuf.data(), T * I);
-  rows_dispatch(wd, 0, H, gbuf.data(), T, out, H, direct_max_t);
+  float *gp = gbuf.data(), *up = ubuf.data();
+  // a thread's share of the hidden rows does gate, up and silu(gate) * up
+  parallel(I, 8, min_rows(wg), [&](int64_t b, int64_t e) {
+    rows_dispatch(wg, b, e, x, T, gp, I, direct_max_t);
+    rows_dispatch(wu, b, e, x, T, up, I, direct_max_t);
+    for (int64_t t = 0; t < T; t++) silu_mul_n(gp + t * I + b, up + t * I + b, e - b);
+  });
+  linear(wd, gp, T, out, direct_max_t, false, 1);
 }
 
 }  // namespace ms

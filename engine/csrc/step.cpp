@@ -15,6 +15,7 @@
 // case NB = 1, BS = capacity); tables [S, max blocks] int32; cos, sin [T, D].
 // Numbers: the same operations in the same order as the torch layers (engine/layers), float32
 // throughout; only summation order differs (tests compare the two on random inputs).
+#include "pool.h"
 #include "simd.h"
 #include "step.h"
 
@@ -75,38 +76,42 @@ struct KVView {  // one layer of the cache and one sequence's block table
 };
 
 // q [n, Nh, D] for positions ctx .. ctx+n-1 of one sequence whose keys/values (new ones included)
-// are in the cache -> out [n, Nh, D]. Query head h reads KV head h / (Nh / Nkv). A position's K
-// (then V) row [Nkv, D] is converted to float32 once and used by every head.
+// are in the cache -> out [n, Nh, D]. Query head h reads KV head h / g (g = Nh / Nkv); the KV
+// heads are split over the pool's threads, each reading a position's K (then V) row of its head
+// once for its g query heads.
 template <typename S>
 void attend(const KVView& kv, const float* q, int64_t n, int64_t ctx, int64_t nh, int64_t nkv,
             int64_t d, float* out) {
-  const int64_t g = nh / nkv, total = ctx + n, row = nkv * d;
+  const int64_t g = nh / nkv, total = ctx + n;
   const float scale = 1.0f / std::sqrt((float)d);
-  static thread_local std::vector<float> scores, buf;
-  scores.resize(nh * total);
-  buf.resize(row);
-  float* r = buf.data();
-  for (int64_t i = 0; i < n; i++) {
-    const int64_t seen = ctx + i + 1;  // causal: keys 0 .. ctx + i
-    const float* qi = q + i * nh * d;
-    for (int64_t j = 0; j < seen; j++) {
-      load_row(kv.at<S>(kv.k, j), r, row);
-      for (int64_t h = 0; h < nh; h++) scores[h * total + j] = dot(qi + h * d, r + (h / g) * d, d) * scale;
-    }
-    for (int64_t h = 0; h < nh; h++) softmax(scores.data() + h * total, seen);
-    float* o = out + i * nh * d;
-    std::fill(o, o + nh * d, 0.f);
-    for (int64_t j = 0; j < seen; j++) {
-      load_row(kv.at<S>(kv.v, j), r, row);
-      for (int64_t h = 0; h < nh; h++) {
-        const float p = scores[h * total + j];
-        const float* vr = r + (h / g) * d;
-        float* oh = o + h * d;
+  parallel(nkv, 1, 1, [&](int64_t kb, int64_t ke) {
+    static thread_local std::vector<float> scores, buf;
+    scores.resize(g * total);
+    buf.resize(d);
+    float* r = buf.data();
+    for (int64_t kh = kb; kh < ke; kh++) {
+      for (int64_t i = 0; i < n; i++) {
+        const int64_t seen = ctx + i + 1;  // causal: keys 0 .. ctx + i
+        const float* qh = q + (i * nh + kh * g) * d;
+        for (int64_t j = 0; j < seen; j++) {
+          load_row(kv.at<S>(kv.k, j) + kh * d, r, d);
+          for (int64_t a = 0; a < g; a++) scores[a * total + j] = dot(qh + a * d, r, d) * scale;
+        }
+        for (int64_t a = 0; a < g; a++) softmax(scores.data() + a * total, seen);
+        float* o = out + (i * nh + kh * g) * d;
+        std::fill(o, o + g * d, 0.f);
+        for (int64_t j = 0; j < seen; j++) {
+          load_row(kv.at<S>(kv.v, j) + kh * d, r, d);
+          for (int64_t a = 0; a < g; a++) {
+            const float p = scores[a * total + j];
+            float* oa = o + a * d;
 #pragma omp simd
-        for (int64_t c = 0; c < d; c++) oh[c] += p * vr[c];
+            for (int64_t c = 0; c < d; c++) oa[c] += p * r[c];
+          }
+        }
       }
     }
-  }
+  });
 }
 
 template <typename S>

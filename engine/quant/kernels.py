@@ -39,6 +39,7 @@ K <= 16384); bf16 input is converted to float32 first.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -67,7 +68,7 @@ _errors: dict[str, str] = {}
 _ext_lock = threading.Lock()
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"  # engine/csrc: the native sources
-HEADERS = ("quant.h", "step.h", "simd.h")
+HEADERS = ("quant.h", "step.h", "simd.h", "pool.h")
 # Per instruction set: the kernel file, and the compiler flags (first choice, then a fallback).
 # AVX-512: -march=native where the compiler takes it (tuned for this CPU; its flags are in the
 # cache key), else the explicit set the kernels need. AVX2: x86-64-v3 (AVX2, FMA, F16C), also
@@ -79,9 +80,10 @@ VARIANTS = {
     "avx2": ("quant_avx2.cpp", [["-O3", "-march=x86-64-v3", "-fopenmp-simd"],
                                 ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd"]]),
 }
-COMMON_SOURCES = ("entry.cpp", "step.cpp", "module.cpp")
+COMMON_SOURCES = ("entry.cpp", "step.cpp", "pool.cpp", "module.cpp")
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -160,8 +162,17 @@ def load_extension(verbose: bool = False) -> Any:
             _errors[isa or "none"] = f"{type(e).__name__}: {e}"
             log.warning("moestream native kernels unavailable, using the torch fallback: %s",
                         _errors[isa or "none"].splitlines()[0][:300])
+        if ext is not None:
+            ext.set_threads(native_threads())
         _exts[isa] = ext
         return ext
+
+
+def native_threads() -> int:
+    """Threads of the native worker pool: the ``native_threads`` runtime option, 0 = every core
+    this process may run on."""
+    n = options().native_threads
+    return n if n > 0 else len(os.sched_getaffinity(0))
 
 
 def extension_error() -> str | None:

@@ -1,0 +1,131 @@
+// See pool.h.
+//
+// A job is split into more chunks than threads (CHUNKS_PER_THREAD each) that the caller and the
+// workers take from one atomic counter, so a worker the OS has not scheduled yet (a busy or
+// oversubscribed machine) costs nothing: the others take its chunks. The job lives on the
+// caller's stack; workers reach it through `current` only while counted in `inside`, and the
+// caller returns only after clearing `current` and seeing `inside` at zero.
+#include "pool.h"
+
+#include <immintrin.h>
+
+#include <atomic>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ms {
+
+namespace {
+
+constexpr int SPIN = 1 << 14;           // polls (~20-50 us) before an idle worker sleeps
+constexpr int64_t CHUNKS_PER_THREAD = 4;
+
+struct Job {
+  const std::function<void(int64_t, int64_t)>* f;
+  int64_t n, align, units, chunks;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void take_chunks() {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_acq_rel)) < chunks;) {
+      const int64_t b = std::min(n, units * c / chunks * align), e = std::min(n, units * (c + 1) / chunks * align);
+      if (b < e) (*f)(b, e);
+      done.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+};
+
+thread_local bool in_job = false;  // nested parallel() calls run on the calling thread
+
+struct Pool {
+  std::vector<std::thread> workers;
+  std::atomic<uint32_t> gen{0};  // bumped per job; idle workers wait for a change
+  std::atomic<Job*> current{nullptr};
+  std::atomic<int> inside{0};     // workers that may be reading *current
+  std::atomic<bool> stop{false};
+  std::mutex busy;                // one job at a time; another caller runs serially
+  int size = 1;
+
+  void work() {
+    in_job = true;
+    uint32_t seen = gen.load(std::memory_order_acquire);
+    for (;;) {
+      uint32_t g = gen.load(std::memory_order_acquire);
+      for (int i = 0; g == seen && i < SPIN; i++) {
+        _mm_pause();
+        g = gen.load(std::memory_order_acquire);
+      }
+      if (g == seen) {
+        gen.wait(seen, std::memory_order_acquire);
+        continue;
+      }
+      seen = g;
+      if (stop.load(std::memory_order_acquire)) return;
+      inside.fetch_add(1, std::memory_order_acq_rel);
+      if (Job* j = current.load(std::memory_order_acquire)) j->take_chunks();
+      inside.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  void resize(int n) {
+    if (n == size) return;
+    if (!workers.empty()) {
+      stop.store(true, std::memory_order_release);
+      gen.fetch_add(1, std::memory_order_acq_rel);
+      gen.notify_all();
+      for (auto& t : workers) t.join();
+      workers.clear();
+      stop.store(false, std::memory_order_release);
+    }
+    size = n;
+    for (int i = 1; i < n; i++) workers.emplace_back([this] { work(); });
+  }
+
+  void run(Job& job) {
+    current.store(&job, std::memory_order_release);
+    gen.fetch_add(1, std::memory_order_acq_rel);
+    gen.notify_all();
+    in_job = true;
+    job.take_chunks();
+    in_job = false;
+    while (job.done.load(std::memory_order_acquire) < job.chunks) _mm_pause();
+    current.store(nullptr, std::memory_order_release);
+    while (inside.load(std::memory_order_acquire) != 0) _mm_pause();
+  }
+
+  ~Pool() { resize(1); }
+};
+
+Pool& pool() {
+  static Pool p;
+  return p;
+}
+
+}  // namespace
+
+void set_threads(int n) {
+  std::lock_guard<std::mutex> lock(pool().busy);
+  pool().resize(n < 1 ? 1 : n);
+}
+
+int num_threads() { return pool().size; }
+
+void parallel(int64_t n, int64_t align, int64_t min_share, const std::function<void(int64_t, int64_t)>& f) {
+  Pool& p = pool();
+  int t = in_job ? 1 : p.size;
+  while (t > 1 && n / t < min_share) t--;
+  std::unique_lock<std::mutex> lock(p.busy, std::defer_lock);
+  if (t <= 1 || !lock.try_lock()) {
+    f(0, n);
+    return;
+  }
+  Job job;
+  job.f = &f;
+  job.n = n;
+  job.align = align;
+  job.units = (n + align - 1) / align;
+  job.chunks = std::min<int64_t>(job.units, t * CHUNKS_PER_THREAD);
+  p.run(job);
+}
+
+}  // namespace ms

@@ -1,0 +1,22 @@
+// The step's persistent worker pool: splits one piece of work (rows of a weight, heads of an
+// attention) over the cores, instead of a fork/join of threads per op.
+//
+// parallel(n_items, f) runs f(begin, end) on contiguous chunks of [0, n_items) taken by the
+// caller and the workers, and returns when all are done. Every item is computed by the same code
+// whichever thread runs it, so results do not depend on the split (batch invariance holds).
+// Workers spin briefly after a job (the next op of a decode step comes within microseconds),
+// then sleep on a futex.
+#pragma once
+#include <cstdint>
+#include <functional>
+
+namespace ms {
+
+// Set the number of threads (caller included) the pool uses; 1 = run everything on the caller.
+void set_threads(int n);
+int num_threads();
+// f(begin, end) over [0, n) in chunks of multiples of `align` items; `min_share`: fewer threads
+// when a thread's share would be below this many items.
+void parallel(int64_t n, int64_t align, int64_t min_share, const std::function<void(int64_t, int64_t)>& f);
+
+}  // namespace ms

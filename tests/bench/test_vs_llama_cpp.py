@@ -1,0 +1,96 @@
+"""bench/vs_llama_cpp.py's building blocks on a tiny Qwen3-MoE: the GGUF it writes for llama.cpp
+is the same model in moestream's own loader, its bytes-per-token agrees with the config's, and
+the op counter sees the fused step's native calls. llama.cpp itself only where it is installed
+and runs on this CPU."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def B():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("vs_llama_cpp")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def tiny(B, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vs_llama_cpp")
+    hf, cfg = B.build_hf(B.TINY_SHAPE)
+    hf.save_pretrained(tmp / "hf")
+    B.write_gguf(tmp / "f32.gguf", hf, cfg)
+    return tmp, cfg, B.make_prompt(24, cfg.vocab_size)
+
+
+def test_gguf_is_the_checkpoint_in_moestreams_loader(B, tiny):
+    from engine.loading import load_model
+
+    tmp, cfg, prompt = tiny
+    from_gguf, tok, gcfg = load_model(tmp / "f32.gguf")
+    assert tok is not None
+    for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "moe", "qk_norm"):
+        assert getattr(gcfg, f) == getattr(cfg, f), f
+    assert gcfg.rope.theta == cfg.rope.theta
+    from_hf = B.load_fp32(tmp / "hf")
+    sd_hf, sd_gguf = from_hf.state_dict(), from_gguf.state_dict()
+    assert sd_hf.keys() == sd_gguf.keys()
+    for k in sd_hf:
+        assert torch.equal(sd_hf[k], sd_gguf[k]), k
+    a, _, _ = B.moestream_greedy(from_hf, prompt, 8)
+    b, _, _ = B.moestream_greedy(from_gguf, prompt, 8)
+    assert a == b
+
+
+def test_gguf_active_bytes_match_the_config(B, tiny):
+    tmp, cfg, _ = tiny
+    assert B.gguf_active_bytes(tmp / "f32.gguf", cfg) == B.active_weight_bytes(cfg, 4)
+    assert B.gguf_bits_per_weight(tmp / "f32.gguf") == 32
+
+
+def test_op_counts_see_the_native_step(B, tiny):
+    from engine.experts.runtime import load_from_store
+    from engine.quant.formats import QuantFormat
+    from engine.quant.kernels import load_extension
+    from engine.store import convert
+
+    tmp, cfg, prompt = tiny
+    if load_extension() is None:
+        pytest.skip("native kernels unavailable: the step runs the torch layers")
+    convert(tmp / "hf", tmp / "store", fmt=QuantFormat("int4", 64), progress=False)
+    sm = load_from_store(tmp / "store", prefetch_depth=0, dense="int8")
+    try:
+        c = B.op_counts(sm.model, prompt, 2)
+    finally:
+        sm.close()
+    assert c["native_by_name"]["attn_block"] == cfg.num_layers
+    assert c["native_by_name"]["route"] == cfg.num_layers
+    assert c["native"] >= 3 * cfg.num_layers
+    assert c["ops"] > 0 and c["ops_per_layer"] == c["ops"] / cfg.num_layers
+    assert type(load_extension().attn_block).__name__ == "builtin_function_or_method"  # unwrapped again
+
+
+def test_llama_cpp_q8_0_agrees_with_moestream_fp32(B, tiny):
+    pytest.importorskip("llama_cpp")
+    tmp, cfg, prompt = tiny
+    why = B.probe_llama_cpp(tmp, torch.get_num_threads())
+    if why is not None:
+        pytest.skip(why)
+    q8 = B.llama_quantize(tmp / "f32.gguf", tmp / "q8.gguf", "Q8_0", torch.get_num_threads())
+    lc = B.LlamaCpp(q8, torch.get_num_threads(), 64, 32)
+    try:
+        got, _, _ = lc.greedy(prompt, 8)
+    finally:
+        lc.close()
+    ref, _, _ = B.moestream_greedy(B.load_fp32(tmp / "hf"), prompt, 8)
+    assert got[:4] == ref[:4]
