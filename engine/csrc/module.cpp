@@ -8,20 +8,21 @@
 
 namespace py = pybind11;
 
+// The classes are module-local: the AVX-512 and AVX2 builds can be loaded in one process.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &ms::qlinear, "out[T, N] = x[T, K] @ w[N, K].T for a quantized w");
   m.def("expert_forward", &ms::expert_forward, "SwiGLU expert on quantized gate/up/down");
   m.def("set_prefetch_rows", &ms::set_prefetch_rows, "software prefetch distance in rows (bench)");
   m.def("has_vnni", &ms::has_vnni, "whether this CPU has AVX512-VNNI (the int8-activation int4 path)");
 
-  py::class_<ms::Linear>(m, "Linear").def(py::init(&ms::make_linear));
-  py::class_<ms::Attn>(m, "Attn")
+  py::class_<ms::Linear>(m, "Linear", py::module_local()).def(py::init(&ms::make_linear));
+  py::class_<ms::Attn>(m, "Attn", py::module_local())
       .def(py::init([](ms::Linear q, ms::Linear k, ms::Linear v, ms::Linear o, at::Tensor ln1,
                        at::Tensor ln2, at::Tensor qn, at::Tensor kn, int64_t nh, int64_t nkv, int64_t d,
                        double eps) {
         return ms::Attn{q, k, v, o, ln1, ln2, qn, kn, nh, nkv, d, eps};
       }));
-  py::class_<ms::FFN>(m, "FFN").def(py::init([](ms::Linear g, ms::Linear u, ms::Linear d, at::Tensor gate) {
+  py::class_<ms::FFN>(m, "FFN", py::module_local()).def(py::init([](ms::Linear g, ms::Linear u, ms::Linear d, at::Tensor gate) {
     return ms::FFN{g, u, d, gate};
   }));
   m.attr("SLOT_ROW") = ms::SLOT_ROW;

@@ -433,16 +433,6 @@ static bool use_i8a(const QW& w, int64_t i8a) {
   return i8a && (w.fmt == F_INT4 || (w.fmt == F_INT8 && w.K % 64 == 0));
 }
 
-// x' = q * dx for n values (n % 32 == 0; xq may be x), by quant_block's rule
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-static void dequant_acts(const float* x, int64_t n, float* xq) {
-  for (int64_t b = 0; b < n / 32; b++) {
-    __m512i q0, q1;
-    const __m512 dv = _mm512_set1_ps(quant_block(x + 32 * b, q0, q1));
-    _mm512_storeu_ps(xq + 32 * b, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), dv));
-    _mm512_storeu_ps(xq + 32 * b + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q1), dv));
-  }
-}
 
 }  // namespace
 
@@ -455,24 +445,21 @@ void set_prefetch_rows(int64_t rows) { g_pf_rows = rows; }
 // rows per thread share: at least ~32K weights, so a split pays for its hand-off
 static int64_t min_rows(const QW& w) { return std::max<int64_t>(8, (1 << 15) / w.K); }
 
+// int8 activations for every T: the VNNI rows over blocks of 16 weight rows (kept in L1 while
+// every token of the call passes over them), so a token's result is the same whatever the batch
+template <typename Acts, typename Rows>
+static void rows_blocked(const QW& w, const Acts& a, float* out, Rows rows) {
+  parallel(w.N, 16, min_rows(w), [&](int64_t b, int64_t e) {
+    for (int64_t rb = b; rb < e; rb += 16) rows(w, rb, std::min(rb + 16, e), a, out, w.N);
+  });
+}
+
 void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, bool i8a, int slot) {
   if (T == 0) return;
-  if (use_i8a(w, i8a) && T <= direct_max_t) {  // quantize once here; threads share the codes
-    if (w.fmt == F_INT8) {
-      const std::vector<QAct8>& a = quant_acts8(x, T, w.K, slot);
-      parallel(w.N, 8, min_rows(w), [&](int64_t b, int64_t e) { rows_i8a_int8(w, b, e, a, out, w.N); });
-    } else {
-      const std::vector<QAct>& a = quant_acts(x, T, w.K, w.G, slot);
-      parallel(w.N, 8, min_rows(w), [&](int64_t b, int64_t e) { rows_i8a(w, b, e, a, out, w.N); });
-    }
+  if (use_i8a(w, i8a)) {  // quantize once here; the threads share the codes
+    if (w.fmt == F_INT8) rows_blocked(w, quant_acts8(x, T, w.K, slot), out, rows_i8a_int8);
+    else rows_blocked(w, quant_acts(x, T, w.K, w.G, slot), out, rows_i8a);
     return;
-  }
-  static thread_local std::vector<float> xq;
-  if (use_i8a(w, i8a)) {  // larger T: the float kernel on the dequantized activations x'
-    xq.resize(T * w.K);
-    dequant_acts(x, T * w.K, xq.data());
-    x = xq.data();
-    direct_max_t = 0;
   }
   parallel(w.N, 8, min_rows(w), [&](int64_t b, int64_t e) { rows_dispatch(w, b, e, x, T, out, w.N, direct_max_t); });
 }
@@ -481,7 +468,7 @@ void expert(const QW& wg, const QW& wu, const QW& wd, const float* xp, int64_t T
             int64_t direct_max_t, bool i8a) {
   if (T == 0) return;
   const int64_t I = wg.N, H = wg.K;
-  static thread_local std::vector<float> gbuf, ubuf, xq;
+  static thread_local std::vector<float> gbuf, ubuf;
   gbuf.resize(T * I);
   ubuf.resize(T * I);
   float *gp = gbuf.data(), *up = ubuf.data();
@@ -491,26 +478,21 @@ void expert(const QW& wg, const QW& wu, const QW& wd, const float* xp, int64_t T
   auto silu_rows = [&](int64_t b, int64_t e) {
     for (int64_t t = 0; t < T; t++) silu_mul_n(gp + t * I + b, up + t * I + b, e - b);
   };
-  if (gu8 && T <= direct_max_t && wg.fmt == F_INT8) {
-    const std::vector<QAct8>& ax = quant_acts8(xp, T, H, 0);
-    parallel(I, 8, min_rows(wg), [&](int64_t b, int64_t e) {
-      rows_i8a_int8(wg, b, e, ax, gp, I);
-      rows_i8a_int8(wu, b, e, ax, up, I);
+  auto gate_up = [&](const auto& ax, auto rows) {
+    parallel(I, 16, min_rows(wg), [&](int64_t b, int64_t e) {
+      for (int64_t rb = b; rb < e; rb += 16) {
+        const int64_t re = std::min(rb + 16, e);
+        rows(wg, rb, re, ax, gp, I);
+        rows(wu, rb, re, ax, up, I);
+      }
       silu_rows(b, e);
     });
-  } else if (gu8 && T <= direct_max_t) {
-    const std::vector<QAct>& ax = quant_acts(xp, T, H, wg.G, 0);
-    parallel(I, 8, min_rows(wg), [&](int64_t b, int64_t e) {
-      rows_i8a(wg, b, e, ax, gp, I);
-      rows_i8a(wu, b, e, ax, up, I);
-      silu_rows(b, e);
-    });
+  };
+  if (gu8 && wg.fmt == F_INT8) {
+    gate_up(quant_acts8(xp, T, H, 0), rows_i8a_int8);
+  } else if (gu8) {
+    gate_up(quant_acts(xp, T, H, wg.G, 0), rows_i8a);
   } else {
-    if (gu8) {  // prefill sizes: the float kernels on x'
-      xq.resize(T * H);
-      dequant_acts(xp, T * H, xq.data());
-      xp = xq.data();
-    }
     parallel(I, 8, min_rows(wg), [&](int64_t b, int64_t e) {
       rows_dispatch(wg, b, e, xp, T, gp, I, direct_max_t);
       rows_dispatch(wu, b, e, xp, T, up, I, direct_max_t);

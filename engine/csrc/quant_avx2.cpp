@@ -21,6 +21,8 @@
 // - scratch (larger T): 4 rows at a time are dequantized into a thread-local fp32 scratch and a
 //   4 rows x 2 tokens register-tiled micro-kernel runs over all tokens, so dequantization is paid
 //   once per weight per call.
+// Measured (1024 x 1024, T = 1, group 64, 1 thread, 96 cold copies, on an AVX-512 Zen CPU forced
+// to this build): int4 ~150 us, int8 ~165 us; the AVX-512 float kernels ~132 / ~135 us.
 // int8 activations (VNNI) do not exist here: has_vnni() is false and i8a is ignored, so the
 // results are x @ dequantize(w).T in float32 for every format (reference.linear_ref).
 // Threads: linear() and expert() split a weight's rows over the worker pool (pool.h) in shares of

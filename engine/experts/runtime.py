@@ -31,9 +31,10 @@ def load_from_store(store_path, *, device_budget: int | None = None, ram_budget:
                     policy: str = "lfu", prefetch_depth: int | None = None, miss_compute: str = "transfer",
                     pinned=frozenset(), dtype: torch.dtype = torch.float32,
                     source: ExpertSource | None = None, device: str = "cpu",
-                    dense: str = "fp32", io_threads: int = 2) -> StoreModel:
+                    dense: str = "fp32", io_threads: int = 2, head: str | None = None) -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
-    format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8). ``device``:
+    format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8), ``head``
+    the LM head's (None: as ``dense``; int4 too). ``device``:
     where the dense model and the expert slots live ("cuda" on a GPU: experts then run on the
     fused Triton kernels, engine.quant.triton_kernels; the RAM tier is pinned host memory).
     ``prefetch_depth`` None: :func:`default_prefetch_depth` for the device."""
@@ -54,7 +55,7 @@ def load_from_store(store_path, *, device_budget: int | None = None, ram_budget:
                                 miss_compute=miss_compute, pinned=frozenset(pinned), io_threads=io_threads)
         routers = {l: dense_source.get(f"model.layers.{l}.mlp.gate.weight").float() for l in cfg.moe_layers}
         cache = ExpertCache(store, source, cache_cfg, routers=routers, device=device)
-    model = quantize_dense(build_model(cfg, dense_source, dtype=dtype, provider=cache), dense)
+    model = quantize_dense(build_model(cfg, dense_source, dtype=dtype, provider=cache), dense, head=head)
     model.to(device)  # the dense weights run where the expert slots live
     try:
         tokenizer = store.tokenizer()

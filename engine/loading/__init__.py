@@ -50,12 +50,14 @@ def open_model_files(path: str | Path, validate: bool = True) -> ModelFiles:
     return ModelFiles(config, source, path)
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, dense: str = "fp32"):
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, dense: str = "fp32",
+               head: str | None = None):
     """(model, tokenizer, config) with every expert resident; the simplest way in. ``dense``:
-    format of the dense linears (fp32 as loaded, bf16 or int8: engine.quant.linear)."""
+    format of the dense linears (fp32 as loaded, bf16 or int8: engine.quant.linear); ``head``:
+    the LM head's (None: as ``dense``; int4 too)."""
     from engine.models.load import build_model
     from engine.quant.linear import quantize_dense
 
     files = open_model_files(path)
-    model = quantize_dense(build_model(files.config, files.source, dtype=dtype), dense)
+    model = quantize_dense(build_model(files.config, files.source, dtype=dtype), dense, head=head)
     return model, files.tokenizer(), files.config

@@ -152,6 +152,8 @@ def load_extension(verbose: bool = False) -> Any:
                                    "AVX-512 nor AVX2")
             if isa == "avx512" and not cpu_has_avx512():
                 raise RuntimeError("cpu_isa=avx512 but this CPU lacks AVX-512")
+            if isa == "avx2" and not cpu_has_avx2():
+                raise RuntimeError("cpu_isa=avx2 but this CPU lacks AVX2, FMA or F16C")
             first, fallback = VARIANTS[isa][1]
             try:
                 ext = _build(isa, first, verbose)

@@ -39,7 +39,8 @@ def test_gguf_is_the_checkpoint_in_moestreams_loader(B, tiny):
     tmp, cfg, prompt = tiny
     from_gguf, tok, gcfg = load_model(tmp / "f32.gguf")
     assert tok is not None
-    for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "moe", "qk_norm"):
+    for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "moe",
+              "qk_norm", "tie_word_embeddings"):
         assert getattr(gcfg, f) == getattr(cfg, f), f
     assert gcfg.rope.theta == cfg.rope.theta
     from_hf = B.load_fp32(tmp / "hf")

@@ -100,17 +100,22 @@ def steps(model, kv, fused_on: bool, fused) -> list[torch.Tensor]:
     return out
 
 
-def close(a: torch.Tensor, b: torch.Tensor) -> None:
-    # the same operations; float32 summation order differs, and int8 activations may round a
-    # few codes differently as a result: a small bound relative to the logits' scale
+def close(a: torch.Tensor, b: torch.Tensor, rel: float) -> None:
     scale = b.abs().max().item()
-    assert (a - b).abs().max().item() <= 2e-3 * (1 + scale), (a - b).abs().max().item()
+    assert (a - b).abs().max().item() <= rel * (1 + scale), (a - b).abs().max().item()
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-@pytest.mark.parametrize("dense", ["int8", "bf16"])
+# Float activations: the same operations, only the float32 summation order differs. int8
+# activations: a reordered sum may round one activation code differently (a step of absmax/127
+# of its block), which moves a logit by up to ~1%.
+BOUND = {False: 2e-4, True: 2e-2}
+
+
+@pytest.mark.parametrize("dense,i8a", [("int8", False), ("bf16", False), ("int8", True)])
 @pytest.mark.parametrize("kv_kind", ["paged-bf16", "paged-fp32"])
-def test_native_step_matches_torch_layers_on_mixed_batches(store, dense, kv_kind, fused):
+def test_native_step_matches_torch_layers_on_mixed_batches(store, dense, i8a, kv_kind, fused):
+    configure(int8_activations=i8a)
     sm = load_from_store(store, prefetch_depth=0, dense=dense)
     cfg = sm.model.config
     dtype = torch.bfloat16 if kv_kind == "paged-bf16" else torch.float32
@@ -124,7 +129,7 @@ def test_native_step_matches_torch_layers_on_mixed_batches(store, dense, kv_kind
         got = steps(sm.model, kv(), True, fused)
         assert calls["attn_block"] == 3 * cfg.num_layers  # the native path ran every step
         for a, b in zip(got, want):
-            close(a, b)
+            close(a, b, BOUND[i8a and sm.model.native_step().ext.ext.has_vnni()])
     finally:
         sm.close()
 
@@ -207,4 +212,4 @@ def test_dense_llama_matches(tmp_path, fused):
     got = steps(model, kv(), True, fused)
     assert calls["ffn_block"] == 3 * cfg.num_layers and calls["route"] == 0
     for a, b in zip(got, want):
-        close(a, b)
+        close(a, b, BOUND[True])

@@ -162,3 +162,12 @@ def test_output_on_a_full_file_system(tiny, tmp_path):
         r = run("trace", "--model", tiny[0], "--out", full / "t.npz", "--tokens", 16, "--window", 8)
         one_line_error(r, f"--out {full}/t.npz: No space left on device")
         assert sorted(p.name for p in full.iterdir()) == ["filler"]  # no temporary file left
+
+
+def test_generate_from_a_store_without_tokenizer(tmp_path):
+    make_checkpoint("mixtral", tmp_path / "hf", hidden_size=64, intermediate_size=64, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2)
+    r = run("convert", tmp_path / "hf", "--out", tmp_path / "store", "--quant", "bf16", "--no-progress")
+    assert r.exit_code == 0, r.output
+    r = run("generate", "--store", tmp_path / "store", "--max-tokens", 2, "Hello")
+    one_line_error(r, "no tokenizer", str(tmp_path / "store"))

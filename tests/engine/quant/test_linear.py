@@ -62,3 +62,25 @@ def test_quantized_dense_model_tracks_fp32(tmp_path, arch):
 def test_unknown_dense_format_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="allowed: fp32, bf16, int8"):
         quantize_dense(None, "fp8")
+
+
+def test_lm_head_gets_its_own_format(tmp_path):
+    make_checkpoint("llama", tmp_path, hidden_size=64, intermediate_size=128, head_dim=16, vocab=160)
+    files = open_model_files(tmp_path)
+    cfg = files.config
+    prompt = torch.arange(3, 19)
+
+    def logits(m):
+        return m(prompt, BatchLayout.single(0, len(prompt), 0),
+                 ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True)
+
+    want = logits(build_model(cfg, files.source))
+    model = quantize_dense(build_model(cfg, files.source), "int8", head="int4")
+    assert model.lm_head.q.fmt == QuantFormat("int4", 64)
+    assert model.model.layers[0].self_attn.q_proj.q.fmt == QuantFormat("int8", 64)
+    err = float((logits(model) - want).abs().max() / want.abs().max())
+    assert 0 < err < 0.15, err  # int4 head: ~4x the int8 error, still close
+    keep = quantize_dense(build_model(cfg, files.source), "bf16", head="fp32")
+    assert isinstance(keep.lm_head, nn.Linear) and isinstance(keep.model.layers[0].self_attn.o_proj, QuantLinear)
+    with pytest.raises(ConfigError, match="LM head format 'int3'; allowed: fp32, bf16, int8, int4"):
+        quantize_dense(build_model(cfg, files.source), "int8", head="int3")
