@@ -67,7 +67,9 @@ TINY_SHAPE = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_atte
 PROMPT_SEED = 1234
 WEIGHT_SEED = 0
 LLAMA_FORMATS = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}  # llama_ftype values (llama.h)
-MOESTREAM_DENSE = {"int8": 8.25 / 8, "bf16": 2.0}  # bytes per dense weight (int8 g64: fp16 scale)
+MOESTREAM_DENSE = {"int8": 8.25 / 8, "bf16": 2.0, "int4": 4.5 / 8}  # bytes per weight (g64: fp16 scales)
+# (dense format, LM head format or None = as dense): the rows moestream runs
+MOESTREAM_ROWS = [("int8", None), ("int8", "int4"), ("bf16", None)]
 
 
 # ---------------------------------------------------------------------------------- the weights
@@ -516,13 +518,17 @@ def main(argv: list[str] | None = None) -> None:
                   f"  moestream fp32 {ref}\n  llama.cpp Q8_0 {got}", flush=True)
 
         ours = {}
-        for dense, nbytes in MOESTREAM_DENSE.items():
-            sm = load_from_store(tmp / "store", prefetch_depth=0, dense=dense)
+        for dense, head in MOESTREAM_ROWS:
+            sm = load_from_store(tmp / "store", prefetch_depth=0, dense=dense, head=head)
             stack.callback(sm.close)
-            ours[dense] = sm.model
-            rows.append(Row("moestream", f"store int4 g64 experts, {dense} dense",
+            nbytes = active_weight_bytes(cfg, MOESTREAM_DENSE[dense], fmt.bits_per_weight / 8)
+            if head is not None:  # the head's weights at their own format
+                nbytes -= cfg.vocab_size * cfg.hidden_size * (MOESTREAM_DENSE[dense] - MOESTREAM_DENSE[head])
+            label = f"{dense} dense" + (f", {head} head" if head else "")
+            ours[label] = sm.model
+            rows.append(Row("moestream", f"store int4 g64 experts, {label}",
                             (lambda m=sm.model: moestream_greedy(m, prompt, args.new)),
-                            bw / active_weight_bytes(cfg, nbytes, fmt.bits_per_weight / 8), [], []))
+                            bw / nbytes, [], []))
         for name, path in ggufs.items():
             lc = LlamaCpp(path, args.threads, n_ctx, n_batch)
             stack.callback(lc.close)
@@ -561,15 +567,15 @@ def main(argv: list[str] | None = None) -> None:
             d = max(statistics.median(r.decode) for r in our_rows)
             p = max(statistics.median(r.prefill) for r in our_rows)
             print(f"\ngoal (faster moestream row / faster llama.cpp row >= 1.0x): "
-                  f"decode {d / best_llama:.2f}x ({'met' if d >= best_llama else 'not met'}), "
-                  f"prefill {p / best_llama_pf:.2f}x "
+                  f"decode {d / best_llama:.3f}x ({'met' if d >= best_llama else 'not met'}), "
+                  f"prefill {p / best_llama_pf:.3f}x "
                   f"({'met' if p >= best_llama_pf else 'not met'})")
 
         print(f"\nmoestream ops per decoded token (torch profiler, {args.profile_steps} decode steps after "
               f"the prompt, sampling included):")
         for dense, model in ours.items():
             c = op_counts(model, prompt, args.profile_steps)
-            print(f"  {dense} dense: dispatcher ops per token: {c['ops']:.0f} ({c['ops_per_layer']:.1f} per "
+            print(f"  {dense}: dispatcher ops per token: {c['ops']:.0f} ({c['ops_per_layer']:.1f} per "
                   f"layer), native calls per token: {c['native']:.0f} ({c['native_per_layer']:.1f} per layer)")
             print("    ops: " + ", ".join(f"{k} {v:g}" for k, v in c["top_ops"].items()))
             print("    native: " + ", ".join(f"{k} {v:g}" for k, v in c["native_by_name"].items()))

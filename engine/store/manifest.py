@@ -447,3 +447,12 @@ __all__ = [
     "layer_file_name", "load_manifest", "parse_manifest", "parse_model_config",
     "plain_name",
 ]
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 of a whole file, read in 16 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()

@@ -14,15 +14,12 @@ store).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import ModelFormatError, MoestreamError
-from engine.store.manifest import ExpertEntry, StoreManifest, load_manifest
-
-_HASH_CHUNK = 16 << 20
+from engine.store.manifest import ExpertEntry, StoreManifest, load_manifest, sha256_file
 
 
 class _Enough(Exception):
@@ -70,14 +67,6 @@ class VerifyReport:
                 f"{'yes' if self.dense_checked else 'no'}, {tok}: {state}")
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _size_problem(path: Path, want: int) -> str | None:
     if not path.is_file():
         return f"{path}: missing"
@@ -95,7 +84,7 @@ def _check_dense(rep: VerifyReport, root: Path, m: StoreManifest) -> None:
 
     path = root / m.dense.file
     problem = _size_problem(path, m.dense.nbytes)
-    if problem is None and _sha256_file(path) != m.dense.sha256:
+    if problem is None and sha256_file(path) != m.dense.sha256:
         problem = f"{path}: sha256 differs from the manifest's (corrupted or replaced)"
     if problem is not None:
         rep.add(problem)
@@ -160,7 +149,7 @@ def _check_tokenizer(rep: VerifyReport, root: Path, m: StoreManifest) -> None:
         return
     for name, digest in sorted(m.tokenizer_files.items()):
         path = root / m.tokenizer_dir / name
-        if _sha256_file(path) != digest:
+        if sha256_file(path) != digest:
             rep.add(f"{path}: sha256 differs from the manifest's (corrupted or replaced)")
         else:
             rep.tokenizer_files_checked += 1

@@ -41,7 +41,7 @@ from engine.store import outdir
 from engine.store.manifest import (
     BLOB_ALIGN, DENSE_NAME, MANIFEST_NAME, SCHEMA_VERSION, TOKENIZER_DIR, ConversionInfo, DataFile,
     DenseInfo, ExpertEntry, QuantInfo, SourceInfo, StoreManifest, StoreTotals, align_up, blob_digest,
-    check_manifest, layer_file_name,
+    check_manifest, layer_file_name, sha256_file,
 )
 from engine.store.outdir import LOCK_NAME, PROGRESS_NAME, TMP_SUFFIX, fsync_dir
 
@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 
 PROGRESS_VERSION = 2
 DENSE_DTYPES = ("auto", "bf16", "fp32")
-_HASH_CHUNK = 16 << 20
 
 
 class _SimulatedInterrupt(RuntimeError):
@@ -149,14 +148,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def source_fingerprint(src: Path) -> tuple[str, str]:
@@ -358,7 +349,7 @@ def _reusable_dense(out: Path, rec: Any) -> DenseInfo | None:
     p = out / info.file
     if info.file != DENSE_NAME or not p.is_file() or p.stat().st_size != info.nbytes:
         return None
-    return info if _sha256_file(p) == info.sha256 else None
+    return info if sha256_file(p) == info.sha256 else None
 
 
 def _reusable_layer(out: Path, layer: int, rec: Any, n_exp: int, fmt) -> tuple[list[ExpertEntry], int] | None:
@@ -414,7 +405,7 @@ def _write_dense(out: Path, source, dense_dtype: str, prog: dict[str, Any]) -> D
     del tensors
     os.chmod(tmp, 0o644)  # safetensors creates the file owner-only
     _fsync_file(tmp)
-    info = DenseInfo(file=DENSE_NAME, nbytes=tmp.stat().st_size, sha256=_sha256_file(tmp), dtype=dtype)
+    info = DenseInfo(file=DENSE_NAME, nbytes=tmp.stat().st_size, sha256=sha256_file(tmp), dtype=dtype)
     prog["dense"] = info.model_dump()
     _commit(out, prog, tmp, final)
     return info
@@ -439,7 +430,7 @@ def _write_tokenizer(job: _Job, files, prog: dict[str, Any], owned: set[str]) ->
     digests = {}
     for p in sorted(tmp.iterdir()):
         _fsync_file(p)
-        digests[p.name] = _sha256_file(p)
+        digests[p.name] = sha256_file(p)
     fsync_dir(tmp)
     outdir.remove_tokenizer_dir(final, owned)
     prog["tokenizer"] = {"files": digests}

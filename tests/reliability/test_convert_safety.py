@@ -21,20 +21,10 @@ from engine.quant.formats import QuantFormat
 from engine.store import ExpertStore, convert, verify_store
 from engine.store.outdir import LOCK_NAME, PROGRESS_NAME
 from tests.reliability.store_helpers import (
-    INT4, leftovers, make_source, make_store, remount_ro, tmpfs, tree_digests,
+    INT4, leftovers, remount_ro, tmpfs, tree_digests,
 )
 
 NF4 = QuantFormat("nf4", 32)
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
-    return make_source(tmp_path_factory.mktemp("src") / "ckpt")
-
-
-@pytest.fixture(scope="module")
-def store(src, tmp_path_factory) -> Path:
-    return make_store(src, tmp_path_factory.mktemp("store") / "s")
 
 
 def _user_files(root: Path) -> None:

@@ -23,18 +23,8 @@ from engine.errors import ChecksumError, ConfigError, ModelFormatError
 from engine.store import ExpertStore, convert, verify_store
 from engine.store.manifest import MANIFEST_NAME
 from tests.reliability.store_helpers import (
-    INT4, copy_store, edit_manifest, entry, leftovers, make_source, make_store,
+    INT4, copy_store, edit_manifest, entry, leftovers,
 )
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
-    return make_source(tmp_path_factory.mktemp("src") / "ckpt")
-
-
-@pytest.fixture(scope="module")
-def store(src, tmp_path_factory) -> Path:
-    return make_store(src, tmp_path_factory.mktemp("store") / "s")
 
 
 @pytest.fixture
