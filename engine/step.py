@@ -90,6 +90,11 @@ class NativeStep:
             else:
                 self.ffn.append(_ffn(ext, mlp, None))
                 self.routers.append(None)
+        head = model.lm_head
+        self.head = (_lin(ext, head) if isinstance(head, QuantLinear) and backend_for(head.q) == "cpp"
+                     else None)
+        self.norm = _f32(model.model.norm.weight)
+        self.eps = float(cfg.rms_norm_eps)
 
     @classmethod
     def for_model(cls, model) -> "NativeStep | None":
@@ -107,37 +112,41 @@ class NativeStep:
         return cls(model, ext)
 
     def forward(self, model, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-        """Hidden states [T, H] after the last layer (before the final norm), or None when the KV
-        cache cannot hand out block tables (the caller runs the torch layers)."""
+                all_logits: bool = False) -> torch.Tensor | None:
+        """Logits as CausalLM.forward returns them, or None when the KV cache cannot hand out
+        block tables (the caller runs the torch layers)."""
         view = kv.native_view(layout, tokens.device)
         if view is None:
             return None
         storage, tables = view
         ext, dmt, i8a = self.ext, DIRECT_MAX_T, int8_activations()
         qlens, ctxs = list(layout.query_lens), list(layout.context_lens)
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        positions = [c + i for c, n in zip(ctxs, qlens) for i in range(n)]
+        cos, sin = model.rotary.tables(max(positions) + 1)
         x = model.model.embed_tokens(tokens).float().contiguous()
         for i, layer in enumerate(model.model.layers):
-            h = ext.attn_block(self.attn[i], x, cos, sin, storage, i, tables, qlens, ctxs, dmt, i8a)
+            h = ext.attn_block(self.attn[i], x, cos, sin, positions, storage, i, tables, qlens, ctxs, dmt, i8a)
             if self.routers[i] is None:
-                ext.ffn_block(x, h, EMPTY_IDS, EMPTY, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS, self.ffn[i], dmt, i8a)
+                ext.ffn_block(x, h, EMPTY_IDS, EMPTY, [], [], EMPTY_IDS, self.ffn[i], dmt, i8a)
             else:
                 self._moe(layer.mlp, i, x, h)
-        return x
+        if all_logits or self.head is None:
+            return model.final_logits(x, layout, all_logits)
+        last = [o + n - 1 for o, n in zip(layout.offsets, qlens)]
+        return ext.head_block(x, last, self.norm, self.eps, self.head, dmt, i8a)
 
     def _moe(self, mlp: SparseMoE, i: int, x: torch.Tensor, h: torch.Tensor) -> None:
         """route -> fetch (the provider) -> compute + combine (native), x updated in place."""
         ext, provider = self.ext, mlp.provider
         allowed = provider.allowed_experts(mlp.layer)
-        if allowed is None:
-            ids, w = ext.route(h, self.routers[i], mlp.gate.top_k, mlp.gate.normalize)
+        if allowed is None:  # uniq: the routed experts, ascending (as the torch layer groups them)
+            ids, w, uniq = ext.route(h, self.routers[i], mlp.gate.top_k, mlp.gate.normalize)
         else:  # restricted routing (self-speculative drafts): the torch router masks the rest
             r = mlp.gate(h, allowed)
             ids, w = r.ids.contiguous(), r.weights.contiguous()
+            uniq = torch.unique(ids).tolist()
         for observe in mlp.observers:
             observe(mlp.layer, ids)
-        uniq = torch.unique(ids).tolist()  # ascending, as the torch layer groups them
         chunk = provider.max_experts_per_acquire or len(uniq)
         dense = self.ffn[i]
         for start in range(0, len(uniq), chunk):
@@ -148,9 +157,8 @@ class NativeStep:
                     provider.observe_hidden(mlp.layer, h)
                 resolved = provider.slot_table(mlp.layer, part, experts)
                 table, slots = resolved if resolved is not None else (EMPTY_IDS, [-1] * len(part))
-                ext.ffn_block(x, h, ids, w, torch.tensor(part, dtype=torch.int64),
-                              torch.tensor(slots, dtype=torch.int64), table,
-                              dense if start == 0 else None, DIRECT_MAX_T, int8_activations())
+                ext.ffn_block(x, h, ids, w, part, slots, table, dense if start == 0 else None,
+                              DIRECT_MAX_T, int8_activations())
                 for e, slot in zip(part, slots):
                     if slot < 0:  # computed through the expert's own forward
                         tok, k = (ids == e).nonzero(as_tuple=True)

@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_threads", &ms::set_threads, "threads (caller included) of the native worker pool");
   m.def("num_threads", &ms::num_threads, "threads of the native worker pool");
   m.def("attn_block", &ms::attn_block, "x += attention block; returns the post-attention norm of x");
+  m.def("head_block", &ms::head_block, "logits of the final norm of some rows through the LM head");
   m.def("route", &ms::route, "top-k routing in float32: (ids [T, K], weights [T, K])");
   m.def("ffn_block", &ms::ffn_block, "x += routed experts from slots (+ shared or dense SwiGLU)",
         py::arg("x"), py::arg("h"), py::arg("ids"), py::arg("w"), py::arg("experts"), py::arg("slots"),

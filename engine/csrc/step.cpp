@@ -161,16 +161,20 @@ Linear make_linear(int64_t fmt, int64_t G, int64_t N, int64_t K, at::Tensor code
 }
 
 at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                      const at::Tensor& storage, int64_t layer, const at::Tensor& tables,
-                      const std::vector<int64_t>& qlens, const std::vector<int64_t>& ctxs,
-                      int64_t dmt, bool i8a) {
+                      const std::vector<int64_t>& positions, const at::Tensor& storage, int64_t layer,
+                      const at::Tensor& tables, const std::vector<int64_t>& qlens,
+                      const std::vector<int64_t>& ctxs, int64_t dmt, bool i8a) {
   const int64_t T = x.size(0), H = x.size(1), nh = a.nh, nkv = a.nkv, d = a.d;
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32");
   TORCH_CHECK(storage.dim() == 6 && storage.size(4) == nkv && storage.size(5) == d && storage.is_contiguous(),
               "KV storage must be [L, 2, NB, BS, Nkv, D]");
   TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() && tables.size(0) == (int64_t)qlens.size(),
               "tables must be int32 [S, max blocks]");
-  TORCH_CHECK(cos.size(0) == T && cos.size(1) == d && cos.is_contiguous() && sin.is_contiguous(), "cos/sin [T, D]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == d && cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous(),
+              "cos/sin tables must be float32 [positions, D]");
+  TORCH_CHECK((int64_t)positions.size() == T, "one position per token");
+  for (int64_t p : positions) TORCH_CHECK(p >= 0 && p < cos.size(0), "position ", p, " beyond the rotary table");
   at::Tensor h = at::empty({T, H}, at::kFloat);
   float* xp = x.data_ptr<float>();
   float* hp = h.data_ptr<float>();
@@ -193,8 +197,9 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
   for (int64_t t = 0; t < T; t++) {
     if (qn) for (int64_t i = 0; i < nh; i++) rmsnorm(q.data() + (t * nh + i) * d, qn, d, eps, q.data() + (t * nh + i) * d);
     if (kn) for (int64_t i = 0; i < nkv; i++) rmsnorm(k.data() + (t * nkv + i) * d, kn, d, eps, k.data() + (t * nkv + i) * d);
-    rope(q.data() + t * nh * d, nh, d, cp + t * d, sp + t * d);
-    rope(k.data() + t * row, nkv, d, cp + t * d, sp + t * d);
+    const int64_t p = positions[t];
+    rope(q.data() + t * nh * d, nh, d, cp + p * d, sp + p * d);
+    rope(k.data() + t * row, nkv, d, cp + p * d, sp + p * d);
   }
   int64_t off = 0;
   for (size_t s = 0; s < qlens.size(); s++) {
@@ -215,7 +220,8 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
   return h;
 }
 
-std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& h, const at::Tensor& wr, int64_t top_k, bool normalize) {
+std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor& h, const at::Tensor& wr,
+                                                               int64_t top_k, bool normalize) {
   const int64_t T = h.size(0), H = h.size(1), E = wr.size(0);
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be contiguous float32");
   TORCH_CHECK(wr.scalar_type() == at::kFloat && wr.is_contiguous() && wr.size(1) == H, "router must be float32 [E, H]");
@@ -241,21 +247,23 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& h, const at::Tensor& 
       op[t * top_k + k] = normalize ? p[order[k]] / ks : p[order[k]];
     }
   }
-  return {ids, w};
+  std::vector<int64_t> uniq(ip, ip + T * top_k);  // the routed experts, ascending
+  std::sort(uniq.begin(), uniq.end());
+  uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
+  return {ids, w, uniq};
 }
 
 void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
-               const at::Tensor& experts, const at::Tensor& slots, const at::Tensor& slot_table,
-               const FFN* dense, int64_t dmt, bool i8a) {
+               const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
+               const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a) {
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && h.is_contiguous() &&
               h.scalar_type() == at::kFloat && h.sizes() == x.sizes(), "x, h must be float32 [T, H]");
-  const int64_t K = ids.numel() ? ids.size(1) : 0, U = experts.numel();
+  const int64_t K = ids.numel() ? ids.size(1) : 0, U = (int64_t)experts.size();
   TORCH_CHECK(U == 0 || (ids.scalar_type() == at::kLong && w.scalar_type() == at::kFloat && ids.size(0) == T &&
                          ids.is_contiguous() && w.is_contiguous() && w.sizes() == ids.sizes()), "routing [T, K]");
-  TORCH_CHECK(slots.numel() == U && slots.scalar_type() == at::kLong && experts.scalar_type() == at::kLong,
-              "experts and slots: int64 [U]");
-  const int64_t *ep = experts.data_ptr<int64_t>(), *sp = slots.data_ptr<int64_t>();
+  TORCH_CHECK((int64_t)slots.size() == U, "one slot per expert");
+  const int64_t *ep = experts.data(), *sp = slots.data();
   bool any_slot = false;
   for (int64_t u = 0; u < U; u++) any_slot |= sp[u] >= 0;
   TORCH_CHECK(!any_slot || (slot_table.dim() == 2 && slot_table.size(1) == SLOT_ROW &&
@@ -304,6 +312,22 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
     }
   }
   for (int64_t i = 0; i < T * H; i++) xp[i] += acc[i];
+}
+
+at::Tensor head_block(const at::Tensor& x, const std::vector<int64_t>& rows, const at::Tensor& norm,
+                      double eps, const Linear& head, int64_t dmt, bool i8a) {
+  const int64_t H = x.size(1), R = (int64_t)rows.size();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && norm.numel() == H &&
+              norm.scalar_type() == at::kFloat && head.w.K == H, "x [T, H], norm [H], head [V, H]");
+  for (int64_t r : rows) TORCH_CHECK(r >= 0 && r < x.size(0), "row ", r, " out of range");
+  at::Tensor out = at::empty({R, head.w.N}, at::kFloat);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
+  std::vector<float> hn(R * H);
+  for (int64_t i = 0; i < R; i++) rmsnorm(xp + rows[i] * H, norm.data_ptr<float>(), H, (float)eps, hn.data() + i * H);
+  apply(head, hn.data(), R, op, dmt, i8a);
+  return out;
 }
 
 }  // namespace ms

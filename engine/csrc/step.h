@@ -29,13 +29,19 @@ struct FFN {  // a SwiGLU on every token: a dense MLP or a shared expert (gate: 
 
 Linear make_linear(int64_t fmt, int64_t G, int64_t N, int64_t K, at::Tensor codes, at::Tensor scales,
                    at::Tensor mins, at::Tensor bias);
+// cos/sin: the rotary tables [positions, D]; positions: each token's
 at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                      const at::Tensor& storage, int64_t layer, const at::Tensor& tables,
-                      const std::vector<int64_t>& qlens, const std::vector<int64_t>& ctxs,
-                      int64_t dmt, bool i8a);
-std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& h, const at::Tensor& wr, int64_t top_k, bool normalize);
+                      const std::vector<int64_t>& positions, const at::Tensor& storage, int64_t layer,
+                      const at::Tensor& tables, const std::vector<int64_t>& qlens,
+                      const std::vector<int64_t>& ctxs, int64_t dmt, bool i8a);
+// (ids [T, K], weights [T, K], the distinct ids ascending)
+std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor& h, const at::Tensor& wr,
+                                                               int64_t top_k, bool normalize);
 void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
-               const at::Tensor& experts, const at::Tensor& slots, const at::Tensor& slot_table,
-               const FFN* dense, int64_t dmt, bool i8a);
+               const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
+               const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a);
+// logits [R, V] of the final norm of rows `rows` of x through the LM head
+at::Tensor head_block(const at::Tensor& x, const std::vector<int64_t>& rows, const at::Tensor& norm,
+                      double eps, const Linear& head, int64_t dmt, bool i8a);
 
 }  // namespace ms

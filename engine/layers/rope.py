@@ -94,6 +94,12 @@ class Rotary:
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos() * self.scale, emb.sin() * self.scale
 
+    def tables(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos/sin tables [>= need, D] (float32), grown to cover positions < need."""
+        if need > self._cos.shape[0]:
+            self._grow(max(need, 2 * self._cos.shape[0]))
+        return self._cos, self._sin
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1 if positions.numel() else 0
         if need > self._cos.shape[0]:

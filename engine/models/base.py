@@ -80,15 +80,21 @@ class CausalLM(nn.Module):
         device = self.model.embed_tokens.weight.device
         tokens = tokens.to(device)  # callers build them on the CPU
         with step_threads(tokens.shape[0], device):
+            native = self.native_step() if device.type == "cpu" else None
+            out = native.forward(self, tokens, layout, kv, all_logits) if native is not None else None
+            if out is not None:
+                return out
+            # the torch layers: the reference path
             positions = layout.positions().to(device)
             cos, sin = self.rotary.cos_sin(positions)
-            native = self.native_step() if device.type == "cpu" else None
-            x = native.forward(self, tokens, layout, kv, cos, sin) if native is not None else None
-            if x is None:  # the torch layers: the reference path
-                x = self.model.embed_tokens(tokens)
-                for layer in self.model.layers:
-                    x = layer(x, cos, sin, layout, kv)
-            if not all_logits:
-                last = torch.tensor([o + n - 1 for o, n in zip(layout.offsets, layout.query_lens)], device=device)
-                x = x[last]
-            return self.lm_head(self.model.norm(x)).float()
+            x = self.model.embed_tokens(tokens)
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, layout, kv)
+            return self.final_logits(x, layout, all_logits)
+
+    def final_logits(self, x: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
+        """Final norm and LM head of every row (all_logits) or of each sequence's last one."""
+        if not all_logits:
+            last = torch.tensor([o + n - 1 for o, n in zip(layout.offsets, layout.query_lens)], device=x.device)
+            x = x[last]
+        return self.lm_head(self.model.norm(x)).float()

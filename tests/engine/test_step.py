@@ -166,7 +166,7 @@ def test_greedy_tokens_identical_through_the_expert_cache(store, fused):
             sm.close()
 
 
-def test_decode_is_three_native_calls_per_layer(store, fused):
+def test_decode_is_three_native_calls_per_layer_and_one_for_the_head(store, fused):
     fused(True)
     sm = load_from_store(store, prefetch_depth=0, dense="int8")
     try:
@@ -175,7 +175,8 @@ def test_decode_is_three_native_calls_per_layer(store, fused):
         sm.model(torch.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv)
         calls = spy(sm.model, fused).calls
         sm.model(torch.tensor([7]), BatchLayout.single(0, 1, len(PROMPT)), kv)
-        assert dict(calls) == {"attn_block": cfg.num_layers, "route": cfg.num_layers, "ffn_block": cfg.num_layers}
+        assert dict(calls) == {"attn_block": cfg.num_layers, "route": cfg.num_layers, "ffn_block": cfg.num_layers,
+                               "head_block": 1}
     finally:
         sm.close()
 
