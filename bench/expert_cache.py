@@ -167,8 +167,11 @@ class ReplayRouting:
             block.gate.forward = make(block)
 
 
+DENSE_BYTES = {"fp32": 4, "bf16": 2, "int8": 8.25 / 8}  # per dense weight (int8 g64: fp16 scales)
+
+
 def run_budget(store: Path, frac: float, ram_budget: int, prompt: list[int], tokens: int, recorder=None,
-               replay=None, device: str = "cpu"):
+               replay=None, device: str = "cpu", dense: str = "int8"):
     from engine.experts.runtime import load_from_store, store_expert_bytes
     from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
@@ -176,7 +179,7 @@ def run_budget(store: Path, frac: float, ram_budget: int, prompt: list[int], tok
     total = store_expert_bytes(store)
     # Replayed routing is not what the routers would predict, so prefetch is off for it.
     sm = load_from_store(store, device_budget=int(total * frac), ram_budget=ram_budget, policy="lfu",
-                         prefetch_depth=0 if replay is not None else 1, device=device)
+                         prefetch_depth=0 if replay is not None else 1, device=device, dense=dense)
     if replay is not None:
         ReplayRouting(replay, sorted(sm.store.config.moe_layers)).install(sm.model)
     if recorder is not None:
@@ -224,6 +227,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--ram", default="25%", help="RAM tier: bytes or a share of the store's experts")
     ap.add_argument("--budgets", default="0.1,0.25,0.5,1.0")
+    ap.add_argument("--dense", choices=sorted(DENSE_BYTES), default="int8",
+                    help="format of the dense weights (int8/bf16 run the native step on a CPU; fp32 the "
+                         "torch layers, as before 2026-11-30)")
     ap.add_argument("--zipf", type=float, default=1.0, help="skew of the synthetic routing rows")
     ap.add_argument("--locality", type=float, default=0.3, help="reuse of the previous token's experts")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
@@ -246,13 +252,13 @@ def main() -> None:
     mem_bw, disk_bw = memory_bandwidth(args.device), disk_read_bandwidth(store)
     link_bw = link_bandwidth(args.device, mem_bw)
     counts = cfg.parameter_counts()
-    dense_active = (counts["active"] - counts["routed_active"]) * 4  # fp32 dense weights
+    dense_active = (counts["active"] - counts["routed_active"]) * DENSE_BYTES[args.dense]
     expert_active = cfg.moe.top_k * len(cfg.moe_layers) * expert_nbytes
     compute_roof = mem_bw / (dense_active + expert_active)
     print(f"store {store}: {len(cfg.moe_layers)} layers x {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}, "
           f"int4 g64, {format_bytes(expert_nbytes)} per expert, {format_bytes(store_bytes)} of experts; "
           f"RAM tier {format_bytes(ram)} ({ram / total:.0%} of the experts)")
-    print(f"device {args.device}, threads {torch.get_num_threads()}, memory read {mem_bw / 1e9:.1f} GB/s, "
+    print(f"device {args.device}, dense {args.dense}, threads {torch.get_num_threads()}, memory read {mem_bw / 1e9:.1f} GB/s, "
           f"into the device tier {link_bw / 1e9:.1f} GB/s, store O_DIRECT read "
           f"{disk_bw / 1e9:.2f} GB/s, active bytes/token {format_bytes(dense_active + expert_active)} "
           f"(experts {format_bytes(expert_active)}) -> compute roofline {compute_roof:.1f} tok/s")
@@ -277,7 +283,7 @@ def main() -> None:
                           (f"synthetic routing replayed (zipf {args.zipf}, locality {args.locality})", synthetic)):
         rows = [run_budget(store, frac, ram, prompt, args.tokens,
                            recorder=record if (frac == 1.0 and replay is None) else None, replay=replay,
-                           device=args.device)
+                           device=args.device, dense=args.dense)
                 for frac in budgets]
         print(f"\nrouting: {label}")
         print_rows(rows, dense_active, expert_active, mem_bw, disk_bw, link_bw, compute_roof)

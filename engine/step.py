@@ -11,6 +11,7 @@ Per layer (engine/csrc/step.cpp):
     ffn_block(x, h, ...)       every routed expert read from its slot, weighted and summed, the
                                shared expert (or a dense SwiGLU) beside them, residual add
 
+and after the last layer ``head_block``: the final norm and LM head of each sequence's last row.
 So a decode layer is three native calls plus the cache's lookups, instead of hundreds of torch
 ops. The torch layers (engine.layers) stay the reference: :func:`NativeStep.for_model` says
 when the model can run this way (CPU, native kernels built, dense linears quantized by
@@ -30,7 +31,7 @@ from engine.kv.base import BatchLayout, KVCache
 from engine.layers.mlp import SwiGLU
 from engine.layers.moe import SparseMoE
 from engine.options import options
-from engine.quant.kernels import DIRECT_MAX_T, int8_activations, load_extension, native_linear, backend_for
+from engine.quant.kernels import DIRECT_MAX_T, backend_for, int8_activations, load_extension, native_linear
 from engine.quant.linear import QuantLinear
 
 EMPTY = torch.empty(0)
@@ -139,9 +140,11 @@ class NativeStep:
         """route -> fetch (the provider) -> compute + combine (native), x updated in place."""
         ext, provider = self.ext, mlp.provider
         allowed = provider.allowed_experts(mlp.layer)
-        if allowed is None:  # uniq: the routed experts, ascending (as the torch layer groups them)
+        if allowed is None and "forward" not in vars(mlp.gate):
+            # uniq: the routed experts, ascending (as the torch layer groups them)
             ids, w, uniq = ext.route(h, self.routers[i], mlp.gate.top_k, mlp.gate.normalize)
-        else:  # restricted routing (self-speculative drafts): the torch router masks the rest
+        else:  # restricted routing (self-speculative drafts: the torch router masks the rest),
+            # or a router replaced on the instance (benchmarks replaying a routing trace)
             r = mlp.gate(h, allowed)
             ids, w = r.ids.contiguous(), r.weights.contiguous()
             uniq = torch.unique(ids).tolist()

@@ -107,21 +107,29 @@ def _cache_dir(isa: str, flags: list[str]) -> Path:
     return root / "torch_extensions" / f"moestream_{isa}_{h.hexdigest()[:12]}"
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_has_avx512() -> bool:
     return "avx512f" in _cpu_flags().split() or "AVX512" in torch.backends.cpu.get_cpu_capability().upper()
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_has_avx2() -> bool:
     flags = _cpu_flags().split()
     return ("avx2" in flags and "fma" in flags and "f16c" in flags) or cpu_has_avx512()
 
 
+_isa_cache: list = [None, None]  # (options generation, ISA): asked on every kernel call
+
+
 def native_isa() -> str | None:
     """The instruction set the native kernels are built for here: the ``cpu_isa`` runtime option,
     ``auto`` meaning the best this CPU has; None when it has neither AVX-512 nor AVX2."""
+    if _isa_cache[0] == generation():
+        return _isa_cache[1]
     want = options().cpu_isa
     if want == "auto":
-        return "avx512" if cpu_has_avx512() else "avx2" if cpu_has_avx2() else None
+        want = "avx512" if cpu_has_avx512() else "avx2" if cpu_has_avx2() else None
+    _isa_cache[:] = [generation(), want]
     return want
 
 
