@@ -53,7 +53,8 @@ import torch
 
 from engine.errors import ExpertLoadError
 from engine.experts.policy import make_policy
-from engine.experts.tiers import ALIGN, ExpertSource, Key, TierCounters, align_up, take_slot
+from engine.experts.slots import Key, SlotTable
+from engine.experts.tiers import ALIGN, ExpertSource, TierCounters, align_up
 from protocol import (
     ErrorCode,
     ErrorReply,
@@ -166,11 +167,7 @@ class ShmRamTier:
         self.hdr = np.frombuffer(self.mm, dtype=SLOT_HEADER, count=self.num_slots, offset=PREAMBLE.itemsize)
         self.hdr["layer"] = -1
         self.hdr["expert"] = -1
-        self.policy = make_policy(policy)
-        self.slot_of: dict[Key, int] = {}
-        self.free_slots = list(range(self.num_slots - 1, -1, -1))
-        self.loading: dict[Key, asyncio.Future] = {}
-        self.clock = 0
+        self.table = SlotTable(self.num_slots, make_policy(policy))  # on the actor's event loop
         self.ram = TierCounters()
         self.nvme = TierCounters()
 
@@ -180,17 +177,18 @@ class ShmRamTier:
 
     async def fetch(self, key: Key) -> tuple[int, str]:
         """Make ``key`` resident; returns (slot, tier that served it: "ram" or "nvme")."""
-        self.clock += 1
-        fut = self.loading.get(key)
+        t = self.table
+        t.tick()
+        fut = t.loading.get(key)
         if fut is not None:  # someone is reading it from disk right now: wait, then look again
             await asyncio.shield(fut)
             return await self.fetch(key)
-        if key in self.slot_of:
-            self.policy.on_hit(key, self.clock)
+        if key in t.slot_of:
+            t.hit(key)
             self.ram.hits += 1
-            return self.slot_of[key], "ram"
+            return t.slot_of[key], "ram"
         self.ram.misses += 1
-        taken = take_slot(key, self.slot_of, self.free_slots, self.policy, set(self.loading), self.clock)
+        taken = t.reserve(key)
         if taken is None:
             raise ExpertLoadError(f"loader RAM tier: all {self.num_slots} slots are being "
                                   f"loaded at once; raise --ram-budget")
@@ -199,18 +197,15 @@ class ShmRamTier:
         h["seq"] += 1  # odd: being written; readers reject it
         h["layer"], h["expert"], h["nbytes"] = -1, -1, 0
         fut = asyncio.get_running_loop().create_future()
-        self.loading[key] = fut
+        t.loading[key] = fut
         try:
             view = await asyncio.to_thread(self.store.read_expert, key[0], key[1],
                                            self.slot_view(slot), True)
             n = len(view)
             del view
         except BaseException as e:
-            self.loading.pop(key, None)
-            self.slot_of.pop(key, None)
-            self.policy.on_remove(key)
+            t.rollback(key, slot)
             h["seq"] += 1  # even again, key -1: an empty slot
-            self.free_slots.append(slot)
             fut.set_exception(e)
             fut.exception()  # mark retrieved: waiters re-raise it themselves
             raise
@@ -219,7 +214,7 @@ class ShmRamTier:
         self.nvme.hits += 1
         self.nvme.bytes_in += n
         self.ram.bytes_in += n
-        del self.loading[key]
+        t.loaded(key)
         fut.set_result(slot)
         return slot, "nvme"
 
@@ -531,8 +526,8 @@ class ExpertLoader:
     async def health(self) -> list[bytes]:
         t = self.tier
         return encode(HealthReply(service=self.name, ok=t.hdr is not None, detail={
-            "pid": os.getpid(), "slots": t.num_slots, "resident": len(t.slot_of),
-            "loading": len(t.loading), "ram_hits": t.ram.hits, "ram_misses": t.ram.misses,
+            "pid": os.getpid(), "slots": t.num_slots, "resident": len(t.table.slot_of),
+            "loading": len(t.table.loading), "ram_hits": t.ram.hits, "ram_misses": t.ram.misses,
             "nvme_bytes": t.nvme.bytes_in, "errors": self.errors, "segment": t.name,
             "last_error": self.last_error}))
 

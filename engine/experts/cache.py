@@ -28,7 +28,8 @@ import torch
 
 from engine.errors import CacheCapacityError, ConfigError
 from engine.experts.policy import PinnedPolicy, make_policy
-from engine.experts.tiers import ExpertSource, Key, TierCounters, align_up, take_slot
+from engine.experts.slots import Key, SlotTable
+from engine.experts.tiers import ExpertSource, TierCounters, align_up
 from engine.layers.moe import ExpertProvider
 from engine.quant.kernels import SLOT_ROW, slot_row
 
@@ -138,16 +139,13 @@ class ExpertCache(ExpertProvider):
                 f"{top_k * self.slot_bytes} bytes")
         self.slots = torch.empty(self.num_slots, self.slot_bytes, dtype=torch.uint8, device=self.device)
         policy = make_policy(config.policy)
-        self.policy = PinnedPolicy(policy, config.pinned) if config.pinned else policy
-        self.slot_of: dict[Key, int] = {}
+        # which key each slot holds, pins, loads in flight, the policy: under self.lock
+        self.table = SlotTable(self.num_slots, PinnedPolicy(policy, config.pinned) if config.pinned else policy)
         self.views: dict[int, QuantizedExpert] = {}
         self._slot_views: dict[int, tuple[int, QuantizedExpert]] = {}  # slot -> (layout key, views)
         # the fused step's view of the same slots: one row per slot (engine.quant.kernels.slot_row)
         self.slot_rows = torch.zeros(self.num_slots, SLOT_ROW, dtype=torch.int64)
-        self.free_slots = list(range(self.num_slots - 1, -1, -1))
-        self.loading: dict[Key, Future] = {}
         self.prefetched: set[Key] = set()  # loaded by prefetch and not used yet
-        self.pins: dict[Key, int] = {}
         self.needed: set[Key] = set()  # routed by the running layer: never a prefetch victim
         self.predicted: dict[int, set[int]] = {}
         self.routers = {l: w.to(self.device) for l, w in (routers or {}).items()}
@@ -156,7 +154,6 @@ class ExpertCache(ExpertProvider):
         self.pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="expert-io")
         self.metrics = CacheMetrics()
         self.restrict_to_resident = False  # set while drafting self-speculatively
-        self.clock = 0
         # cost model for miss_compute="auto": seconds per byte moved vs per byte computed on CPU
         self._transfer_s_per_byte = 1 / 10e9
         self._cpu_s_per_byte = 1 / 10e9
@@ -169,6 +166,23 @@ class ExpertCache(ExpertProvider):
         if config.pinned:
             self._fill_pinned(config.pinned)
 
+    # the table's state, for readers (tests, metrics): key -> slot, pins, loads in flight
+    @property
+    def slot_of(self) -> dict[Key, int]:
+        return self.table.slot_of
+
+    @property
+    def pins(self) -> dict[Key, int]:
+        return self.table.pins
+
+    @property
+    def loading(self) -> dict[Key, Future]:
+        return self.table.loading
+
+    @property
+    def policy(self):
+        return self.table.policy
+
     # ---- sizing --------------------------------------------------------------------------
     @property
     def max_experts_per_acquire(self) -> int:
@@ -179,9 +193,7 @@ class ExpertCache(ExpertProvider):
             raise CacheCapacityError(
                 f"{len(keys)} pinned experts leave fewer than top_k free slots of {self.num_slots}")
         for key in sorted(keys):
-            slot = self.free_slots.pop()
-            self._copy_in(key, slot)
-            self.slot_of[key] = slot
+            self._copy_in(key, self.table.place(key))
 
     # ---- the ExpertProvider interface ------------------------------------------------------
     def acquire(self, layer: int, expert_ids: list[int]):
@@ -193,14 +205,14 @@ class ExpertCache(ExpertProvider):
         cpu_keys: list[Key] = []
         to_load: list[Key] = []
         with self.lock:
-            self.clock += 1
+            self.table.tick()
             self.needed = set(keys)
             for key in keys:
-                self.pins[key] = self.pins.get(key, 0) + 1
+                self.table.pin(key)
             for key in keys:
-                if key in self.slot_of and key not in self.loading:
+                if self.table.resident(key):
                     m.hits += 1
-                    self.policy.on_hit(key, self.clock)
+                    self.table.hit(key)
                     if key in self.prefetched:
                         self.prefetched.discard(key)
                         self.metrics.prefetch_used += 1
@@ -295,11 +307,7 @@ class ExpertCache(ExpertProvider):
     def _unpin(self, keys: list[Key]) -> None:
         """Under the lock."""
         for key in keys:
-            n = self.pins.get(key, 0) - 1
-            if n > 0:
-                self.pins[key] = n
-            else:
-                self.pins.pop(key, None)
+            self.table.unpin(key)
 
     def allowed_experts(self, layer: int) -> list[int] | None:
         if not self.restrict_to_resident:
@@ -347,8 +355,7 @@ class ExpertCache(ExpertProvider):
 
     def _reserve(self, key: Key, protect: set[Key]) -> int:
         """Under the lock: a slot for ``key`` (free, or a victim's), marked as holding ``key``."""
-        taken = take_slot(key, self.slot_of, self.free_slots, self.policy,
-                          set(self.pins) | set(self.loading) | protect, self.clock)
+        taken = self.table.reserve(key, protect)
         if taken is None:
             raise CacheCapacityError(
                 f"all {self.num_slots} device slots are pinned or loading; a step needs more "
@@ -367,15 +374,11 @@ class ExpertCache(ExpertProvider):
             self._copy_in(key, slot)
         except BaseException:
             with self.lock:
-                self.loading.pop(key, None)
-                if self.slot_of.get(key) == slot:
-                    del self.slot_of[key]
-                    self.policy.on_remove(key)
-                    self.free_slots.append(slot)
+                self.table.rollback(key, slot)
                 self.prefetched.discard(key)
             raise
         with self.lock:
-            self.loading.pop(key, None)
+            self.table.loaded(key)
 
     @torch.inference_mode()  # grad mode is per thread: slots made under inference_mode stay writable
     def _copy_in(self, key: Key, slot: int) -> None:

@@ -22,8 +22,8 @@ import torch
 
 from engine.errors import CacheCapacityError
 from engine.experts.policy import make_policy
+from engine.experts.slots import Key, SlotTable
 
-Key = tuple[int, int]  # (layer, expert)
 ALIGN = 4096
 
 
@@ -36,25 +36,6 @@ class TierCounters:
     hits: int = 0  # served from this tier
     misses: int = 0  # had to go to the tier below
     bytes_in: int = 0  # bytes that entered this tier from below
-
-
-def take_slot(key: Key, slot_of: dict[Key, int], free_slots: list[int], policy, protected,
-              clock: int) -> tuple[int, Key | None] | None:
-    """The slot bookkeeping both tiers share: a free slot, else the policy's victim's (removed
-    from ``slot_of`` and the policy); ``key`` is recorded in it. Returns (slot, evicted key or
-    None), or None when every resident key is protected. Caller holds its lock."""
-    victim = None
-    if free_slots:
-        slot = free_slots.pop()
-    else:
-        victim = policy.victim(slot_of.keys(), protected, clock)
-        if victim is None:
-            return None
-        slot = slot_of.pop(victim)
-        policy.on_remove(victim)
-    slot_of[key] = slot
-    policy.on_insert(key, clock)
-    return slot, victim
 
 
 class ExpertSource(ABC):
@@ -100,14 +81,9 @@ class HostTier(ExpertSource):
         skip = (-raw.data_ptr()) % ALIGN
         self.buf = raw[skip: skip + self.num_slots * self.slot_bytes].view(self.num_slots, self.slot_bytes)
         self.verify = verify
-        self.policy = make_policy(policy)
-        self.slot_of: dict[Key, int] = {}
-        self.free_slots = list(range(self.num_slots - 1, -1, -1))
-        self.loading: dict[Key, Future] = {}
-        self.pins: dict[Key, int] = {}
+        self.table = SlotTable(self.num_slots, make_policy(policy))  # under self.lock
         self.lock = threading.Lock()
         self.slot_freed = threading.Condition(self.lock)  # a pin dropped to zero
-        self.clock = 0
         self.ram = TierCounters()
         self.nvme = TierCounters()
 
@@ -118,36 +94,31 @@ class HostTier(ExpertSource):
         """Under the lock: (slot, future to wait on or None, whether we must load it). When
         every slot holds a blob that other threads are copying out right now (more concurrent
         copies than RAM slots), waits for one of them to finish."""
-        self.clock += 1
+        t = self.table
+        t.tick()
         while True:
-            if key in self.slot_of:
-                fut = self.loading.get(key)
-                self.pins[key] = self.pins.get(key, 0) + 1
+            if key in t.slot_of:
+                fut = t.loading.get(key)
+                t.pin(key)
                 if fut is None:
-                    self.policy.on_hit(key, self.clock)
+                    t.hit(key)
                     self.ram.hits += 1
-                return self.slot_of[key], fut, False
-            taken = take_slot(key, self.slot_of, self.free_slots, self.policy,
-                              set(self.pins) | set(self.loading), self.clock)
+                return t.slot_of[key], fut, False
+            taken = t.reserve(key)
             if taken is not None:
                 break
-            if not self.pins:  # pragma: no cover - cannot happen: every slot is pinned or loading
+            if not t.pins:  # pragma: no cover - cannot happen: every slot is pinned or loading
                 raise CacheCapacityError(f"RAM tier: no slot of {self.num_slots} can be taken")
             self.slot_freed.wait()
         self.ram.misses += 1
-        slot = taken[0]
         fut: Future = Future()
-        self.loading[key] = fut
-        self.pins[key] = 1
-        return slot, fut, True
+        t.loading[key] = fut
+        t.pin(key)
+        return taken[0], fut, True
 
     def _unpin(self, key: Key) -> None:
         with self.lock:
-            n = self.pins[key] - 1
-            if n:
-                self.pins[key] = n
-            else:
-                del self.pins[key]
+            if self.table.unpin(key):
                 self.slot_freed.notify()
 
     @contextmanager
@@ -171,25 +142,22 @@ class HostTier(ExpertSource):
                 self.nvme.hits += 1
                 self.nvme.bytes_in += len(view)
                 self.ram.bytes_in += len(view)
-                del self.loading[key]
+                self.table.loaded(key)
             fut.set_result(slot)
         except BaseException as e:
             with self.lock:  # forget the slot: the bytes in it are not the expert's
-                self.loading.pop(key, None)
-                self.slot_of.pop(key, None)
-                self.policy.on_remove(key)
-                self.free_slots.append(slot)
+                self.table.rollback(key)
                 self.slot_freed.notify()
             fut.set_exception(e)
             raise
 
     def likely_in_ram(self, key: Key) -> bool:
-        return key in self.slot_of and key not in self.loading
+        return self.table.resident(key)
 
     @torch.inference_mode()  # runs on I/O threads; see ExpertCache._copy_in
     def read_into(self, key: Key, out: torch.Tensor) -> str:
         with self.lock:
-            hit = key in self.slot_of and key not in self.loading
+            hit = self.table.resident(key)
         with self.host_view(key) as view:
             n = self.store.entry(*key).nbytes
             out[:n].copy_(view[:n], non_blocking=out.is_cuda)

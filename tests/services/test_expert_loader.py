@@ -148,7 +148,7 @@ def test_checksum_checked_when_a_blob_enters_ram(store_path, slot_info, tmp_path
             with pytest.raises(ExpertLoadError, match="checksum"):
                 src.read_into((e.layer, e.expert), torch.empty(src.slot_bytes, dtype=torch.uint8))
         # the failed read gave its slot back and the loader's segment is still there
-        assert ld.tier.slot_of == {} and sorted(ld.tier.free_slots) == list(range(ld.tier.num_slots))
+        assert ld.tier.table.slot_of == {} and sorted(ld.tier.table.free_slots) == list(range(ld.tier.num_slots))
         assert ld.tier.name.startswith(segment_prefix("unit-test", "loader-0"))
         assert os.path.isfile(os.path.join(SHM_DIR, ld.tier.name))
     finally:

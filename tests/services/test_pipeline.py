@@ -5,6 +5,8 @@ loaders mid-generation change no token."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import threading
 import time
 
@@ -339,7 +341,10 @@ def test_job_submit_path_matches_in_process_engine(app, ray_cluster, reference):
     import sys
 
     prompt = [5, 17, 33, 8, 61, 12, 40, 3, 27]
-    cmd = ["ray", "job", "submit", "--address", ray_cluster["dashboard"], "--",
+    # Ray's CLI of this interpreter's environment: the README's test command runs without an
+    # activated venv, so `ray` need not be on PATH
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    cmd = [ray_cli, "job", "submit", "--address", ray_cluster["dashboard"], "--",
            sys.executable, "-m", "services.cli_serve", "generate", "--address", "auto",
            "--namespace", app.namespace, "--prompt-ids", ",".join(map(str, prompt)),
            "--max-tokens", "16", "--json"]

@@ -95,7 +95,7 @@ def test_metrics_count_tiers_and_prefetch(store):
         sm.cache.metrics.tokens = len(PROMPT) + 12
         s = sm.cache.metrics.summary(sm.cache.source.counters())
         # RAM tier big enough: every blob that was ever needed was read from disk exactly once
-        assert s["nvme_hits"] == len(sm.cache.source.slot_of)
+        assert s["nvme_hits"] == len(sm.cache.source.table.slot_of)
         assert s["ram_hits"] > 0
         assert s["prefetch_issued"] > 0
         # The next layer's router on this layer's hidden state predicts its experts far better
@@ -207,7 +207,7 @@ def test_ram_tier_with_every_slot_being_copied_out_waits_instead_of_failing(stor
         a.join(5)
         b.join(5)
         want = bytes(st.read_expert(0, 1)[:64])
-        assert done == [want] and tier.pins == {}
+        assert done == [want] and tier.table.pins == {}
 
 
 def test_budget_below_top_k_is_a_clear_error(store):
