@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -401,21 +402,24 @@ static const std::vector<QAct8>& quant_acts8(const float* x, int64_t T, int64_t 
   return acts;
 }
 
-static void rows_i8a_int8(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct8>& acts, float* out, int64_t ldo) {
+
+// Every token of `acts`, three at a time (the VNNI kernels' register tile): f(tile, acts, out).
+template <typename A, typename F>
+static void by_triples(const std::vector<A>& acts, float* out, int64_t ldo, F&& f) {
   const int64_t T = (int64_t)acts.size();
   int64_t t = 0;
-  for (; t + 3 <= T; t += 3) rows_int8_i8a<3>(w, nb, ne, acts.data() + t, out + t * ldo, ldo);
-  if (T - t == 2) rows_int8_i8a<2>(w, nb, ne, acts.data() + t, out + t * ldo, ldo);
-  if (T - t == 1) rows_int8_i8a<1>(w, nb, ne, acts.data() + t, out + t * ldo, ldo);
+  for (; t + 3 <= T; t += 3) f(std::integral_constant<int, 3>{}, acts.data() + t, out + t * ldo);
+  if (T - t == 2) f(std::integral_constant<int, 2>{}, acts.data() + t, out + t * ldo);
+  if (T - t == 1) f(std::integral_constant<int, 1>{}, acts.data() + t, out + t * ldo);
 }
 
-// rows [nb, ne) for T <= 3 tokens whose activations are already quantized
+// rows [nb, ne) of an int8 / int4 weight for tokens whose activations are already quantized
+static void rows_i8a_int8(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct8>& acts, float* out, int64_t ldo) {
+  by_triples(acts, out, ldo, [&](auto tt, const QAct8* a, float* o) { rows_int8_i8a<tt.value>(w, nb, ne, a, o, ldo); });
+}
+
 static void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct>& acts, float* out, int64_t ldo) {
-  const int64_t T = (int64_t)acts.size();
-  int64_t t = 0;
-  for (; t + 3 <= T; t += 3) rows_int4_i8a<3>(w, nb, ne, acts.data() + t, out + t * ldo, ldo);
-  if (T - t == 2) rows_int4_i8a<2>(w, nb, ne, acts.data() + t, out + t * ldo, ldo);
-  if (T - t == 1) rows_int4_i8a<1>(w, nb, ne, acts.data() + t, out + t * ldo, ldo);
+  by_triples(acts, out, ldo, [&](auto tt, const QAct* a, float* o) { rows_int4_i8a<tt.value>(w, nb, ne, a, o, ldo); });
 }
 
 // into per-thread buffers (slot 0: an input, 1: an expert's hidden activation), reused across
