@@ -6,13 +6,15 @@ Shape legend: ``x`` ``[T, K]`` (float32 or bf16; leading dims are flattened), we
 Backends (the ``quant_kernel`` runtime option, engine.options: ``auto`` | ``cpp`` | ``triton`` | ``torch``,
 or :func:`set_backend`); the weight's device decides what ``auto`` means:
 
-- ``cpp`` (auto when available): our AVX-512 kernels (``engine/csrc``), built once with
+- ``cpp`` (auto when available): our native kernels (``engine/csrc``: AVX-512, or AVX2 on a CPU
+  without it, the ``cpu_isa`` option), built once with
   ``torch.utils.cpp_extension.load`` into ``~/.cache/moestream/torch_extensions``, keyed by a hash
   of the sources, torch's version, the compiler flags and the CPU's flags (``-march=native``, with a
   portable fallback); the setup command and the decode actor build them before any request
-  (``python -m engine.quant.build``); ``MOESTREAM_CACHE`` moves the root. Used when the CPU has AVX-512
-  and the build succeeds; any failure (no compiler, no ninja, no AVX-512) is logged once and the
-  torch backend is used instead. They release the GIL while they run.
+  (``python -m engine.quant.build``); ``MOESTREAM_CACHE`` moves the root. Used when the CPU has
+  AVX-512 or AVX2 and the build succeeds; any failure (no compiler, no ninja, neither ISA) is
+  logged once and the torch backend is used instead. They release the GIL while they run and
+  split rows over the native worker pool (``engine/csrc/pool.cpp``, ``native_threads`` option).
 - ``triton`` (auto for weights on a CUDA device when triton is installed): the fused
   dequantize-and-multiply kernels of ``triton_kernels.py``, which read the packed codes and never
   write a dequantized expert to global memory; used for up to ``triton_kernels.MAX_T`` token rows,
@@ -27,9 +29,10 @@ torch's int4 kernel in its fast bf16 mode (which is not exact, ~3e-3). At T=16-6
 fp32 FMA) it ties that bf16 int4 kernel; for int8/bf16 at T=64 a bf16 GEMM on dequantized weights
 is ~1.3x faster but rounds to bf16, so it is not used.
 
-int4 weights on a CPU with AVX512-VNNI take int8 activations (see :func:`int8_activations`); they
-are checked against ``reference.linear_ref_int8_act`` with the bound below, everything else
-against ``reference.linear_ref``.
+int4 weights, and int8 weights whose in-dim is a multiple of 64, take int8 activations on a CPU
+with AVX512-VNNI (see :func:`int8_activations`, ``reference.takes_int8_activations``); they are
+checked against ``reference.linear_ref_int8_act`` with the bound below, everything else against
+``reference.linear_ref``.
 
 Tolerance against ``reference.linear_ref`` (checked by tests): the kernels accumulate in float32
 in a different order and dequantize with one fused multiply-add, so they agree to
