@@ -12,7 +12,11 @@
    weight bytes; the roofline is those bytes at the device's memory bandwidth (measured here
    with a device-to-device copy).
 2. The CUDA tests (tests/gpu, and the kernel tests compiled instead of interpreted).
-3. With ``--e2e``: ``bench/expert_cache.py --device cuda`` on an 8-layer random Qwen3-MoE store
+3. Kernel launches per decoded token (torch profiler, CUDA activity) of a random Qwen3-MoE store
+   (8 layers, hidden 1024, 64 experts top-8) with every expert resident on the device: the count
+   the step contract's per-layer grouped launch and CUDA graphs are meant to cut (on CPU with
+   --smoke: dispatcher ops instead).
+4. With ``--e2e``: ``bench/expert_cache.py --device cuda`` on an 8-layer random Qwen3-MoE store
    (tok/s, hit rates and bytes per token at 25% and 100% device budgets; builds the store first).
 
 Nothing is installed or downloaded; the output is a short table.
@@ -114,6 +118,51 @@ def kernel_table(device: torch.device, hidden: int, inter: int, iters: int) -> b
     return ok
 
 
+def launches_per_token(device: torch.device, smoke: bool) -> None:
+    """Build a small random Qwen3-MoE store, decode a few tokens with every expert resident, and
+    print kernel launches (CUDA) or dispatcher ops (CPU) per decoded token and per layer."""
+    import tempfile
+
+    import transformers as T
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.experts.runtime import load_from_store
+    from engine.generate import generate_ids
+    from engine.layers.sampler import SamplingConfig
+    from engine.quant.formats import QuantFormat
+    from engine.store import convert
+
+    layers, hidden, inter, experts = (2, 128, 64, 8) if smoke else (8, 1024, 512, 64)
+    cfg = T.Qwen3MoeConfig(vocab_size=4096, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=8,
+                           num_key_value_heads=2, head_dim=hidden // 8, num_experts=experts,
+                           num_experts_per_tok=min(8, experts // 2), moe_intermediate_size=inter,
+                           intermediate_size=2 * inter, norm_topk_prob=True)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        T.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp + "/hf")
+        convert(Path(tmp) / "hf", Path(tmp) / "store", fmt=QuantFormat("int4", 64), progress=False)
+        sm = load_from_store(Path(tmp) / "store", device=device.type, dense="bf16", prefetch_depth=0)
+        try:
+            prompt, steps = list(range(3, 19)), 4 if smoke else 8
+            gen = generate_ids(sm.model, prompt, SamplingConfig(max_tokens=steps + 3, ignore_eos=True))
+            next(gen), next(gen)  # prefill and one step: experts resident, kernels compiled
+            act = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with profile(activities=act) as prof:
+                for _ in range(steps):
+                    next(gen)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            events = prof.events()
+            gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+            kind = "kernel launches" if device.type == "cuda" else "dispatcher ops"
+            n = len(gpu) if device.type == "cuda" else len(events)
+            print(f"{kind} per decoded token: {n / steps:.0f} ({n / steps / layers:.1f} per layer), "
+                  f"{layers} layers, top-{cfg.num_experts_per_tok} of {experts} experts, bf16 dense, "
+                  f"every expert resident")
+        finally:
+            sm.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU in Triton's interpreter")
@@ -147,6 +196,7 @@ def main() -> int:
         if r.returncode:
             print(r.stdout[-3000:])
         ok &= r.returncode == 0
+    launches_per_token(device, args.smoke)
     if args.e2e:
         cmd = [sys.executable, "bench/expert_cache.py", "--device", device.type, "--layers", "8",
                "--tokens", "32", "--budgets", "0.25,1.0"]
