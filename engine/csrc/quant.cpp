@@ -394,12 +394,15 @@ static void rows_int8_i8a(const QW& w, int64_t nb, int64_t ne, const QAct8* acts
   }
 }
 
-static const std::vector<QAct8>& quant_acts8(const float* x, int64_t T, int64_t K, int slot) {
-  static thread_local std::vector<QAct8> bufs[2];
-  std::vector<QAct8>& acts = bufs[slot];
+static void quant_into(const float* x, int64_t T, int64_t K, std::vector<QAct8>& acts) {
   acts.resize(T);
   for (int64_t t = 0; t < T; t++) quant_act8(x + t * K, K, acts[t]);
-  return acts;
+}
+
+static const std::vector<QAct8>& quant_acts8(const float* x, int64_t T, int64_t K, int slot) {
+  static thread_local std::vector<QAct8> bufs[2];
+  quant_into(x, T, K, bufs[slot]);
+  return bufs[slot];
 }
 
 
@@ -424,12 +427,15 @@ static void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct
 
 // into per-thread buffers (slot 0: an input, 1: an expert's hidden activation), reused across
 // calls: a decode step makes thousands of these for experts as small as 18 KB
-static const std::vector<QAct>& quant_acts(const float* x, int64_t T, int64_t K, int64_t G, int slot) {
-  static thread_local std::vector<QAct> bufs[2];
-  std::vector<QAct>& acts = bufs[slot];
+static void quant_into(const float* x, int64_t T, int64_t K, int64_t G, std::vector<QAct>& acts) {
   acts.resize(T);
   for (int64_t t = 0; t < T; t++) quant_act(x + t * K, K, G, acts[t]);
-  return acts;
+}
+
+static const std::vector<QAct>& quant_acts(const float* x, int64_t T, int64_t K, int64_t G, int slot) {
+  static thread_local std::vector<QAct> bufs[2];
+  quant_into(x, T, K, G, bufs[slot]);
+  return bufs[slot];
 }
 
 // int8 activations: int4 weights (any K % 32 == 0), int8 weights with K % 64 == 0
@@ -504,6 +510,135 @@ void expert(const QW& wg, const QW& wu, const QW& wd, const float* xp, int64_t T
     });
   }
   linear(wd, gp, T, op, direct_max_t, i8a, 1);
+}
+
+
+namespace {
+
+// One job's state in experts(): its quantized input and hidden activation, its gate/up buffers.
+struct JobState {
+  bool gu8 = false, d8 = false;
+  std::vector<QAct> x4, h4;
+  std::vector<QAct8> x8, h8;
+  std::vector<float> g, u;
+};
+
+constexpr int64_t UNIT = 16;  // rows per work unit (the VNNI kernels' L1 block)
+
+// Units of UNIT rows over every job's `rows(job)`, as prefix sums: job j owns [start[j], start[j+1]).
+template <typename F>
+std::vector<int64_t> unit_starts(const std::vector<ExpertJob>& jobs, F rows) {
+  std::vector<int64_t> start(jobs.size() + 1, 0);
+  for (size_t j = 0; j < jobs.size(); j++) start[j + 1] = start[j] + (rows(jobs[j]) + UNIT - 1) / UNIT;
+  return start;
+}
+
+// f(job, first row, end row) for units [b, e) of `start`
+template <typename F>
+void for_units(const std::vector<int64_t>& start, int64_t b, int64_t e, int64_t nrows_of(const ExpertJob&),
+               const std::vector<ExpertJob>& jobs, F f) {
+  size_t j = std::upper_bound(start.begin(), start.end(), b) - start.begin() - 1;
+  for (int64_t unit = b; unit < e; unit++) {
+    while (unit >= start[j + 1]) j++;
+    const int64_t rb = (unit - start[j]) * UNIT;
+    f(j, rb, std::min(rb + UNIT, nrows_of(jobs[j])));
+  }
+}
+
+int64_t inter_rows(const ExpertJob& j) { return j.g.N; }
+int64_t hidden_rows(const ExpertJob& j) { return j.d.N; }
+
+// a thread's share: at least ~32K weights (as min_rows), in units of `start`
+int64_t min_units(int64_t weights, int64_t units) {
+  return std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, weights / std::max<int64_t>(1, units)));
+}
+
+}  // namespace
+
+void linears(std::vector<LinearJob>& jobs, int64_t direct_max_t, bool i8a) {
+  const size_t J = jobs.size();
+  std::vector<std::vector<QAct>> a4(J);
+  std::vector<std::vector<QAct8>> a8(J);
+  std::vector<int64_t> start(J + 1, 0);
+  int64_t work = 0;
+  for (size_t j = 0; j < J; j++) {  // quantize each distinct input once
+    const LinearJob& jb = jobs[j];
+    const bool shared = j > 0 && jobs[j - 1].x == jb.x && jobs[j - 1].w.K == jb.w.K && jobs[j - 1].w.G == jb.w.G;
+    if (use_i8a(jb.w, i8a) && jb.w.fmt == F_INT8) {
+      if (shared && !a8[j - 1].empty()) a8[j] = a8[j - 1]; else quant_into(jb.x, jb.T, jb.w.K, a8[j]);
+    } else if (use_i8a(jb.w, i8a)) {
+      if (shared && !a4[j - 1].empty()) a4[j] = a4[j - 1]; else quant_into(jb.x, jb.T, jb.w.K, jb.w.G, a4[j]);
+    }
+    start[j + 1] = start[j] + (jb.w.N + UNIT - 1) / UNIT;
+    work += jb.w.N * jb.w.K;
+  }
+  parallel(start[J], 1, min_units(work, start[J]), [&](int64_t b, int64_t e) {
+    size_t j = std::upper_bound(start.begin(), start.end(), b) - start.begin() - 1;
+    for (int64_t unit = b; unit < e; unit++) {
+      while (unit >= start[j + 1]) j++;
+      const LinearJob& jb = jobs[j];
+      const int64_t rb = (unit - start[j]) * UNIT, re = std::min(rb + UNIT, jb.w.N);
+      if (!a8[j].empty()) rows_i8a_int8(jb.w, rb, re, a8[j], jb.out, jb.w.N);
+      else if (!a4[j].empty()) rows_i8a(jb.w, rb, re, a4[j], jb.out, jb.w.N);
+      else rows_dispatch(jb.w, rb, re, jb.x, jb.T, jb.out, jb.w.N, direct_max_t);
+    }
+  });
+}
+
+void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
+  const size_t J = jobs.size();
+  std::vector<JobState> st(J);
+  int64_t work = 0;
+  for (size_t j = 0; j < J; j++) {
+    const ExpertJob& jb = jobs[j];
+    JobState& s = st[j];
+    s.gu8 = use_i8a(jb.g, i8a) && use_i8a(jb.u, i8a) && jb.g.fmt == jb.u.fmt && jb.g.G == jb.u.G;
+    s.d8 = use_i8a(jb.d, i8a);
+    s.g.resize(jb.T * jb.g.N);
+    s.u.resize(jb.T * jb.g.N);
+    if (s.gu8 && jb.g.fmt == F_INT8) quant_into(jb.x, jb.T, jb.g.K, s.x8);
+    else if (s.gu8) quant_into(jb.x, jb.T, jb.g.K, jb.g.G, s.x4);
+    work += jb.g.N * jb.g.K;
+  }
+  // gate and up rows (and silu on them) of every job
+  const std::vector<int64_t> su = unit_starts(jobs, inter_rows);
+  const int64_t share = min_units(work, su[J]);
+  parallel(su[J], 1, share, [&](int64_t b, int64_t e) {
+    for_units(su, b, e, inter_rows, jobs, [&](size_t j, int64_t rb, int64_t re) {
+      const ExpertJob& jb = jobs[j];
+      JobState& s = st[j];
+      const int64_t I = jb.g.N;
+      float *gp = s.g.data(), *up = s.u.data();
+      if (s.gu8 && jb.g.fmt == F_INT8) {
+        rows_i8a_int8(jb.g, rb, re, s.x8, gp, I);
+        rows_i8a_int8(jb.u, rb, re, s.x8, up, I);
+      } else if (s.gu8) {
+        rows_i8a(jb.g, rb, re, s.x4, gp, I);
+        rows_i8a(jb.u, rb, re, s.x4, up, I);
+      } else {
+        rows_dispatch(jb.g, rb, re, jb.x, jb.T, gp, I, direct_max_t);
+        rows_dispatch(jb.u, rb, re, jb.x, jb.T, up, I, direct_max_t);
+      }
+      for (int64_t t = 0; t < jb.T; t++) silu_mul_n(gp + t * I + rb, up + t * I + rb, re - rb);
+    });
+  });
+  for (size_t j = 0; j < J; j++) {  // the hidden activations of the down projections
+    const ExpertJob& jb = jobs[j];
+    if (!st[j].d8) continue;
+    if (jb.d.fmt == F_INT8) quant_into(st[j].g.data(), jb.T, jb.d.K, st[j].h8);
+    else quant_into(st[j].g.data(), jb.T, jb.d.K, jb.d.G, st[j].h4);
+  }
+  const std::vector<int64_t> sd = unit_starts(jobs, hidden_rows);
+  parallel(sd[J], 1, share, [&](int64_t b, int64_t e) {
+    for_units(sd, b, e, hidden_rows, jobs, [&](size_t j, int64_t rb, int64_t re) {
+      const ExpertJob& jb = jobs[j];
+      const JobState& s = st[j];
+      const int64_t H = jb.d.N;
+      if (s.d8 && jb.d.fmt == F_INT8) rows_i8a_int8(jb.d, rb, re, s.h8, jb.out, H);
+      else if (s.d8) rows_i8a(jb.d, rb, re, s.h4, jb.out, H);
+      else rows_dispatch(jb.d, rb, re, s.g.data(), jb.T, jb.out, H, direct_max_t);
+    });
+  });
 }
 
 }  // namespace ms

@@ -2,6 +2,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <cstdint>
+#include <vector>
 
 namespace ms {
 
@@ -25,6 +26,28 @@ void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_m
 // SwiGLU expert out[T, H] = (silu(x @ g.T) * (x @ u.T)) @ d.T on this thread; g/u [I, H], d [H, I].
 void expert(const QW& g, const QW& u, const QW& d, const float* x, int64_t T, float* out,
             int64_t direct_max_t, bool i8a);
+// One linear's call in a group: out[T, N] = x[T, K] @ w.T.
+struct LinearJob {
+  QW w;
+  const float* x;
+  int64_t T;
+  float* out;
+};
+// Several linears at once (an attention's q, k and v): the same numbers as linear() on each, their
+// rows split over the pool in one parallel region.
+void linears(std::vector<LinearJob>& jobs, int64_t direct_max_t, bool i8a);
+
+// One SwiGLU expert's call in a group: out[T, H] = expert(x[T, H]).
+struct ExpertJob {
+  QW g, u, d;
+  const float* x;
+  int64_t T;
+  float* out;
+};
+// Several experts at once (a MoE layer's routed experts and its shared expert): the same numbers
+// as expert() on each, with the work of all of them split over the pool in two parallel regions
+// (gate/up rows, then down rows) instead of two per expert.
+void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a);
 bool has_vnni();
 void set_prefetch_rows(int64_t rows);
 

@@ -295,4 +295,14 @@ void expert(const QW& wg, const QW& wu, const QW& wd, const float* x, int64_t T,
   linear(wd, gp, T, out, direct_max_t, false, 1);
 }
 
+// The AVX2 build runs a group one linear after another (each splits its rows over the pool).
+void linears(std::vector<LinearJob>& jobs, int64_t direct_max_t, bool i8a) {
+  for (LinearJob& j : jobs) linear(j.w, j.x, j.T, j.out, direct_max_t, i8a, 0);
+}
+
+// The AVX2 build runs a group one expert after another (each splits its rows over the pool).
+void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
+  for (ExpertJob& j : jobs) expert(j.g, j.u, j.d, j.x, j.T, j.out, direct_max_t, i8a);
+}
+
 }  // namespace ms

@@ -190,9 +190,12 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
   std::vector<float> hn(T * H), q(T * nh * d), k(T * row), v(T * row), o(T * nh * d), y(T * H);
   const float eps = (float)a.eps;
   for (int64_t t = 0; t < T; t++) rmsnorm(xp + t * H, a.ln1.data_ptr<float>(), H, eps, hn.data() + t * H);
-  apply(a.q, hn.data(), T, q.data(), dmt, i8a);
-  apply(a.k, hn.data(), T, k.data(), dmt, i8a);
-  apply(a.v, hn.data(), T, v.data(), dmt, i8a);
+  std::vector<LinearJob> qkv{{a.q.w, hn.data(), T, q.data()}, {a.k.w, hn.data(), T, k.data()},
+                             {a.v.w, hn.data(), T, v.data()}};
+  linears(qkv, dmt, i8a);  // one parallel region for the three
+  add_bias(q.data(), a.q.bias, T, a.q.w.N);
+  add_bias(k.data(), a.k.bias, T, a.k.w.N);
+  add_bias(v.data(), a.v.bias, T, a.v.w.N);
   const float *qn = opt_ptr(a.qn), *kn = opt_ptr(a.kn);
   for (int64_t t = 0; t < T; t++) {
     if (qn) for (int64_t i = 0; i < nh; i++) rmsnorm(q.data() + (t * nh + i) * d, qn, d, eps, q.data() + (t * nh + i) * d);
@@ -276,39 +279,52 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
   const int64_t* rows = any_slot ? slot_table.data_ptr<int64_t>() : nullptr;
   const int64_t nslots = any_slot ? slot_table.size(0) : 0;
   pybind11::gil_scoped_release no_gil;
-  std::vector<float> acc(T * H, 0.f), xs, ys;
-  std::vector<int64_t> tok;
-  std::vector<float> wt;
+  // one job per routed expert with a slot (its tokens' rows gathered), plus the dense/shared one;
+  // all computed in one grouped call, then combined in expert order as the torch layer does
+  struct Routed { std::vector<int64_t> tok; std::vector<float> wt, xs, ys; };
+  std::vector<Routed> routed;
+  std::vector<ExpertJob> jobs;
+  routed.reserve(U);
   for (int64_t u = 0; u < U; u++) {  // experts in the order given (ascending ids), tokens in order
     if (sp[u] < 0) continue;  // computed elsewhere (e.g. on the CPU from the RAM tier)
     TORCH_CHECK(sp[u] < nslots, "slot out of range");
     const int64_t* r = rows + sp[u] * SLOT_ROW;
     TORCH_CHECK(r[3] == H, "slot ", sp[u], " holds an expert of hidden size ", r[3], ", not ", H);
-    tok.clear();
-    wt.clear();
+    Routed e;
     for (int64_t i = 0; i < T * K; i++)
-      if (ip[i] == ep[u]) { tok.push_back(i / K); wt.push_back(wp[i]); }
-    const int64_t n = (int64_t)tok.size();
+      if (ip[i] == ep[u]) { e.tok.push_back(i / K); e.wt.push_back(wp[i]); }
+    const int64_t n = (int64_t)e.tok.size();
     if (n == 0) continue;
-    xs.resize(n * H);
-    ys.resize(n * H);
-    for (int64_t j = 0; j < n; j++) std::copy(hp + tok[j] * H, hp + (tok[j] + 1) * H, xs.data() + j * H);
+    e.xs.resize(n * H);
+    e.ys.resize(n * H);
+    for (int64_t j = 0; j < n; j++) std::copy(hp + e.tok[j] * H, hp + (e.tok[j] + 1) * H, e.xs.data() + j * H);
+    routed.push_back(std::move(e));
     QW g, up, dn;
     slot_expert(r, g, up, dn);
-    expert(g, up, dn, xs.data(), n, ys.data(), dmt, i8a);
-    for (int64_t j = 0; j < n; j++) {
-      float* a = acc.data() + tok[j] * H;
-      const float* y = ys.data() + j * H;
-      for (int64_t c = 0; c < H; c++) a[c] += y[c] * wt[j];
+    jobs.push_back(ExpertJob{g, up, dn, nullptr, n, nullptr});
+  }
+  for (size_t j = 0; j < routed.size(); j++) {  // pointers once the vectors stopped moving
+    jobs[j].x = routed[j].xs.data();
+    jobs[j].out = routed[j].ys.data();
+  }
+  std::vector<float> acc(T * H, 0.f), dense_y;
+  if (dense != nullptr) {  // shared expert (optionally sigmoid-gated) or a dense SwiGLU MLP
+    dense_y.resize(T * H);
+    jobs.push_back(ExpertJob{dense->g.w, dense->u.w, dense->d.w, hp, T, dense_y.data()});
+  }
+  ms::experts(jobs, dmt, i8a);
+  for (const Routed& e : routed) {
+    for (size_t j = 0; j < e.tok.size(); j++) {
+      float* a = acc.data() + e.tok[j] * H;
+      const float* y = e.ys.data() + j * H;
+      for (int64_t c = 0; c < H; c++) a[c] += y[c] * e.wt[j];
     }
   }
-  if (dense != nullptr) {  // shared expert (optionally sigmoid-gated) or a dense SwiGLU MLP
-    ys.resize(T * H);
-    expert(dense->g.w, dense->u.w, dense->d.w, hp, T, ys.data(), dmt, i8a);
+  if (dense != nullptr) {
     const float* gate = opt_ptr(dense->gate);
     for (int64_t t = 0; t < T; t++) {
       const float s = gate ? 1.0f / (1.0f + std::exp(-dot(hp + t * H, gate, H))) : 1.0f;
-      for (int64_t c = 0; c < H; c++) acc[t * H + c] += gate ? s * ys[t * H + c] : ys[t * H + c];
+      for (int64_t c = 0; c < H; c++) acc[t * H + c] += gate ? s * dense_y[t * H + c] : dense_y[t * H + c];
     }
   }
   for (int64_t i = 0; i < T * H; i++) xp[i] += acc[i];
