@@ -40,7 +40,7 @@ at::Tensor qlinear(at::Tensor x, int64_t fmt, int64_t G, int64_t N, int64_t K, a
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;  // other Python threads (disk readers) run meanwhile
-  linear(w, xp, xf.size(0), op, direct_max_t, i8a != 0, 0);
+  linear(w, xp, xf.size(0), op, direct_max_t, i8a != 0);
   return out;
 }
 

@@ -13,8 +13,8 @@
 // - scratch (larger T): R rows are dequantized into an fp32 scratch (L1/L2 resident) and an
 //   R x TT register-tiled FMA micro-kernel runs over all tokens, so dequantization is paid once per
 //   weight per call.
-// Threads: every entry point runs on the calling thread. The step's worker pool (step.cpp) splits
-// a layer's work across cores above these kernels; an OpenMP build of them was measured slower
+// Threads: the row kernels run on one thread; linears() and experts() split rows in units of 16
+// over the native worker pool (pool.cpp). An OpenMP build of the row kernels was measured slower
 // inside a decode step on 2 cores (demo store 39.8 -> 19.8 tok/s).
 #include "quant.h"
 #include "pool.h"
@@ -399,12 +399,6 @@ static void quant_into(const float* x, int64_t T, int64_t K, std::vector<QAct8>&
   for (int64_t t = 0; t < T; t++) quant_act8(x + t * K, K, acts[t]);
 }
 
-static const std::vector<QAct8>& quant_acts8(const float* x, int64_t T, int64_t K, int slot) {
-  static thread_local std::vector<QAct8> bufs[2];
-  quant_into(x, T, K, bufs[slot]);
-  return bufs[slot];
-}
-
 
 // Every token of `acts`, three at a time (the VNNI kernels' register tile): f(tile, acts, out).
 template <typename A, typename F>
@@ -432,12 +426,6 @@ static void quant_into(const float* x, int64_t T, int64_t K, int64_t G, std::vec
   for (int64_t t = 0; t < T; t++) quant_act(x + t * K, K, G, acts[t]);
 }
 
-static const std::vector<QAct>& quant_acts(const float* x, int64_t T, int64_t K, int64_t G, int slot) {
-  static thread_local std::vector<QAct> bufs[2];
-  quant_into(x, T, K, G, bufs[slot]);
-  return bufs[slot];
-}
-
 // int8 activations: int4 weights (any K % 32 == 0), int8 weights with K % 64 == 0
 static bool use_i8a(const QW& w, int64_t i8a) {
   return i8a && (w.fmt == F_INT4 || (w.fmt == F_INT8 && w.K % 64 == 0));
@@ -452,193 +440,149 @@ bool has_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 
 void set_prefetch_rows(int64_t rows) { g_pf_rows = rows; }
 
-// rows per thread share: at least ~32K weights, so a split pays for its hand-off
-static int64_t min_rows(const QW& w) { return std::max<int64_t>(8, (1 << 15) / w.K); }
-
-// int8 activations for every T: the VNNI rows over blocks of 16 weight rows (kept in L1 while
-// every token of the call passes over them), so a token's result is the same whatever the batch
-template <typename Acts, typename Rows>
-static void rows_blocked(const QW& w, const Acts& a, float* out, Rows rows) {
-  parallel(w.N, 16, min_rows(w), [&](int64_t b, int64_t e) {
-    for (int64_t rb = b; rb < e; rb += 16) rows(w, rb, std::min(rb + 16, e), a, out, w.N);
-  });
-}
-
-void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, bool i8a, int slot) {
-  if (T == 0) return;
-  if (use_i8a(w, i8a)) {  // quantize once here; the threads share the codes
-    if (w.fmt == F_INT8) rows_blocked(w, quant_acts8(x, T, w.K, slot), out, rows_i8a_int8);
-    else rows_blocked(w, quant_acts(x, T, w.K, w.G, slot), out, rows_i8a);
-    return;
-  }
-  parallel(w.N, 8, min_rows(w), [&](int64_t b, int64_t e) { rows_dispatch(w, b, e, x, T, out, w.N, direct_max_t); });
-}
-
-void expert(const QW& wg, const QW& wu, const QW& wd, const float* xp, int64_t T, float* op,
-            int64_t direct_max_t, bool i8a) {
-  if (T == 0) return;
-  const int64_t I = wg.N, H = wg.K;
-  static thread_local std::vector<float> gbuf, ubuf;
-  gbuf.resize(T * I);
-  ubuf.resize(T * I);
-  float *gp = gbuf.data(), *up = ubuf.data();
-  // gate and up (same shape) take int8 activations together, sharing the quantized x; down on
-  // its own (its in-dim may not allow it). A thread's share of rows does gate, up and silu.
-  const bool gu8 = use_i8a(wg, i8a) && use_i8a(wu, i8a) && wg.fmt == wu.fmt && wg.G == wu.G;
-  auto silu_rows = [&](int64_t b, int64_t e) {
-    for (int64_t t = 0; t < T; t++) silu_mul_n(gp + t * I + b, up + t * I + b, e - b);
-  };
-  auto gate_up = [&](const auto& ax, auto rows) {
-    parallel(I, 16, min_rows(wg), [&](int64_t b, int64_t e) {
-      for (int64_t rb = b; rb < e; rb += 16) {
-        const int64_t re = std::min(rb + 16, e);
-        rows(wg, rb, re, ax, gp, I);
-        rows(wu, rb, re, ax, up, I);
-      }
-      silu_rows(b, e);
-    });
-  };
-  if (gu8 && wg.fmt == F_INT8) {
-    gate_up(quant_acts8(xp, T, H, 0), rows_i8a_int8);
-  } else if (gu8) {
-    gate_up(quant_acts(xp, T, H, wg.G, 0), rows_i8a);
-  } else {
-    parallel(I, 8, min_rows(wg), [&](int64_t b, int64_t e) {
-      rows_dispatch(wg, b, e, xp, T, gp, I, direct_max_t);
-      rows_dispatch(wu, b, e, xp, T, up, I, direct_max_t);
-      silu_rows(b, e);
-    });
-  }
-  linear(wd, gp, T, op, direct_max_t, i8a, 1);
-}
-
-
 namespace {
-
-// One job's state in experts(): its quantized input and hidden activation, its gate/up buffers.
-struct JobState {
-  bool gu8 = false, d8 = false;
-  std::vector<QAct> x4, h4;
-  std::vector<QAct8> x8, h8;
-  std::vector<float> g, u;
-};
 
 constexpr int64_t UNIT = 16;  // rows per work unit (the VNNI kernels' L1 block)
 
 // Units of UNIT rows over every job's `rows(job)`, as prefix sums: job j owns [start[j], start[j+1]).
-template <typename F>
-std::vector<int64_t> unit_starts(const std::vector<ExpertJob>& jobs, F rows) {
+template <typename Job, typename R>
+std::vector<int64_t> unit_starts(const std::vector<Job>& jobs, R rows) {
   std::vector<int64_t> start(jobs.size() + 1, 0);
   for (size_t j = 0; j < jobs.size(); j++) start[j + 1] = start[j] + (rows(jobs[j]) + UNIT - 1) / UNIT;
   return start;
 }
 
 // f(job, first row, end row) for units [b, e) of `start`
-template <typename F>
-void for_units(const std::vector<int64_t>& start, int64_t b, int64_t e, int64_t nrows_of(const ExpertJob&),
-               const std::vector<ExpertJob>& jobs, F f) {
+template <typename Job, typename R, typename F>
+void for_units(const std::vector<int64_t>& start, int64_t b, int64_t e, const std::vector<Job>& jobs, R rows, F f) {
   size_t j = std::upper_bound(start.begin(), start.end(), b) - start.begin() - 1;
   for (int64_t unit = b; unit < e; unit++) {
     while (unit >= start[j + 1]) j++;
     const int64_t rb = (unit - start[j]) * UNIT;
-    f(j, rb, std::min(rb + UNIT, nrows_of(jobs[j])));
+    f(j, rb, std::min(rb + UNIT, rows(jobs[j])));
   }
 }
 
-int64_t inter_rows(const ExpertJob& j) { return j.g.N; }
-int64_t hidden_rows(const ExpertJob& j) { return j.d.N; }
-
-// a thread's share: at least ~32K weights (as min_rows), in units of `start`
+// a thread's share: at least ~32K weights, so a split pays for its hand-off; in units
 int64_t min_units(int64_t weights, int64_t units) {
   return std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, weights / std::max<int64_t>(1, units)));
 }
 
+// How a weight takes its input: float, or int8 activations in the int4 or the int8 layout.
+enum Acts { FLOAT_ACTS, INT4_ACTS, INT8_ACTS };
+
+Acts acts_for(const QW& w, bool i8a) {
+  return !use_i8a(w, i8a) ? FLOAT_ACTS : w.fmt == F_INT8 ? INT8_ACTS : INT4_ACTS;
+}
+
+// One input (T rows of K) as the weights it meets need it: quantized once, read by every thread.
+struct Input {
+  Acts kind = FLOAT_ACTS;
+  const float* x = nullptr;
+  int64_t T = 0;
+  std::vector<QAct> a4;
+  std::vector<QAct8> a8;
+
+  void set(Acts k, const float* xs, int64_t t, const QW& w) {
+    kind = k, x = xs, T = t;
+    if (k == INT8_ACTS) quant_into(x, T, w.K, a8);
+    else if (k == INT4_ACTS) quant_into(x, T, w.K, w.G, a4);
+  }
+  // rows [rb, re) of out[T, w.N] = input @ w.T
+  void rows(const QW& w, int64_t rb, int64_t re, float* out, int64_t direct_max_t) const {
+    if (kind == INT8_ACTS) rows_i8a_int8(w, rb, re, a8, out, w.N);
+    else if (kind == INT4_ACTS) rows_i8a(w, rb, re, a4, out, w.N);
+    else rows_dispatch(w, rb, re, x, T, out, w.N, direct_max_t);
+  }
+};
+
+// One expert's state in experts(): its input, its hidden activation, its gate/up buffers.
+struct ExpertState {
+  Input in, hid;
+  std::vector<float> g, u;
+};
+
+int64_t out_rows(const LinearJob& j) { return j.w.N; }
+int64_t inter_rows(const ExpertJob& j) { return j.g.N; }
+int64_t hidden_rows(const ExpertJob& j) { return j.d.N; }
+
 }  // namespace
 
+// Buffers are thread-local and reused: a decode step makes thousands of these calls, for weights as
+// small as 18 KB. Neither function calls itself or the other, so one set per thread suffices. The
+// pool's workers reach the caller's set through a local reference (a thread_local named inside
+// the lambda would be each worker's own, empty one).
 void linears(std::vector<LinearJob>& jobs, int64_t direct_max_t, bool i8a) {
   const size_t J = jobs.size();
-  std::vector<std::vector<QAct>> a4(J);
-  std::vector<std::vector<QAct8>> a8(J);
-  std::vector<int64_t> start(J + 1, 0);
+  static thread_local std::vector<Input> mine;
+  std::vector<Input>& ins = mine;
+  ins.resize(J);
+  std::vector<size_t> src(J);  // which input each job reads: consecutive jobs on one x share it
   int64_t work = 0;
-  for (size_t j = 0; j < J; j++) {  // quantize each distinct input once
+  for (size_t j = 0; j < J; j++) {
     const LinearJob& jb = jobs[j];
-    const bool shared = j > 0 && jobs[j - 1].x == jb.x && jobs[j - 1].w.K == jb.w.K && jobs[j - 1].w.G == jb.w.G;
-    if (use_i8a(jb.w, i8a) && jb.w.fmt == F_INT8) {
-      if (shared && !a8[j - 1].empty()) a8[j] = a8[j - 1]; else quant_into(jb.x, jb.T, jb.w.K, a8[j]);
-    } else if (use_i8a(jb.w, i8a)) {
-      if (shared && !a4[j - 1].empty()) a4[j] = a4[j - 1]; else quant_into(jb.x, jb.T, jb.w.K, jb.w.G, a4[j]);
-    }
-    start[j + 1] = start[j] + (jb.w.N + UNIT - 1) / UNIT;
+    const Acts kind = acts_for(jb.w, i8a);
+    const bool same = j > 0 && jobs[j - 1].x == jb.x && jobs[j - 1].T == jb.T && ins[src[j - 1]].kind == kind &&
+                      jobs[j - 1].w.K == jb.w.K && jobs[j - 1].w.G == jb.w.G;
+    src[j] = same ? src[j - 1] : j;
+    if (!same) ins[j].set(kind, jb.x, jb.T, jb.w);
     work += jb.w.N * jb.w.K;
   }
+  const std::vector<int64_t> start = unit_starts(jobs, out_rows);
   parallel(start[J], 1, min_units(work, start[J]), [&](int64_t b, int64_t e) {
-    size_t j = std::upper_bound(start.begin(), start.end(), b) - start.begin() - 1;
-    for (int64_t unit = b; unit < e; unit++) {
-      while (unit >= start[j + 1]) j++;
-      const LinearJob& jb = jobs[j];
-      const int64_t rb = (unit - start[j]) * UNIT, re = std::min(rb + UNIT, jb.w.N);
-      if (!a8[j].empty()) rows_i8a_int8(jb.w, rb, re, a8[j], jb.out, jb.w.N);
-      else if (!a4[j].empty()) rows_i8a(jb.w, rb, re, a4[j], jb.out, jb.w.N);
-      else rows_dispatch(jb.w, rb, re, jb.x, jb.T, jb.out, jb.w.N, direct_max_t);
-    }
+    for_units(start, b, e, jobs, out_rows, [&](size_t j, int64_t rb, int64_t re) {
+      ins[src[j]].rows(jobs[j].w, rb, re, jobs[j].out, direct_max_t);
+    });
   });
 }
 
 void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
   const size_t J = jobs.size();
-  std::vector<JobState> st(J);
+  static thread_local std::vector<ExpertState> mine;
+  std::vector<ExpertState>& st = mine;
+  st.resize(J);
   int64_t work = 0;
   for (size_t j = 0; j < J; j++) {
     const ExpertJob& jb = jobs[j];
-    JobState& s = st[j];
-    s.gu8 = use_i8a(jb.g, i8a) && use_i8a(jb.u, i8a) && jb.g.fmt == jb.u.fmt && jb.g.G == jb.u.G;
-    s.d8 = use_i8a(jb.d, i8a);
-    s.g.resize(jb.T * jb.g.N);
-    s.u.resize(jb.T * jb.g.N);
-    if (s.gu8 && jb.g.fmt == F_INT8) quant_into(jb.x, jb.T, jb.g.K, s.x8);
-    else if (s.gu8) quant_into(jb.x, jb.T, jb.g.K, jb.g.G, s.x4);
+    // gate and up (same shape) take int8 activations together, sharing the quantized x
+    const Acts kind = acts_for(jb.g, i8a) == acts_for(jb.u, i8a) && jb.g.G == jb.u.G ? acts_for(jb.g, i8a) : FLOAT_ACTS;
+    st[j].in.set(kind, jb.x, jb.T, jb.g);
+    st[j].g.resize(jb.T * jb.g.N);
+    st[j].u.resize(jb.T * jb.g.N);
     work += jb.g.N * jb.g.K;
   }
   // gate and up rows (and silu on them) of every job
   const std::vector<int64_t> su = unit_starts(jobs, inter_rows);
   const int64_t share = min_units(work, su[J]);
   parallel(su[J], 1, share, [&](int64_t b, int64_t e) {
-    for_units(su, b, e, inter_rows, jobs, [&](size_t j, int64_t rb, int64_t re) {
+    for_units(su, b, e, jobs, inter_rows, [&](size_t j, int64_t rb, int64_t re) {
       const ExpertJob& jb = jobs[j];
-      JobState& s = st[j];
+      ExpertState& s = st[j];
       const int64_t I = jb.g.N;
-      float *gp = s.g.data(), *up = s.u.data();
-      if (s.gu8 && jb.g.fmt == F_INT8) {
-        rows_i8a_int8(jb.g, rb, re, s.x8, gp, I);
-        rows_i8a_int8(jb.u, rb, re, s.x8, up, I);
-      } else if (s.gu8) {
-        rows_i8a(jb.g, rb, re, s.x4, gp, I);
-        rows_i8a(jb.u, rb, re, s.x4, up, I);
-      } else {
-        rows_dispatch(jb.g, rb, re, jb.x, jb.T, gp, I, direct_max_t);
-        rows_dispatch(jb.u, rb, re, jb.x, jb.T, up, I, direct_max_t);
-      }
-      for (int64_t t = 0; t < jb.T; t++) silu_mul_n(gp + t * I + rb, up + t * I + rb, re - rb);
+      s.in.rows(jb.g, rb, re, s.g.data(), direct_max_t);
+      s.in.rows(jb.u, rb, re, s.u.data(), direct_max_t);
+      for (int64_t t = 0; t < jb.T; t++) silu_mul_n(s.g.data() + t * I + rb, s.u.data() + t * I + rb, re - rb);
     });
   });
-  for (size_t j = 0; j < J; j++) {  // the hidden activations of the down projections
-    const ExpertJob& jb = jobs[j];
-    if (!st[j].d8) continue;
-    if (jb.d.fmt == F_INT8) quant_into(st[j].g.data(), jb.T, jb.d.K, st[j].h8);
-    else quant_into(st[j].g.data(), jb.T, jb.d.K, jb.d.G, st[j].h4);
-  }
+  for (size_t j = 0; j < J; j++)  // the hidden activations, as the down projections take them
+    st[j].hid.set(acts_for(jobs[j].d, i8a), st[j].g.data(), jobs[j].T, jobs[j].d);
   const std::vector<int64_t> sd = unit_starts(jobs, hidden_rows);
   parallel(sd[J], 1, share, [&](int64_t b, int64_t e) {
-    for_units(sd, b, e, hidden_rows, jobs, [&](size_t j, int64_t rb, int64_t re) {
-      const ExpertJob& jb = jobs[j];
-      const JobState& s = st[j];
-      const int64_t H = jb.d.N;
-      if (s.d8 && jb.d.fmt == F_INT8) rows_i8a_int8(jb.d, rb, re, s.h8, jb.out, H);
-      else if (s.d8) rows_i8a(jb.d, rb, re, s.h4, jb.out, H);
-      else rows_dispatch(jb.d, rb, re, s.g.data(), jb.T, jb.out, H, direct_max_t);
+    for_units(sd, b, e, jobs, hidden_rows, [&](size_t j, int64_t rb, int64_t re) {
+      st[j].hid.rows(jobs[j].d, rb, re, jobs[j].out, direct_max_t);
     });
   });
+}
+
+void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, bool i8a) {
+  std::vector<LinearJob> one{{w, x, T, out}};
+  linears(one, direct_max_t, i8a);
+}
+
+void expert(const QW& wg, const QW& wu, const QW& wd, const float* x, int64_t T, float* out,
+            int64_t direct_max_t, bool i8a) {
+  std::vector<ExpertJob> one{{wg, wu, wd, x, T, out}};
+  experts(one, direct_max_t, i8a);
 }
 
 }  // namespace ms

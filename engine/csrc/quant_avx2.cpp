@@ -273,7 +273,7 @@ void set_prefetch_rows(int64_t rows) { g_prefetch_rows = rows; }
 // rows per thread share: at least ~32K weights, so a split pays for its hand-off (as quant.cpp)
 static int64_t min_rows(const QW& w) { return std::max<int64_t>(8, (1 << 15) / w.K); }
 
-void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, bool /*i8a*/, int /*slot*/) {
+void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, bool /*i8a*/) {
   if (T == 0) return;
   parallel(w.N, 8, min_rows(w), [&](int64_t b, int64_t e) { rows_dispatch(w, b, e, x, T, out, w.N, direct_max_t); });
 }
@@ -292,12 +292,12 @@ void expert(const QW& wg, const QW& wu, const QW& wd, const float* x, int64_t T,
     rows_dispatch(wu, b, e, x, T, up, I, direct_max_t);
     for (int64_t t = 0; t < T; t++) silu_mul_n(gp + t * I + b, up + t * I + b, e - b);
   });
-  linear(wd, gp, T, out, direct_max_t, false, 1);
+  linear(wd, gp, T, out, direct_max_t, false);
 }
 
 // The AVX2 build runs a group one linear after another (each splits its rows over the pool).
 void linears(std::vector<LinearJob>& jobs, int64_t direct_max_t, bool i8a) {
-  for (LinearJob& j : jobs) linear(j.w, j.x, j.T, j.out, direct_max_t, i8a, 0);
+  for (LinearJob& j : jobs) linear(j.w, j.x, j.T, j.out, direct_max_t, i8a);
 }
 
 // The AVX2 build runs a group one expert after another (each splits its rows over the pool).

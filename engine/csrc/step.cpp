@@ -130,7 +130,7 @@ void add_bias(float* y, const at::Tensor& bias, int64_t T, int64_t N) {
 }
 
 void apply(const Linear& l, const float* x, int64_t T, float* out, int64_t dmt, bool i8a) {
-  linear(l.w, x, T, out, dmt, i8a, 0);
+  linear(l.w, x, T, out, dmt, i8a);
   add_bias(out, l.bias, T, l.w.N);
 }
 
