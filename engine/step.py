@@ -29,7 +29,7 @@ from torch import nn
 
 from engine.kv.base import BatchLayout, KVCache
 from engine.layers.mlp import SwiGLU
-from engine.layers.moe import SparseMoE
+from engine.layers.moe import SparseMoE, fetch_and_compute
 from engine.options import options
 from engine.quant.kernels import DIRECT_MAX_T, backend_for, int8_activations, load_extension, native_linear
 from engine.quant.linear import QuantLinear
@@ -150,22 +150,17 @@ class NativeStep:
             uniq = torch.unique(ids).tolist()
         for observe in mlp.observers:
             observe(mlp.layer, ids)
-        chunk = provider.max_experts_per_acquire or len(uniq)
         dense = self.ffn[i]
-        for start in range(0, len(uniq), chunk):
-            part = uniq[start:start + chunk]
-            experts = provider.acquire(mlp.layer, part)  # fetch
-            try:
-                if start == 0:
-                    provider.observe_hidden(mlp.layer, h)
-                resolved = provider.slot_table(mlp.layer, part, experts)
-                table, slots = resolved if resolved is not None else (EMPTY_IDS, [-1] * len(part))
-                ext.ffn_block(x, h, ids, w, part, slots, table, dense if start == 0 else None,
-                              DIRECT_MAX_T, int8_activations())
-                for e, slot in zip(part, slots):
-                    if slot < 0:  # computed through the expert's own forward
-                        tok, k = (ids == e).nonzero(as_tuple=True)
-                        y = experts[e].forward(h[tok]).float() * w[tok, k, None]
-                        x.index_add_(0, tok, y)
-            finally:
-                provider.release(mlp.layer, part)
+
+        def compute(start: int, part: list[int], experts) -> None:
+            resolved = provider.slot_table(mlp.layer, part, experts)
+            table, slots = resolved if resolved is not None else (EMPTY_IDS, [-1] * len(part))
+            ext.ffn_block(x, h, ids, w, part, slots, table, dense if start == 0 else None,
+                          DIRECT_MAX_T, int8_activations())
+            for e, slot in zip(part, slots):
+                if slot < 0:  # computed through the expert's own forward
+                    tok, k = (ids == e).nonzero(as_tuple=True)
+                    y = experts[e].forward(h[tok]).float() * w[tok, k, None]
+                    x.index_add_(0, tok, y)
+
+        fetch_and_compute(provider, mlp.layer, uniq, h, compute)

@@ -26,6 +26,12 @@ class StoreModel:
             self.cache.close()
         self.store.close()
 
+    def __enter__(self) -> "StoreModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def load_from_store(store_path, *, device_budget: int | None = None, ram_budget: int | None = None,
                     policy: str = "lfu", prefetch_depth: int | None = None, miss_compute: str = "transfer",

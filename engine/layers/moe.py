@@ -79,6 +79,24 @@ class ExpertProvider(ABC):
         they compute: prefetching for the next layers overlaps this layer's compute."""
 
 
+def fetch_and_compute(provider: ExpertProvider, layer: int, expert_ids: list[int], hidden: torch.Tensor,
+                      compute: Callable[[int, list[int], Mapping[int, Expert]], None]) -> None:
+    """The fetch stage around the compute stage: ``expert_ids`` in chunks the provider can hold at
+    once, each acquired (pinned), computed by ``compute(start, part, experts)`` (``start``: the
+    chunk's offset in ``expert_ids``) and released whatever compute raises; prefetch for the next
+    layers starts once the first chunk is acquired, so it overlaps this layer's compute."""
+    chunk = provider.max_experts_per_acquire or len(expert_ids)
+    for start in range(0, len(expert_ids), chunk):
+        part = expert_ids[start:start + chunk]
+        experts = provider.acquire(layer, part)
+        try:
+            if start == 0:
+                provider.observe_hidden(layer, hidden)
+            compute(start, part, experts)
+        finally:
+            provider.release(layer, part)
+
+
 class ResidentExperts(ExpertProvider):
     """Every expert resident in memory: the reference fetch stage."""
 
@@ -156,19 +174,14 @@ class SparseMoE(nn.Module):
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)
-        chunk = provider.max_experts_per_acquire or len(ids)
         contributions = []
-        for start in range(0, len(ids), chunk):
-            part = ids[start:start + chunk]
-            experts = provider.acquire(self.layer, part)  # fetch
-            try:
-                if start == 0:
-                    provider.observe_hidden(self.layer, x)
-                for j, e in enumerate(part, start):  # compute, grouped by expert
-                    a, b = starts[j], starts[j + 1]
-                    contributions.append(experts[e].forward(xs[a:b]) * ws[a:b])
-            finally:
-                provider.release(self.layer, part)
+
+        def compute(start: int, part: list[int], experts: Mapping[int, Expert]) -> None:
+            for j, e in enumerate(part, start):  # grouped by expert
+                a, b = starts[j], starts[j + 1]
+                contributions.append(experts[e].forward(xs[a:b]) * ws[a:b])
+
+        fetch_and_compute(provider, self.layer, ids, x, compute)  # fetch + compute
         # combine: one scatter-add for the whole layer (a per-expert index_add_ cost ~0.15 ms
         # each, more than the int4 expert itself at decode)
         out = torch.zeros_like(x).index_add_(0, rows, torch.cat(contributions).to(x.dtype))

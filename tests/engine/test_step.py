@@ -21,7 +21,7 @@ from engine.models.load import build_model
 from engine.options import configure, options
 from engine.quant.kernels import load_extension
 from engine.quant.linear import quantize_dense
-from engine.store import convert
+from engine.store import ExpertStore, convert
 from engine.quant.formats import QuantFormat
 from tests.engine.models.hf_tiny import make_checkpoint
 
@@ -116,22 +116,20 @@ BOUND = {False: 2e-4, True: 2e-2}
 @pytest.mark.parametrize("kv_kind", ["paged-bf16", "paged-fp32"])
 def test_native_step_matches_torch_layers_on_mixed_batches(store, dense, i8a, kv_kind, fused):
     configure(int8_activations=i8a)
-    sm = load_from_store(store, prefetch_depth=0, dense=dense)
-    cfg = sm.model.config
     dtype = torch.bfloat16 if kv_kind == "paged-bf16" else torch.float32
+    with load_from_store(store, prefetch_depth=0, dense=dense) as sm:
+        cfg = sm.model.config
 
-    def kv():
-        return PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=4, dtype=dtype)
+        def kv():
+            return PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=4,
+                                dtype=dtype)
 
-    try:
         want = steps(sm.model, kv(), False, fused)
         calls = spy(sm.model, fused).calls
         got = steps(sm.model, kv(), True, fused)
         assert calls["attn_block"] == 3 * cfg.num_layers  # the native path ran every step
         for a, b in zip(got, want):
             close(a, b, BOUND[i8a and sm.model.native_step().ext.ext.has_vnni()])
-    finally:
-        sm.close()
 
 
 def greedy(model, n=16, kv=None):
@@ -139,37 +137,28 @@ def greedy(model, n=16, kv=None):
 
 
 def test_greedy_tokens_identical_through_the_expert_cache(store, fused):
-    sm = load_from_store(store, prefetch_depth=0, dense="int8")
-    try:
+    with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
         fused(False)
         want = greedy(sm.model)
         fused(True)
         calls = spy(sm.model, fused).calls
         assert greedy(sm.model) == want
         assert calls["ffn_block"] > 0
-    finally:
-        sm.close()
-    from engine.store import ExpertStore
-
     with ExpertStore(store) as s:
         slot, top_k = align_up(s.expert_nbytes), s.config.moe.top_k
     for kw in (dict(device_budget=top_k * slot, prefetch_depth=1),  # chunked prefill, misses, prefetch
                dict(device_budget=top_k * slot, prefetch_depth=0, miss_compute="cpu")):  # slot -1 path
-        sm = load_from_store(store, dense="int8", **kw)
-        try:
+        with load_from_store(store, dense="int8", **kw) as sm:
             calls = spy(sm.model, fused).calls
             assert greedy(sm.model) == want, kw
             assert calls["ffn_block"] > 0
             sm.cache.drain()
             assert sm.cache.pins == {}, kw
-        finally:
-            sm.close()
 
 
 def test_decode_is_three_native_calls_per_layer_and_one_for_the_head(store, fused):
     fused(True)
-    sm = load_from_store(store, prefetch_depth=0, dense="int8")
-    try:
+    with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
         cfg = sm.model.config
         kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         sm.model(torch.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv)
@@ -177,19 +166,13 @@ def test_decode_is_three_native_calls_per_layer_and_one_for_the_head(store, fuse
         sm.model(torch.tensor([7]), BatchLayout.single(0, 1, len(PROMPT)), kv)
         assert dict(calls) == {"attn_block": cfg.num_layers, "route": cfg.num_layers, "ffn_block": cfg.num_layers,
                                "head_block": 1}
-    finally:
-        sm.close()
 
 
 def test_fp8_kv_and_fp32_dense_run_the_torch_layers(store, fused):
     fused(True)
-    sm = load_from_store(store, prefetch_depth=0, dense="fp32")
-    try:
+    with load_from_store(store, prefetch_depth=0, dense="fp32") as sm:
         assert sm.model.native_step() is None  # fp32 dense: the exact reference path
-    finally:
-        sm.close()
-    sm = load_from_store(store, prefetch_depth=0, dense="int8")
-    try:
+    with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
         cfg = sm.model.config
         kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=8, block_size=4, dtype=FP8)
         calls = spy(sm.model, fused).calls
@@ -197,8 +180,6 @@ def test_fp8_kv_and_fp32_dense_run_the_torch_layers(store, fused):
         fp8 = greedy(sm.model, 6, kv=kv)
         assert calls["attn_block"] == 6 * cfg.num_layers  # only the contiguous run was native
         assert len(fp8) == 6 and fp8[0] == want[0]
-    finally:
-        sm.close()
 
 
 def test_dense_llama_matches(tmp_path, fused):

@@ -5,10 +5,9 @@ loaders mid-generation change no token."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
