@@ -263,3 +263,30 @@ def test_quantize_activations_rule_and_zero_blocks():
     want = torch.round(x.reshape(2, 3, 32) * (1.0 / torch.where(nz, d, torch.ones_like(d)))[..., None])
     assert torch.equal(q.reshape(2, 3, 32)[nz], want.to(torch.int8)[nz])
     assert int(q.abs().max()) == 127
+
+
+@pytest.mark.skipif(not HAVE_CPP, reason="C++ kernels unavailable")
+@pytest.mark.parametrize("name", ["int4", "int8", "bf16"])
+def test_rows_split_over_the_pool_match_the_reference_and_one_thread(name):
+    """Weights large enough that linear()/expert() split their rows over two pool threads (each
+    worker reads the caller's quantized input): the same numbers as one thread, and the reference."""
+    from engine.options import configure
+
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    fmt = QuantFormat(name, 64)
+    q = quantize(torch.randn(512, 1024, generator=gen) * 0.05, fmt)
+    g, u = (quantize(torch.randn(512, 1024, generator=gen) * 0.05, fmt) for _ in range(2))
+    d = quantize(torch.randn(1024, 512, generator=gen) * 0.05, fmt)
+    x = torch.randn(5, 1024, generator=gen)
+    prev = configure(native_threads=2)
+    try:
+        K.load_extension().set_threads(2)
+        two = [(K.qlinear(x[:t], q), K.expert_forward(x[:t], g, u, d)) for t in (1, 5)]
+        K.load_extension().set_threads(1)
+        one = [(K.qlinear(x[:t], q), K.expert_forward(x[:t], g, u, d)) for t in (1, 5)]
+    finally:
+        configure(prev)
+        K.load_extension().set_threads(K.native_threads())
+    for (y2, e2), (y1, e1), t in zip(two, one, (1, 5)):
+        assert torch.equal(y2, y1) and torch.equal(e2, e1)
+        assert_close_to_cpp_ref(y2, x[:t], q)
