@@ -1,6 +1,6 @@
-"""Single-sequence generation loop over a KV cache: prefill, then decode token by token,
-streaming text as it becomes complete. The serving engine (engine.runner) batches many of these;
-this loop is the reference it is checked against."""
+"""Single-sequence generation over a KV cache: prefill, then decode token by token. This is
+the reference the serving engine (engine.runner.Engine, the one decode loop every caller uses)
+is checked against in tests, and the prompt validation both share."""
 
 from __future__ import annotations
 
@@ -118,12 +118,10 @@ def generate_ids(model: CausalLM, prompt_ids: Sequence[int], sampling: SamplingC
 
 
 def generate_text(model: CausalLM, tokenizer, prompt_ids: Sequence[int],
-                  sampling: SamplingConfig, token_stream=None) -> Iterator[StreamEvent]:
+                  sampling: SamplingConfig) -> Iterator[StreamEvent]:
     """Stream text: each event carries the text completed by one token (never half a UTF-8
     character, never a prefix of a stop string), then one final event with the finish reason.
-
-    ``token_stream(eos_ids)`` replaces the plain loop (generate_ids) with any iterator of
-    (token, logits or None, stats), e.g. speculative decoding."""
+    The single-sequence oracle of the serving engine's streamed text (tests)."""
     from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
     detok = IncrementalDetokenizer(tokenizer, prompt_ids=list(prompt_ids))
@@ -132,12 +130,10 @@ def generate_text(model: CausalLM, tokenizer, prompt_ids: Sequence[int],
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
     reason = "length"
 
-    gen = (token_stream(sorted(eos)) if token_stream is not None
-           else generate_ids(model, prompt_ids, sampling, eos_ids=sorted(eos)))
+    gen = generate_ids(model, prompt_ids, sampling, eos_ids=sorted(eos))
     stopped = False
     for token, logits, stats in gen:
-        lp = (top_logprobs(logits, token, sampling.logprobs)
-              if sampling.logprobs is not None and logits is not None else None)
+        lp = top_logprobs(logits, token, sampling.logprobs) if sampling.logprobs is not None else None
         if (token in eos and not sampling.ignore_eos) or token in sampling.stop_token_ids:
             reason = "stop"
             gen.close()

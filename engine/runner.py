@@ -1,9 +1,15 @@
 """The serving engine: many requests, one flat batch per step over a paged KV cache.
 
     step():  plan = scheduler.schedule()         # which sequences, how many tokens each
+             drafts for speculating decode rows   # engine.speculative: k tokens per sequence
              logits = model(tokens, layout, kv)  # one forward; MoE groups tokens by expert
-             sample each sequence that finished its prefill or is decoding
+             accept_tokens per sequence that finished its prefill or is decoding (no drafts:
+             plain sampling; drafts: the accepted prefix + one target token)
              update sequences, stream text, retire the finished (their KV blocks freed)
+
+This is the one decode loop: the CLI's in-process ``generate``, the decode actor (and through
+it the Ray client and the HTTP API) and the benchmarks all run it; engine.generate.generate_ids
+stays only as the single-sequence test oracle.
 
 Each request samples with its own SamplerState, so a seeded request gives the same tokens
 alone or inside any batch. Expert pins are taken and released inside each MoE layer during
@@ -22,10 +28,11 @@ from engine.errors import ConfigError, RequestValidationError
 from engine.generate import Request, validate_prompt
 from engine.kv.base import BatchLayout
 from engine.kv.paged import KVMetrics, PagedKVCache
-from engine.layers.sampler import SamplingConfig, sample, top_logprobs
+from engine.layers.sampler import SamplingConfig, top_logprobs
 from engine.models.base import CausalLM
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats, StepPlan
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerStats, StepPlan
 from engine.sequence import FinishReason, Sequence
+from engine.speculative import SeqSpeculation, SpeculativeConfig, SpecStats, accept_tokens, cache_counters
 
 
 @dataclass
@@ -38,6 +45,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     logprobs: list[dict] | None = None
+    spec: SpecStats | None = None  # on the final output of a request that speculated
 
 
 @dataclass
@@ -52,6 +60,7 @@ class RequestResult:
     ttft: float | None  # seconds from add_request to the first token
     inter_token_latencies: list[float]
     num_preemptions: int
+    spec: SpecStats | None = None  # None: the request did not speculate
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,8 @@ class EngineMetrics:
     running: int
     waiting: int
     kv: KVMetrics
+    draft_tokens: int = 0  # speculative drafts verified
+    accepted_draft_tokens: int = 0
 
 
 class Engine:
@@ -72,10 +83,14 @@ class Engine:
     caller drives it (the decode actor's loop); ``abort`` is called between steps."""
 
     def __init__(self, model: CausalLM, tokenizer=None, kv: PagedKVCache | None = None,
-                 config: SchedulerConfig = SchedulerConfig()) -> None:
+                 config: SchedulerConfig = SchedulerConfig(),
+                 speculative: SpeculativeConfig | None = None) -> None:
         if kv is None:
             raise ConfigError("Engine needs a PagedKVCache (e.g. PagedKVCache.from_budget)")
+        if speculative is not None:
+            speculative.check_target(model)
         self.model, self.tokenizer, self.kv = model, tokenizer, kv
+        self.speculative = speculative
         self.scheduler = Scheduler(config, kv)
         cfg = model.config
         self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(
@@ -83,6 +98,25 @@ class Engine:
         self._next_seq_id = 0
         self._prompt_tokens = 0
         self._generated_tokens = 0
+        self._drafted = self._accepted = 0
+
+    @classmethod
+    def for_requests(cls, model: CausalLM, tokenizer=None, tokens: int = 2048, seqs: int = 1,
+                     speculative: SpeculativeConfig | None = None, max_batched_tokens: int = 512,
+                     block_size: int = 16) -> "Engine":
+        """An engine whose KV cache holds ``seqs`` sequences of ``tokens`` tokens (prompt +
+        max_tokens) each, at the model's dtype: the in-process CLI, benchmarks and tests."""
+        from engine.kv.state import kv_cache_from_budget, slot_bytes
+
+        cfg = model.config
+        dtype = model.model.embed_tokens.weight.dtype
+        budget = seqs * (-(-tokens // block_size) + 1) * PagedKVCache.block_bytes(cfg, block_size, dtype)
+        if cfg.linear_attn is not None:  # recurrent state gets at most half of a hybrid budget
+            budget = 2 * (budget + seqs * slot_bytes(cfg))
+        kv = kv_cache_from_budget(cfg, budget, block_size, dtype=dtype, max_seqs=seqs,
+                                  device=model.model.embed_tokens.weight.device)
+        return cls(model, tokenizer, kv, SchedulerConfig(max_num_batched_tokens=max_batched_tokens,
+                                                         max_num_seqs=seqs), speculative)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Seq[int],
@@ -94,7 +128,15 @@ class Engine:
         validate_prompt(prompt_ids, cfg.vocab_size, sampling.max_tokens, cfg.max_position_embeddings)
         if sampling.stop and self.tokenizer is None:
             raise RequestValidationError("stop strings need an Engine built with a tokenizer")
+        spec = self.speculative
+        wants = sampling.speculative if sampling.speculative is not None else (spec is not None and spec.default)
+        if wants and spec is None:
+            raise RequestValidationError("speculative=true: this engine has no drafter (start it with "
+                                         "a speculative mode, e.g. `--speculative ngram`)")
         seq = Sequence(str(request_id), self._next_seq_id, list(prompt_ids), sampling)
+        if wants:
+            seq.spec = SeqSpeculation(spec, self.model, self.kv, seq.seq_id, seq.sampler,
+                                      sampling.num_speculative_tokens)
         if self.tokenizer is not None:
             from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -107,7 +149,10 @@ class Engine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a request with reason "abort" and free its KV blocks; None if unknown."""
         seq = self.scheduler.abort(str(request_id))
-        return None if seq is None else RequestOutput(seq.request_id, [], "", True, "abort")
+        if seq is None:
+            return None
+        self._end_spec(seq)
+        return RequestOutput(seq.request_id, [], "", True, "abort", spec=self._spec_stats(seq))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -116,52 +161,121 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one forward over the scheduled batch; one output per request that sampled."""
         plan = self.scheduler.schedule()
+        for seq in plan.preempted:
+            if seq.spec is not None:
+                seq.spec.discard()
         if not plan.entries:
             assert not self.has_unfinished(), "scheduler stalled with requests queued"
             return []
-        tokens, layout = self._prepare(plan, self.model.model.embed_tokens.weight.device)
-        logits = self.model(tokens, layout, self.kv).cpu()  # [S, V]; samplers' generators are CPU
+        plan = self._draft(plan)
+        tokens, layout, rows = self._prepare(plan, self.model.model.embed_tokens.weight.device)
+        cache = self.speculative.cache if self.speculative is not None else None
+        b0, s0, _ = cache_counters(cache)
+        t0 = time.perf_counter()
+        # [R, V], R = the rows that sample (each sequence's last, plus its drafts' rows); the
+        # samplers' generators are on the CPU
+        logits = self.model(tokens, layout, self.kv, rows=rows).cpu()
+        t_forward = time.perf_counter() - t0
+        b1, s1, _ = cache_counters(cache)
         self.scheduler.commit(plan)
         now = time.perf_counter()
-        outputs = []
-        for row, (seq, _, _) in zip(logits, plan):
-            if seq.num_uncomputed_tokens == 0:  # prefill done or decoding: sample
-                token = sample(row, seq.sampler)
-                outputs.append(self._update(seq, token, row, now))
+        outputs, r = [], 0
+        for seq, n, ctx in plan:
+            spec = seq.spec
+            drafts = spec.drafts if spec is not None else []
+            rows_here = logits[r:r + 1 + len(drafts)]
+            r += 1 + len(drafts)
+            if seq.num_uncomputed_tokens + len(drafts) > 0:
+                continue  # a prefill chunk that does not end the prompt: nothing to sample
+            tokens_out, accepted = accept_tokens(rows_here, drafts, spec.qs if spec else None, seq.sampler)
+            if drafts:
+                # the K/V of rejected drafts is stale: resume after the last accepted one
+                seq.num_computed_tokens = ctx + n - len(drafts) + accepted
+                self._drafted += len(drafts)
+                self._accepted += accepted
+            if spec is not None and spec.started and n - len(drafts) == 1:  # a decode row
+                spec.observe(accepted, t_forward, s1 - s0, b1 - b0)
+            outputs.append(self._update(seq, tokens_out, rows_here, now))
         return outputs
 
+    def _draft(self, plan: StepPlan) -> StepPlan:
+        """Give each speculating decode row its drafts: the entry grows from 1 token to 1 + k,
+        within the step's token budget, the request's max_tokens and the KV cache's free blocks."""
+        budget = self.scheduler.config.max_num_batched_tokens - plan.num_tokens
+        entries = list(plan.entries)
+        for i, (seq, n, ctx) in enumerate(entries):
+            spec = seq.spec
+            if spec is None or n != 1 or seq.num_uncomputed_tokens != 1:
+                continue  # not speculating, or not decoding (prefill chunks never draft)
+            # k + 1 tokens can come out of a step: never draft past max_tokens
+            k = spec.draft_length(min(seq.sampling.max_tokens - len(seq.output_ids) - 1, budget))
+            if k > 0 and not self.kv.can_allocate(seq.seq_id, ctx + 1 + k):
+                k = 0  # no room for drafts: a plain step
+            if k > 0:
+                self.kv.allocate(seq.seq_id, ctx + 1 + k)  # self-speculation writes there
+            drafts = spec.propose(seq.all_ids, k)
+            budget -= len(drafts)
+            self.scheduler.stats.scheduled_tokens += len(drafts)
+            entries[i] = ScheduledSeq(seq, 1 + len(drafts), ctx)
+        return StepPlan(tuple(entries), plan.preempted)
+
     @staticmethod
-    def _prepare(plan: StepPlan, device: torch.device) -> tuple[torch.Tensor, BatchLayout]:
+    def _prepare(plan: StepPlan, device: torch.device) -> tuple[torch.Tensor, BatchLayout, list[int] | None]:
         ids: list[int] = []
+        rows: list[int] = []
+        speculating = False
         for seq, n, ctx in plan:
-            ids += seq.token_slice(ctx, n)
+            d = len(seq.spec.drafts) if seq.spec is not None else 0
+            ids += seq.token_slice(ctx, n - d) + (seq.spec.drafts if d else [])
+            rows += range(len(ids) - 1 - d, len(ids))
+            speculating |= d > 0
         layout = BatchLayout(tuple(e.seq.seq_id for e in plan), tuple(e.n_tokens for e in plan),
                              tuple(e.context_len for e in plan))
-        return torch.tensor(ids, dtype=torch.long, device=device), layout
+        # rows None: each sequence's last row (the common case, no index list to build)
+        return torch.tensor(ids, dtype=torch.long, device=device), layout, (rows if speculating else None)
 
-    def _update(self, seq: Sequence, token: int, logits: torch.Tensor, now: float) -> RequestOutput:
-        seq.append_token(token, now)
-        self._generated_tokens += 1
+    def _update(self, seq: Sequence, tokens: list[int], logits: torch.Tensor, now: float) -> RequestOutput:
+        """Emit ``tokens`` (logits row i produced token i) until a stop rule ends the request."""
         c = seq.sampling
-        out = RequestOutput(seq.request_id, [token])
+        out = RequestOutput(seq.request_id, [])
         if c.logprobs is not None:
-            out.logprobs = [top_logprobs(logits, token, c.logprobs)]
+            out.logprobs = []
         reason: FinishReason | None = None
-        if token in c.stop_token_ids or (token in self.eos_ids and not c.ignore_eos):
-            reason = "stop"  # the stop token's text is not streamed
-        elif seq.detokenizer is not None:
-            out.new_text, stopped = seq.stop_matcher.feed(seq.detokenizer.push(token))
-            reason = "stop" if stopped else None
-        if reason is None and len(seq.output_ids) >= c.max_tokens:
-            reason = "length"
+        for token, row in zip(tokens, logits):
+            seq.append_token(token, now)
+            self._generated_tokens += 1
+            out.new_token_ids.append(token)
+            if c.logprobs is not None:
+                out.logprobs.append(top_logprobs(row, token, c.logprobs))
+            if token in c.stop_token_ids or (token in self.eos_ids and not c.ignore_eos):
+                reason = "stop"  # the stop token's text is not streamed
+            elif seq.detokenizer is not None:
+                text, stopped = seq.stop_matcher.feed(seq.detokenizer.push(token))
+                out.new_text += text
+                reason = "stop" if stopped else None
+            if reason is None and len(seq.output_ids) >= c.max_tokens:
+                reason = "length"
+            if reason is not None:
+                break
         if reason is not None:
             if seq.detokenizer is not None and not seq.stop_matcher.stopped:
                 text, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
                 out.new_text += text if stopped else text + seq.stop_matcher.flush()
             self.scheduler.finish(seq, reason)
+            self._end_spec(seq)
             out.finished, out.finish_reason = True, reason
+            out.spec = self._spec_stats(seq)
         seq.text += out.new_text
         return out
+
+    @staticmethod
+    def _end_spec(seq: Sequence) -> None:
+        if seq.spec is not None:
+            seq.spec.end()
+
+    @staticmethod
+    def _spec_stats(seq: Sequence) -> SpecStats | None:
+        return seq.spec.stats if seq.spec is not None else None
 
     # ---- conveniences ----------------------------------------------------------------------
     def generate(self, requests: Iterable[Request | tuple[Seq[int], SamplingConfig]]) -> list[RequestResult]:
@@ -180,7 +294,8 @@ class Engine:
         while any(not s.is_finished for s in seqs):
             self.step()
         return [RequestResult(s.request_id, s.prompt_ids, s.output_ids, s.text, s.finish_reason,
-                              s.ttft, s.inter_token_latencies, s.num_preemptions) for s in seqs]
+                              s.ttft, s.inter_token_latencies, s.num_preemptions, self._spec_stats(s))
+                for s in seqs]
 
     def metrics(self) -> EngineMetrics:
         st: SchedulerStats = self.scheduler.stats
@@ -189,4 +304,5 @@ class Engine:
                              generated_tokens=self._generated_tokens,
                              recomputed_tokens=st.recomputed_tokens,
                              running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                             kv=self.kv.metrics())
+                             kv=self.kv.metrics(), draft_tokens=self._drafted,
+                             accepted_draft_tokens=self._accepted)

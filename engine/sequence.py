@@ -43,6 +43,7 @@ class Sequence:
     detokenizer: object | None = None  # engine.tokenizer.IncrementalDetokenizer
     stop_matcher: object | None = None  # engine.tokenizer.StopStringMatcher
     text: str = ""  # text emitted so far
+    spec: object | None = None  # engine.speculative.SeqSpeculation when this request speculates
     # latency bookkeeping (time.perf_counter seconds)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -85,8 +86,8 @@ class Sequence:
         return self.all_ids[start:start + n]
 
     def append_token(self, token: int, now: float) -> None:
+        """Record an emitted token (the sampler state has counted it: speculative.accept_tokens)."""
         self.output_ids.append(int(token))
-        self.sampler.accept(int(token))
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)

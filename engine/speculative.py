@@ -31,27 +31,39 @@ Drafters:
                        by the verify pass, which recomputes every one of them with the full model.
 
 The draft length is adaptive; see :class:`DraftLengthController` for the rule.
+
+Where it runs: inside the serving engine's step (engine.runner.Engine), for any batch of
+sequences: each speculating request has its own drafter and controller
+(:class:`SeqSpeculation`), its drafts ride in the step's one batched forward beside other
+requests' prefill chunks and decode rows, and :func:`accept_tokens` is the one sampling rule for
+every row (no drafts = plain sampling). So the CLI, the decode actor and the HTTP API all get it.
+
+Greedy identity needs more than the rejection rule: a row's logits must not depend on what else
+is in the step (how many rows of the same sequence, or of others, pass through an expert). The
+native kernels guarantee that bit for bit (tests/engine/quant/test_batch_invariance.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
+from torch import nn
 
 from engine.errors import ConfigError
-from engine.generate import GenerationStats, validate_prompt
 from engine.kv.base import BatchLayout, ContiguousKVCache, KVCache
-from engine.layers.sampler import SamplerState, SamplingConfig, distribution, sample
+from engine.layers.sampler import SamplerState, distribution, sample
 from engine.models.base import CausalLM
 
 __all__ = [
     "DraftContext", "DraftLengthController", "DraftModelDrafter", "Drafter", "NgramDrafter",
-    "SelfSpecDrafter", "SpecStats", "layer_skip_draft", "processed_probs", "speculative_generate",
+    "SelfSpecDrafter", "SeqSpeculation", "SpecStats", "SpeculativeConfig", "accept_tokens",
+    "layer_skip_draft", "processed_probs",
 ]
 
 
@@ -284,19 +296,19 @@ class SelfSpecDrafter:
 
 def layer_skip_draft(model: CausalLM, num_layers: int) -> CausalLM:
     """A cheap draft model: the first ``num_layers`` decoder layers of ``model`` followed by its
-    final norm and LM head. Shares every weight tensor (no copy) and the experts' provider."""
+    final norm and LM head. Shares every module (no copy, any dense format) and so the experts'
+    provider."""
     cfg = model.config
     if not (1 <= num_layers <= cfg.num_layers):
         raise ConfigError(f"num_layers={num_layers}; allowed: 1..{cfg.num_layers}")
-    small = dataclasses.replace(cfg, num_layers=num_layers)
-    state = {name: t for name, t in model.state_dict(keep_vars=True).items()
-             if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
-    with torch.device("meta"):
-        draft = CausalLM(small)
-    draft.load_state_dict({k: v.detach() for k, v in state.items()}, assign=True, strict=True)
-    draft.rotary = model.rotary
-    for src, dst in zip(model.moe_blocks, draft.moe_blocks):
-        dst.provider = src.provider
+    decoder = copy.copy(model.model)  # shallow: the same embedding, layers and norm modules
+    decoder._modules = dict(model.model._modules)
+    decoder.layers = nn.ModuleList(list(model.model.layers)[:num_layers])
+    draft = copy.copy(model)
+    draft.__dict__.pop("_native", None)  # its own native step, built on first use
+    draft._modules = dict(model._modules)
+    draft.model = decoder
+    draft.config = dataclasses.replace(cfg, num_layers=num_layers)
     return draft.eval()
 
 
@@ -434,134 +446,153 @@ class DraftLengthController:
         self.cd = self._avg(self.cd, t_draft / k)
 
 
-# ---- statistics ----------------------------------------------------------------------------------
+# ---- per-sequence speculation inside the engine ----------------------------------------------------
+
+SPEC_MODES = ("ngram", "self", "draft")
+
 
 @dataclass
-class SpecStats(GenerationStats):
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+class SpeculativeConfig:
+    """How an Engine drafts (engine.runner.Engine(speculative=...)).
+
+    mode      "ngram" (prompt lookup), "self" (the target on its device-resident experts; needs
+              ``cache``) or "draft" (``draft_model``, a smaller model sharing the tokenizer)
+    max_draft the most draft tokens one step verifies (a request may ask for fewer)
+    default   whether requests that do not say (``SamplingConfig.speculative`` None) speculate
+    fixed     a fixed draft length instead of the adaptive controller (tests, ablations)
+    make_drafter  (target, max_draft) -> Drafter: a drafter of one's own instead of ``mode``'s"""
+
+    mode: str
+    max_draft: int = 8
+    default: bool = True
+    draft_model: CausalLM | None = None
+    cache: object | None = None  # engine.experts.cache.ExpertCache
+    fixed: int | None = None
+    seconds_per_byte: float | None = None
+    make_drafter: Callable[[CausalLM, int], "Drafter"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPEC_MODES and self.make_drafter is None:
+            raise ConfigError(f"speculative mode {self.mode!r}; allowed: {', '.join(SPEC_MODES)}")
+        if not (isinstance(self.max_draft, int) and 1 <= self.max_draft <= 64):
+            raise ConfigError(f"max_draft={self.max_draft!r}; allowed: an integer in 1..64")
+        if self.make_drafter is not None:
+            return
+        if self.mode == "draft" and self.draft_model is None:
+            raise ConfigError("speculative mode 'draft' needs a draft model")
+        if self.mode == "self" and self.cache is None:
+            raise ConfigError("speculative mode 'self' drafts on the device-resident experts: it "
+                              "needs the target's expert cache (an expert store)")
+
+    def check_target(self, target: CausalLM) -> None:
+        if self.draft_model is not None and self.draft_model.config.vocab_size != target.config.vocab_size:
+            raise ConfigError(f"the draft model's vocabulary ({self.draft_model.config.vocab_size}) "
+                              f"differs from the target's ({target.config.vocab_size}); they must "
+                              "share a tokenizer")
+
+    def new_drafter(self, target: CausalLM, max_draft: int) -> "Drafter":
+        if self.make_drafter is not None:
+            return self.make_drafter(target, max_draft)
+        if self.mode == "ngram":
+            return NgramDrafter(n=3, max_draft=max_draft)
+        if self.mode == "self":
+            return SelfSpecDrafter(target, self.cache, max_draft=max_draft)
+        return DraftModelDrafter(self.draft_model, max_draft=max_draft)
+
+
+@dataclass
+class SpecStats:
+    """One request's speculation figures."""
+
     drafted: int = 0  # draft tokens proposed and verified
-    accepted: int = 0  # draft tokens accepted by verification
-    verify_steps: int = 0  # target forwards after prefill (plain steps included)
-    plain_steps: int = 0  # of which had no drafts (k = 0)
-    decode_expert_bytes: int = 0  # bytes moved to the device during decode (verify + drafts)
-    draft_expert_bytes: int = 0  # of which completed while drafting (prefetches the verify
-    #                              pass started may land then)
-    draft_expert_misses: int = 0  # cache misses of draft forwards (self-speculation: 0 unless a
-    #                               layer has no resident expert at all)
-    extra_expert_bytes: float = 0.0  # sum over verify steps of max(0, bytes - plain-step estimate)
+    accepted: int = 0  # of which the target accepted
+    steps: int = 0  # verification forwards this request took part in after its prefill
+    plain_steps: int = 0  # of which had no drafts
+    draft_seconds: float = 0.0
+    draft_expert_bytes: int = 0  # expert bytes that reached the device while drafting
+    draft_expert_misses: int = 0  # cache misses of draft forwards (self-speculation)
     k_history: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    @property
-    def tokens_per_step(self) -> float:
-        """Tokens emitted per target forward in decode (the first token comes from prefill)."""
-        return (self.generated_tokens - 1) / self.verify_steps if self.verify_steps else 0.0
 
-    def summary(self) -> str:
-        return (f"generated {self.generated_tokens} tok, drafted {self.drafted}, accepted "
-                f"{self.accepted} ({self.acceptance_rate:.0%}), {self.tokens_per_step:.2f} tok/step "
-                f"over {self.verify_steps} steps, decode {self.decode_tps:.1f} tok/s, extra expert "
-                f"bytes {self.extra_expert_bytes:.0f}")
+class SeqSpeculation:
+    """A request's drafter, draft-length controller and figures, owned by its engine.Sequence.
+
+    Per engine step (engine.runner.Engine.step), for a decoding sequence whose target KV holds
+    history[:n] (history[n], the last emitted token, is fed this step):
+        propose(...)  k drafts (k from the controller, capped by max_tokens and the step's
+                      token budget); the step feeds [history[n], d_1 .. d_k] at positions n..n+k
+        accept_tokens the target's k+1 logit rows -> the accepted prefix + one target token
+        observe(...)  the controller learns acceptance, draft and verify cost
+    Rejected positions' K/V are stale and never read: the sequence's computed length is set
+    back to n+1+accepted and the next forward overwrites them (no copy, no re-prefill)."""
+
+    def __init__(self, config: SpeculativeConfig, target: CausalLM, kv: KVCache, seq_id: int,
+                 state: SamplerState, max_draft: int | None = None) -> None:
+        k = min(max_draft or config.max_draft, config.max_draft)
+        self.drafter = config.new_drafter(target, k)
+        self.controller = DraftLengthController(max_draft=k, fixed=None if config.fixed is None
+                                                else min(config.fixed, k),
+                                                seconds_per_byte=config.seconds_per_byte)
+        self.ctx = DraftContext(kv, seq_id, state, target.config.vocab_size)
+        self.cache = config.cache
+        self.stats = SpecStats()
+        self.started = False
+        self.drafts: list[int] = []
+        self.qs: list[torch.Tensor] | None = None
+        self._t_draft = 0.0
+
+    def draft_length(self, limit: int) -> int:
+        """The controller's draft length for the next step, at most ``limit`` (>= 0)."""
+        return max(0, min(self.controller.choose(), limit))
+
+    def propose(self, history: list[int], k: int) -> list[int]:
+        """Draft at most ``k`` tokens after ``history`` (its last token not yet in the target's
+        KV); the target's KV must already have room for history + the drafts."""
+        if not self.started:
+            self.drafter.begin(history, self.ctx)
+            self.started = True
+        b0, _, m0 = cache_counters(self.cache)
+        t0 = time.perf_counter()
+        drafts, qs = self.drafter.propose(history, k, self.ctx) if k > 0 else ([], None)
+        self._t_draft = time.perf_counter() - t0
+        b1, _, m1 = cache_counters(self.cache)
+        self.drafts, self.qs = list(drafts[:k]), (qs[:k] if qs is not None else None)
+        st = self.stats
+        st.draft_seconds += self._t_draft
+        st.draft_expert_bytes += b1 - b0
+        st.draft_expert_misses += m1 - m0
+        return self.drafts
+
+    def observe(self, accepted: int, t_verify: float, stall: float, nbytes: int) -> None:
+        k = len(self.drafts)
+        self.controller.observe(k, accepted, self._t_draft, t_verify, stall, nbytes)
+        st = self.stats
+        st.steps += 1
+        st.plain_steps += k == 0
+        st.drafted += k
+        st.accepted += accepted
+        st.k_history.append(k)
+        self.drafts, self.qs, self._t_draft = [], None, 0.0
+
+    def discard(self) -> None:
+        """Forget drafts proposed for a step that did not run them (preemption)."""
+        self.drafts, self.qs, self._t_draft = [], None, 0.0
+
+    def end(self) -> None:
+        self.drafter.end()
 
 
-def _cache_counters(cache) -> tuple[int, float, int]:
+def cache_counters(cache) -> tuple[int, float, int]:
     """(bytes moved to the device, stall seconds, misses) so far, over all layers."""
     if cache is None:
         return 0, 0.0, 0
     layers = list(cache.metrics.layers.values())
     return (sum(m.bytes_to_device for m in layers), sum(m.stall_s for m in layers),
             sum(m.misses for m in layers))
-
-
-def _find_cache(model: CausalLM):
-    from engine.experts.cache import ExpertCache
-
-    for block in model.moe_blocks:
-        if isinstance(block.provider, ExpertCache):
-            return block.provider
-    return None
-
-
-# ---- the loop ------------------------------------------------------------------------------------
-
-def speculative_generate(model: CausalLM, prompt_ids: Sequence[int], sampling: SamplingConfig,
-                         drafter: Drafter, eos_ids: Sequence[int] = (), *,
-                         controller: DraftLengthController | None = None, max_draft: int = 8,
-                         kv: KVCache | None = None, seq_id: int = 0,
-                         cache=None) -> Iterator[tuple[int, SpecStats]]:
-    """Yield (token, stats) per generated token, like generate_ids (same validation, same stop
-    rules: an EOS/stop id is emitted and ends the stream; never more than max_tokens tokens, even
-    when more drafts were accepted). ``cache``: the target's ExpertCache, found on the model when
-    omitted; its byte counters price draft length (DraftLengthController)."""
-    cfg = model.config
-    validate_prompt(prompt_ids, cfg.vocab_size, sampling.max_tokens, cfg.max_position_embeddings)
-    kv = kv or ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                 dtype=model.model.embed_tokens.weight.dtype)
-    controller = controller or DraftLengthController(max_draft=max_draft)
-    cache = cache if cache is not None else _find_cache(model)
-    state = SamplerState(sampling)
-    state.prompt_tokens = set(int(t) for t in prompt_ids)
-    stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_ids))
-    stats = SpecStats(prompt_tokens=len(prompt_ids))
-    ctx = DraftContext(kv, seq_id, state, cfg.vocab_size)
-    history = [int(t) for t in prompt_ids]
-    try:
-        t0 = time.perf_counter()
-        logits = model(torch.tensor(history, dtype=torch.long), BatchLayout.single(seq_id, len(history), 0), kv)[0]
-        token = sample(logits, state)
-        state.accept(token)
-        history.append(token)
-        stats.generated_tokens = 1
-        drafter.begin(history, ctx)  # a draft model's own prefill counts as prefill
-        stats.prefill_seconds = time.perf_counter() - t0
-        t_decode = time.perf_counter()
-        yield token, stats
-        if token in stop_ids or stats.generated_tokens >= sampling.max_tokens:
-            return
-        while True:
-            n = len(history) - 1  # target KV holds history[:n]
-            remaining = sampling.max_tokens - stats.generated_tokens
-            # k + 1 tokens can come out of a step: never draft past max_tokens
-            k = min(controller.choose(), remaining - 1)
-            b0, _, m0 = _cache_counters(cache)
-            t0 = time.perf_counter()
-            drafts, qs = drafter.propose(history, k, ctx) if k > 0 else ([], None)
-            drafts = drafts[:k]
-            t1 = time.perf_counter()
-            b1, s1, m1 = _cache_counters(cache)
-            logits = model(torch.tensor([history[-1]] + drafts, dtype=torch.long),
-                           BatchLayout.single(seq_id, len(drafts) + 1, n), kv, all_logits=True)
-            t2 = time.perf_counter()
-            b2, s2, _ = _cache_counters(cache)
-            out, accepted = _verify(logits, drafts, qs, state)
-            kd = len(drafts)
-            controller.observe(kd, accepted, t1 - t0, t2 - t1, s2 - s1, b2 - b1)
-            stats.verify_steps += 1
-            stats.plain_steps += kd == 0
-            stats.drafted += kd
-            stats.k_history.append(kd)
-            stats.draft_seconds += t1 - t0
-            stats.verify_seconds += t2 - t1
-            stats.decode_expert_bytes += b2 - b0
-            stats.draft_expert_bytes += b1 - b0
-            stats.draft_expert_misses += m1 - m0
-            if kd and 0 in controller.X:
-                stats.extra_expert_bytes += max(0.0, (b2 - b1) - controller.X[0])
-            for i, tok in enumerate(out):
-                history.append(tok)
-                stats.generated_tokens += 1
-                stats.accepted += i < accepted
-                stats.decode_seconds = time.perf_counter() - t_decode
-                yield tok, stats
-                if tok in stop_ids or stats.generated_tokens >= sampling.max_tokens:
-                    return
-    finally:
-        drafter.end()
-        kv.free(seq_id)
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor | None, d: int) -> torch.Tensor:
@@ -574,11 +605,13 @@ def _residual(p: torch.Tensor, q: torch.Tensor | None, d: int) -> torch.Tensor:
     return torch.clamp(p - q, min=0.0)
 
 
-def _verify(logits: torch.Tensor, drafts: list[int], qs: list[torch.Tensor] | None,
-            state: SamplerState) -> tuple[list[int], int]:
+def accept_tokens(logits: torch.Tensor, drafts: list[int], qs: list[torch.Tensor] | None,
+                  state: SamplerState) -> tuple[list[int], int]:
     """logits [k+1, V]: row i is the target's prediction after [last, d_1..d_i].
     Returns (tokens to emit in order, number of accepted drafts); ``state`` has accepted them.
-    Row i is processed with the penalty counts of the tokens before it (all accepted so far)."""
+    Row i is processed with the penalty counts of the tokens before it (all accepted so far).
+    With no drafts this is plain sampling: one token drawn from logits[0] (the engine samples
+    every sequence this way, so plain and speculative decoding share one rule)."""
     out: list[int] = []
     for i, d in enumerate(drafts):
         row = logits[i]

@@ -30,6 +30,7 @@ from torch import nn
 from engine.kv.base import BatchLayout, KVCache
 from engine.layers.mlp import SwiGLU
 from engine.layers.moe import SparseMoE, fetch_and_compute
+from engine.models.base import last_rows
 from engine.options import options
 from engine.quant.kernels import DIRECT_MAX_T, backend_for, int8_activations, load_extension, native_linear
 from engine.quant.linear import QuantLinear
@@ -113,7 +114,7 @@ class NativeStep:
         return cls(model, ext)
 
     def forward(self, model, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
-                all_logits: bool = False) -> torch.Tensor | None:
+                all_logits: bool = False, rows: list[int] | None = None) -> torch.Tensor | None:
         """Logits as CausalLM.forward returns them, or None when the KV cache cannot hand out
         block tables (the caller runs the torch layers)."""
         view = kv.native_view(layout, tokens.device)
@@ -132,9 +133,9 @@ class NativeStep:
             else:
                 self._moe(layer.mlp, i, x, h)
         if all_logits or self.head is None:
-            return model.final_logits(x, layout, all_logits)
-        last = [o + n - 1 for o, n in zip(layout.offsets, qlens)]
-        return ext.head_block(x, last, self.norm, self.eps, self.head, dmt, i8a)
+            return model.final_logits(x, layout, all_logits, rows)
+        return ext.head_block(x, rows if rows is not None else last_rows(layout), self.norm, self.eps,
+                              self.head, dmt, i8a)
 
     def _moe(self, mlp: SparseMoE, i: int, x: torch.Tensor, h: torch.Tensor) -> None:
         """route -> fetch (the provider) -> compute + combine (native), x updated in place."""
@@ -155,6 +156,8 @@ class NativeStep:
         def compute(start: int, part: list[int], experts) -> None:
             resolved = provider.slot_table(mlp.layer, part, experts)
             table, slots = resolved if resolved is not None else (EMPTY_IDS, [-1] * len(part))
+            # experts in a format the native kernels cannot decode (mxfp4) run through forward
+            slots = [s if s < 0 or int(table[s, 0]) >= 0 else -1 for s in slots]
             ext.ffn_block(x, h, ids, w, part, slots, table, dense if start == 0 else None,
                           DIRECT_MAX_T, int8_activations())
             for e, slot in zip(part, slots):

@@ -37,6 +37,7 @@ MAX_NEW_TOKENS = 1_000_000
 MAX_TOKEN_ID = 2**31 - 1  # the engine checks ids against the vocabulary; this keeps int32 safe
 MAX_CHAT_MESSAGES = 256
 MAX_N = 8
+MAX_DRAFT_TOKENS = 16  # speculative draft tokens per verification step
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -224,6 +225,19 @@ class SamplingParams(StrictModel):
     n: int = Field(
         1, ge=1, le=MAX_N, description=f"How many completions to generate, 1..{MAX_N}."
     )
+    speculative: bool | None = Field(
+        None,
+        description="Speculative decoding for this request: true or false; None takes the "
+        "server's default. Which drafter runs is the server's choice (`moestream serve "
+        "--speculative`); output is identical in distribution either way (greedy: identical).",
+    )
+    num_speculative_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_DRAFT_TOKENS,
+        description=f"Most draft tokens verified per step, 1..{MAX_DRAFT_TOKENS}; None takes the "
+        "server's default (adaptive).",
+    )
 
 
 class ChatMessage(StrictModel):
@@ -300,6 +314,13 @@ class GenerateRequest(WireMessage):
         return self
 
 
+class TopLogprob(StrictModel):
+    """One alternative token at a position and its log-probability."""
+
+    token_id: TokenId = Field(description="The alternative token's id.")
+    logprob: FiniteFloat = Field(description="Its log-probability at that position.")
+
+
 class TokenChunk(WireMessage):
     """Tokens streamed for one completion of a request (only when ``stream`` is set)."""
 
@@ -321,12 +342,24 @@ class TokenChunk(WireMessage):
         description="Log-probability of each token in token_ids (same length), when the "
         "request asked for logprobs.",
     )
+    top_logprobs: list[Annotated[list[TopLogprob], Field(max_length=MAX_LOGPROBS)]] | None = Field(
+        None,
+        max_length=MAX_NEW_TOKENS,
+        description=f"For each token in token_ids (same length), the most likely alternatives "
+        f"at its position, most likely first, when the request asked for logprobs > 0 (at most "
+        f"{MAX_LOGPROBS} each).",
+    )
 
     @model_validator(mode="after")
     def _logprobs_match(self) -> TokenChunk:
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise ValueError(
                 f"logprobs has {len(self.logprobs)} entries but token_ids has "
+                f"{len(self.token_ids)}; they must match"
+            )
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"top_logprobs has {len(self.top_logprobs)} entries but token_ids has "
                 f"{len(self.token_ids)}; they must match"
             )
         return self
@@ -347,6 +380,12 @@ class Usage(StrictModel):
     )
     expert_bytes_per_token: float | None = Field(
         None, ge=0.0, description="Expert bytes moved to the device per generated token."
+    )
+    draft_tokens: int | None = Field(
+        None, ge=0, description="Speculative draft tokens proposed for this request (None: off)."
+    )
+    accepted_draft_tokens: int | None = Field(
+        None, ge=0, description="Of draft_tokens, how many the target model accepted."
     )
 
 

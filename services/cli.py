@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from services.cli_checks import check_budget, check_utf8, device_memory, host_memory, one_line_errors
@@ -25,6 +27,9 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """moestream: Mixture-of-Experts inference beyond one GPU's memory."""
+    from services.ray_env import apply_client_env
+
+    apply_client_env()  # token mode, per-account Ray temp dir, loopback binds (ray_env.py)
 
 
 @main.command()
@@ -75,7 +80,6 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
              min_p, seed, stop, dtype, dense, head_format, device_name, speculative):
     """Generate text from PROMPT, streaming it, then print one line of figures."""
     from engine.assets import smollm2_gguf
-    from engine.generate import generate_text
     from engine.layers.sampler import SamplingConfig
 
     if prompt is None:
@@ -114,20 +118,47 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
                                   head=head_format)
         model.to(device)
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
-    stream = _speculative_stream(speculative, draft, model, ids, sampling, loaded, _dtype(dtype), device)
     try:
-        for ev in generate_text(model, tok, ids, sampling, token_stream=stream):
-            if ev.text:
-                click.echo(ev.text, nl=False)
-            if ev.finish_reason:
-                click.echo("")
-                line = f"[{ev.finish_reason}] {ev.stats.summary()}"
-                if loaded is not None and loaded.cache is not None:
-                    line += ", " + _cache_line(loaded, ev.stats.prompt_tokens + ev.stats.generated_tokens)
-                click.echo(line, err=True)
+        spec = _speculative_config(speculative, draft, model, loaded, _dtype(dtype), device)
+        _stream_one(model, tok, ids, sampling, spec, loaded)
     finally:
         if loaded is not None:
             loaded.close()
+
+
+def _stream_one(model, tok, ids, sampling, spec, loaded) -> None:
+    """One request through the serving engine (the same Engine as the decode actor), its text
+    streamed as each step completes it, then one line of figures on stderr."""
+    import time
+
+    from engine.generate import GenerationStats
+    from engine.runner import Engine
+
+    engine = Engine.for_requests(model, tok, len(ids) + sampling.max_tokens, speculative=spec,
+                                 max_batched_tokens=max(512, len(ids)))
+    engine.add_request("cli", ids, sampling)
+    stats = GenerationStats(prompt_tokens=len(ids))
+    t0 = time.perf_counter()
+    t_first = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.new_token_ids and t_first is None:
+                t_first = now
+                stats.prefill_seconds = now - t0
+            stats.generated_tokens += len(out.new_token_ids)
+            stats.decode_seconds = now - (t_first or now)
+            if out.new_text:
+                click.echo(out.new_text, nl=False)
+            if out.finished:
+                click.echo("")
+                line = f"[{out.finish_reason}] {stats.summary()}"
+                if out.spec is not None:
+                    line += (f", drafted {out.spec.drafted}, accepted {out.spec.accepted} "
+                             f"({out.spec.acceptance_rate:.0%})")
+                if loaded is not None and loaded.cache is not None:
+                    line += ", " + _cache_line(loaded, stats.prompt_tokens + stats.generated_tokens)
+                click.echo(line, err=True)
 
 
 def _device(name: str) -> str:
@@ -158,27 +189,22 @@ def _draft_path(mode: str | None) -> str | None:
     return path
 
 
-def _speculative_stream(mode, draft, model, ids, sampling, loaded, dtype, device="cpu"):
-    """A token_stream for generate_text, or None for plain decoding."""
+def _speculative_config(mode, draft, model, loaded, dtype, device="cpu"):
+    """The engine's SpeculativeConfig for ``--speculative``, or None for plain decoding."""
     if mode is None:
         return None
-    from engine import speculative as spec
+    from engine.speculative import SpeculativeConfig
 
-    if mode == "ngram":
-        drafter = spec.NgramDrafter()
-    elif mode == "self":
+    if mode == "self":
         if loaded is None or loaded.cache is None:
             raise click.UsageError("--speculative self drafts on the device-resident experts: give --store")
-        drafter = spec.SelfSpecDrafter(model, loaded.cache)
-    else:
-        from engine.loading import load_model
+        return SpeculativeConfig("self", cache=loaded.cache)
+    if mode == "ngram":
+        return SpeculativeConfig("ngram", cache=loaded.cache if loaded is not None else None)
+    from engine.loading import load_model
 
-        drafter = spec.DraftModelDrafter(load_model(draft, dtype=dtype)[0].to(device))
-
-    def stream(eos_ids):
-        for token, stats in spec.speculative_generate(model, ids, sampling, drafter, eos_ids=eos_ids):
-            yield token, None, stats
-    return stream
+    return SpeculativeConfig("draft", draft_model=load_model(draft, dtype=dtype)[0].to(device),
+                             cache=loaded.cache if loaded is not None else None)
 
 
 def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype, dense,
@@ -212,11 +238,9 @@ def _cache_line(loaded, tokens: int) -> str:
 @main.command()
 @click.argument("path", type=click.Path(exists=True))
 def info(path):
-    """Architecture, parameter counts and bytes read per decoded token."""
-    from engine.loading import open_model_files
-
-    files = open_model_files(path)
-    cfg = files.config
+    """Architecture, parameter counts and bytes read per decoded token (PATH: a checkpoint, a
+    .gguf, or a config.json alone / a directory holding only one: no weights needed)."""
+    cfg = _info_config(Path(path))
     counts = cfg.parameter_counts()
     click.echo(f"model         {path}")
     click.echo(f"architecture  {cfg.arch}  layers={cfg.num_layers} hidden={cfg.hidden_size} "
@@ -230,6 +254,22 @@ def info(path):
     for label, bits in (("bf16", 16.0), ("4-bit (int4, g64, fp16 scale+zero: 4.5 b/w)", 4.5)):
         click.echo(f"bytes/token   {label}: {_human(counts['active'] * bits / 8, 'B')} "
                    f"(routed experts {_human(counts['routed_active'] * bits / 8, 'B')})")
+    kv_layers = len(getattr(cfg, "attention_layers", range(cfg.num_layers)))
+    click.echo(f"kv cache      {_human(2 * kv_layers * cfg.num_kv_heads * cfg.head_dim * 2, 'B')} per "
+               f"context token at bf16 (keys and values of {kv_layers} layers)")
+
+
+def _info_config(path: Path):
+    """The ModelConfig ``info`` reports: from a config.json (or a directory with no weights
+    beside its config.json), else from the checkpoint with its tensors validated."""
+    from engine.config import ModelConfig, read_hf_config_json
+    from engine.loading import open_model_files
+
+    if path.is_file() and path.suffix == ".json":
+        return ModelConfig.from_hf_dict(read_hf_config_json(path), source=path)
+    if path.is_dir() and not any(path.glob("*.safetensors")) and not any(path.glob("*.safetensors.index.json")):
+        return ModelConfig.from_hf_dir(path)
+    return open_model_files(path).config
 
 
 def _human(n: float, unit: str = "") -> str:

@@ -45,6 +45,10 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # speculative decoding (engine.speculative): None = the engine's default; the number of
+    # draft tokens per step caps the engine's own maximum. Neither changes the distribution.
+    speculative: bool | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field_name: str, value: object, allowed: str) -> RequestValidationError:
@@ -73,6 +77,11 @@ class SamplingConfig:
             raise bad("logprobs", self.logprobs, "an integer in [0, 20]")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", self.ignore_eos, "True or False")
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise bad("speculative", self.speculative, "True, False or None (the engine's default)")
+        if self.num_speculative_tokens is not None and not (
+                is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 64):
+            raise bad("num_speculative_tokens", self.num_speculative_tokens, "an integer in 1..64 or None")
         if not (isinstance(self.stop, (tuple, list)) and all(isinstance(x, str) for x in self.stop)):
             raise bad("stop", self.stop, "a tuple of strings")
         if not (isinstance(self.stop_token_ids, (tuple, list))

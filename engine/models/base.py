@@ -21,6 +21,11 @@ from engine.layers.rope import Rotary
 from engine.threads import step_threads
 
 
+def last_rows(layout: BatchLayout) -> list[int]:
+    """The flat row of each sequence's last token."""
+    return [o + n - 1 for o, n in zip(layout.offsets, layout.query_lens)]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -74,14 +79,15 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
-                all_logits: bool = False) -> torch.Tensor:
-        """tokens [T] (flat over the batch) -> logits [T, V] if all_logits else [S, V], one row
-        per sequence for its last token."""
+                all_logits: bool = False, rows: list[int] | None = None) -> torch.Tensor:
+        """tokens [T] (flat over the batch) -> logits [T, V] if all_logits, [len(rows), V] for
+        the flat rows ``rows`` (speculative verification: a sequence's drafts), else [S, V], one
+        row per sequence for its last token."""
         device = self.model.embed_tokens.weight.device
         tokens = tokens.to(device)  # callers build them on the CPU
         with step_threads(tokens.shape[0], device):
             native = self.native_step() if device.type == "cpu" else None
-            out = native.forward(self, tokens, layout, kv, all_logits) if native is not None else None
+            out = native.forward(self, tokens, layout, kv, all_logits, rows) if native is not None else None
             if out is not None:
                 return out
             # the torch layers: the reference path
@@ -90,11 +96,13 @@ class CausalLM(nn.Module):
             x = self.model.embed_tokens(tokens)
             for layer in self.model.layers:
                 x = layer(x, cos, sin, layout, kv)
-            return self.final_logits(x, layout, all_logits)
+            return self.final_logits(x, layout, all_logits, rows)
 
-    def final_logits(self, x: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
-        """Final norm and LM head of every row (all_logits) or of each sequence's last one."""
+    def final_logits(self, x: torch.Tensor, layout: BatchLayout, all_logits: bool,
+                     rows: list[int] | None = None) -> torch.Tensor:
+        """Final norm and LM head of every row (all_logits), of ``rows``, or of each sequence's
+        last one."""
         if not all_logits:
-            last = torch.tensor([o + n - 1 for o, n in zip(layout.offsets, layout.query_lens)], device=x.device)
-            x = x[last]
+            rows = rows if rows is not None else last_rows(layout)
+            x = x[torch.tensor(rows, device=x.device)]
         return self.lm_head(self.model.norm(x)).float()

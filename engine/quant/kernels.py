@@ -196,9 +196,9 @@ _vnni: dict[str, bool] = {}
 
 
 def int8_activations() -> bool:
-    """Whether the C++ int4 kernels quantize activations to int8 (every T: integer AVX512-VNNI dot
-    products at decode sizes, T <= DIRECT_MAX_T, the float kernel on the dequantized activations
-    above): the ``int8_activations`` runtime option (engine.options; default on) and a CPU with
+    """Whether the C++ int4 kernels quantize activations to int8 (integer AVX512-VNNI dot products
+    for every row count, 16-row blocks above DIRECT_MAX_T, so a row's result never depends on
+    the batch: tests/engine/quant/test_batch_invariance.py): the ``int8_activations`` runtime option (engine.options; default on) and a CPU with
     VNNI. Measured (512x1024 int4 g32/g64, cold, 1 thread): T=1 1.3-1.6x, T=3
     2.4x faster, none where the float kernel is already memory-bound; adds ~1% relative error
     to W·x (int4 weights alone: ~6.5%). ``reference.linear_ref_int8_act`` is the same math in
@@ -223,7 +223,8 @@ def _mode() -> str:
 
 
 def _cpp_ok(q: QuantizedTensor) -> bool:
-    return q.in_features % 32 == 0 and q.device.type == "cpu"
+    # mxfp4 has no native kernel yet: engine.quant.mxfp4's torch-vectorised one runs instead
+    return q.in_features % 32 == 0 and q.device.type == "cpu" and q.fmt.name in FORMAT_IDS
 
 
 def _triton_ok(device: torch.device) -> bool:
@@ -275,6 +276,13 @@ def _linear_fn(q: QuantizedTensor) -> Callable[[torch.Tensor], torch.Tensor] | N
 
         def fn(x: torch.Tensor) -> torch.Tensor:
             return qlinear_triton(x, bare) if x.shape[0] <= MAX_T else qlinear_torch(x, bare)
+    elif q.fmt.name == "mxfp4":  # the torch backend's MXFP4 kernel (byte table, engine.quant.mxfp4)
+        from engine.quant.mxfp4 import qlinear_mxfp4_cpu
+
+        bare = QuantizedTensor.trusted(q.fmt, q.shape, dict(q.parts))
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            return qlinear_mxfp4_cpu(x, bare)
     q.cache["linear_fn"] = (generation(), fn)
     return fn
 
@@ -285,7 +293,9 @@ def _kargs(q: QuantizedTensor) -> tuple:
     if a is None:
         p, e = q.parts, torch.empty(0, dtype=torch.float16)
         codes = p["weight"] if q.fmt.name == "bf16" else p["codes"]
-        a = (FORMAT_IDS[q.fmt.name], q.fmt.group_size, q.shape[0], q.shape[1], codes,
+        # -1: a format the native kernels do not decode (mxfp4); engine.step computes such
+        # experts through their own forward, never from the slot row
+        a = (FORMAT_IDS.get(q.fmt.name, -1), q.fmt.group_size, q.shape[0], q.shape[1], codes,
              p.get("scales", e), p.get("mins", e))
         q.cache["cpp_args"] = a
     return a
@@ -304,7 +314,7 @@ SLOT_ROW = 13  # engine/csrc/step.h: fmt, G, I, H, then codes/scales/mins addres
 def slot_row(gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor) -> list[int]:
     """The slot-table row of an expert whose parts live in one slot (engine/csrc/step.cpp reads the
     expert straight from these addresses; the slot must outlive every step that uses the row)."""
-    row = [FORMAT_IDS[gate.fmt.name], gate.fmt.group_size, gate.shape[0], gate.shape[1]]
+    row = [FORMAT_IDS.get(gate.fmt.name, -1), gate.fmt.group_size, gate.shape[0], gate.shape[1]]
     for q in (gate, up, down):
         _, _, _, _, codes, scales, mins = _kargs(q)
         row += [codes.data_ptr(), scales.data_ptr() if scales.numel() else 0,

@@ -5,6 +5,7 @@ by the rejection rule, stop rules exact mid-draft, drafter and controller bookke
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -16,9 +17,12 @@ from engine.layers.sampler import SamplingConfig
 from engine.loading import load_model, open_model_files
 from engine.models.load import build_model
 from engine.quant.formats import QuantFormat
-from engine.speculative import (DraftLengthController, DraftModelDrafter,
-                                NgramDrafter, SelfSpecDrafter, layer_skip_draft, processed_probs,
-                                speculative_generate)
+from engine.generate import Request
+from engine.kv.paged import PagedKVCache
+from engine.runner import Engine
+from engine.speculative import (DraftLengthController, DraftModelDrafter, NgramDrafter,
+                                SelfSpecDrafter, SpeculativeConfig, cache_counters,
+                                layer_skip_draft, processed_probs)
 from engine.store import convert
 from tests.engine.models.hf_tiny import make_checkpoint
 
@@ -37,11 +41,25 @@ def plain(model, prompt, sampling, eos=()):
     return [t for t, _, _ in generate_ids(model, prompt, sampling, eos_ids=eos)]
 
 
-def spec(model, prompt, sampling, drafter, eos=(), **kw):
-    out, stats = [], None
-    for t, stats in speculative_generate(model, prompt, sampling, drafter, eos_ids=eos, **kw):
-        out.append(t)
-    return out, stats
+def spec(model, prompt, sampling, drafter, eos=(), controller=None, cache=None):
+    """One request through the Engine's speculative step with ``drafter``; returns (tokens,
+    stats): the request's SpecStats plus generated_tokens and decode_expert_bytes."""
+    c = controller or DraftLengthController()
+    cfg = SpeculativeConfig("custom", max_draft=c.max_draft, fixed=c.fixed, cache=cache,
+                            make_drafter=lambda target, k: drafter)
+    m = model.config
+    kv = PagedKVCache(m.num_layers, m.num_kv_heads, m.head_dim, num_blocks=64, block_size=8,
+                      dtype=model.model.embed_tokens.weight.dtype)
+    engine = Engine(model, None, kv, speculative=cfg)
+    engine.eos_ids = frozenset(eos)
+    b0 = cache_counters(cache)[0]
+    res = engine.generate([Request(list(prompt), sampling)])[0]
+    st = res.spec
+    st.generated_tokens = len(res.output_ids)
+    st.decode_expert_bytes = cache_counters(cache)[0] - b0
+    st.tokens_per_step = (st.generated_tokens - 1) / st.steps if st.steps else 0.0
+    assert kv.metrics().blocks_used == 0  # every block back
+    return res.output_ids, st
 
 
 def bf16_copy(model):
@@ -188,7 +206,7 @@ def test_moe_store_all_drafters_greedy_identical_with_small_budget(moe_store):
                         unrestricted.append(layer)
                     return out
                 sm.cache.allowed_experts = spy
-                got, st = spec(sm.model, MOE_PROMPT, sc, make(sm))
+                got, st = spec(sm.model, MOE_PROMPT, sc, make(sm), cache=sm.cache)
                 assert got == want, name
                 assert st.drafted > 0, name
                 assert sm.cache.pins == {} and not sm.cache.restrict_to_resident, name
@@ -433,8 +451,23 @@ def test_bad_inputs_are_clear_errors(tiny):
     from engine.errors import ConfigError, RequestValidationError
 
     target, _ = tiny
+    m = target.config
+    kv = PagedKVCache(m.num_layers, m.num_kv_heads, m.head_dim, num_blocks=8, dtype=torch.float32)
+    engine = Engine(target, None, kv, speculative=SpeculativeConfig("ngram"))
     with pytest.raises(RequestValidationError):
-        next(speculative_generate(target, [], SamplingConfig(), NgramDrafter()))
+        engine.add_request("a", [], SamplingConfig())
+    with pytest.raises(RequestValidationError):  # asked for, but this engine has no drafter
+        Engine(target, None, kv).add_request("b", [1, 2], SamplingConfig(speculative=True))
+    with pytest.raises(RequestValidationError):
+        SamplingConfig(num_speculative_tokens=0)
+    with pytest.raises(ConfigError):
+        SpeculativeConfig("self")  # no expert cache to draft on
+    with pytest.raises(ConfigError):
+        SpeculativeConfig("medusa")
+    with pytest.raises(ConfigError):  # vocabularies differ
+        small = copy.deepcopy(target)
+        small.config = dataclasses.replace(m, vocab_size=m.vocab_size + 1)
+        Engine(target, None, kv, speculative=SpeculativeConfig("draft", draft_model=small))
     with pytest.raises(ConfigError):
         DraftLengthController(max_draft=0)
     with pytest.raises(ConfigError):
