@@ -34,12 +34,13 @@ QUESTIONS = ("What is the capital of France?", "Name three primary colors.", "Wh
 
 
 def answer(loaded, question: str, max_tokens: int) -> str:
-    from engine.generate import generate_text
+    from engine.generate import Request
     from engine.layers.sampler import SamplingConfig
+    from engine.runner import Engine
 
     ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": question}])
-    return "".join(e.text for e in generate_text(loaded.model, loaded.tokenizer, ids,
-                                                 SamplingConfig(max_tokens=max_tokens)))
+    engine = Engine.for_requests(loaded.model, loaded.tokenizer, len(ids) + max_tokens)
+    return engine.generate([Request(ids, SamplingConfig(max_tokens=max_tokens))])[0].text
 
 
 def main() -> None:

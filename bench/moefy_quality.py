@@ -44,12 +44,13 @@ DEMO = ("shared", 0.5, 8)
 
 
 def answer(model, tok, question: str, max_tokens: int) -> str:
-    from engine.generate import generate_text
+    from engine.generate import Request
     from engine.layers.sampler import SamplingConfig
+    from engine.runner import Engine
 
     ids = tok.apply_chat_template([{"role": "user", "content": question}])
-    parts = [ev.text for ev in generate_text(model, tok, ids, SamplingConfig(max_tokens=max_tokens, temperature=0.0))]
-    return "".join(parts).strip()
+    engine = Engine.for_requests(model, tok, len(ids) + max_tokens)
+    return engine.generate([Request(ids, SamplingConfig(max_tokens=max_tokens, temperature=0.0))])[0].text.strip()
 
 
 def main() -> None:
