@@ -84,13 +84,16 @@ class Engine:
 
     def __init__(self, model: CausalLM, tokenizer=None, kv: PagedKVCache | None = None,
                  config: SchedulerConfig = SchedulerConfig(),
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, detokenize: bool = True) -> None:
+        """``detokenize`` False: the tokenizer gives only its end-of-sequence ids and outputs
+        carry no text (the decode actor: its router makes the text, services/text_stage.py)."""
         if kv is None:
             raise ConfigError("Engine needs a PagedKVCache (e.g. PagedKVCache.from_budget)")
         if speculative is not None:
             speculative.check_target(model)
         self.model, self.tokenizer, self.kv = model, tokenizer, kv
         self.speculative = speculative
+        self.detokenize = detokenize and tokenizer is not None
         self.scheduler = Scheduler(config, kv)
         cfg = model.config
         self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(
@@ -126,8 +129,9 @@ class Engine:
         unaffected either way."""
         cfg = self.model.config
         validate_prompt(prompt_ids, cfg.vocab_size, sampling.max_tokens, cfg.max_position_embeddings)
-        if sampling.stop and self.tokenizer is None:
-            raise RequestValidationError("stop strings need an Engine built with a tokenizer")
+        if sampling.stop and not self.detokenize:
+            raise RequestValidationError("stop strings need an Engine that detokenizes (built with a "
+                                         "tokenizer); the served path matches them in the router")
         spec = self.speculative
         wants = sampling.speculative if sampling.speculative is not None else (spec is not None and spec.default)
         if wants and spec is None:
@@ -137,7 +141,7 @@ class Engine:
         if wants:
             seq.spec = SeqSpeculation(spec, self.model, self.kv, seq.seq_id, seq.sampler,
                                       sampling.num_speculative_tokens)
-        if self.tokenizer is not None:
+        if self.detokenize:
             from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=seq.prompt_ids)

@@ -37,6 +37,7 @@ from protocol import (
     encode,
 )
 from protocol.codec import DEFAULT_MAX_FRAME_BYTES
+from services.text_stage import TextStage
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,12 @@ class TokenizerRouter:
                 except FileNotFoundError:
                     tokenizer = None  # token-id requests only
         self.tokenizer = tokenizer
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", ()))
+        if self.config.store is not None:
+            from engine.store.reader import ExpertStore
+
+            with ExpertStore(self.config.store) as store:
+                self.eos_ids |= set(store.config.eos_token_ids)
         if decode_handle is None:
             import ray
 
@@ -79,6 +86,9 @@ class TokenizerRouter:
         self.max_frame_bytes = max_frame_bytes
         self.active: set[str] = set()
         self.polled: dict[str, _Polled] = {}
+        # admission bounds (set_limits changes them at run time): queue_size requests in flight,
+        # and at most max_waiting beyond the decode engine's max_num_seqs running ones
+        self.queue_size, self.max_waiting = self.config.queue_size, self.config.max_waiting
         self.counts = {"admitted": 0, "busy": 0, "protocol_errors": 0, "invalid": 0,
                        "errors": 0, "timeouts": 0, "cancelled": 0, "completed": 0}
 
@@ -170,11 +180,10 @@ class TokenizerRouter:
             yield encode(ErrorReply.for_code(ErrorCode.INVALID_REQUEST,
                                               f"request id {rid!r} is already in use", rid))
             return
-        if len(self.active) >= self.config.queue_size:
+        full = self._full()
+        if full:
             self.counts["busy"] += 1
-            yield encode(ErrorReply.for_code(
-                ErrorCode.BUSY, f"{len(self.active)} requests in flight, the queue holds "
-                f"{self.config.queue_size}; retry later", rid))
+            yield encode(ErrorReply.for_code(ErrorCode.BUSY, full, rid))
             return
         self.active.add(rid)
         self.counts["admitted"] += 1
@@ -188,7 +197,14 @@ class TokenizerRouter:
                 self.counts["invalid"] += 1
                 yield encode(ErrorReply.from_exception(e, rid))
                 return
-            stream = self.decode.generate.remote(rid, prompt_ids, req.sampling.model_dump())
+            # the engine computes tokens; text and stop strings are made here (text_stage)
+            stage = TextStage(self.tokenizer, prompt_ids, req.sampling.stop,
+                              set(req.sampling.stop_token_ids) | self.eos_ids)
+            got_ids: list[int] = []
+            got_text: list[str] = []
+            stop_sent = False
+            sampling = {**req.sampling.model_dump(), "stop": []}
+            stream = self.decode.generate.remote(rid, prompt_ids, sampling)
             while True:
                 remaining = deadline - time.monotonic()
                 try:
@@ -212,8 +228,19 @@ class TokenizerRouter:
                 msg, _ = decode(frames)
                 if isinstance(msg, TERMINAL):
                     finished = True
-                if isinstance(msg, TokenChunk) and not req.stream:
-                    continue
+                if isinstance(msg, TokenChunk):
+                    chunk = self._text_chunk(msg, stage, got_ids, got_text)
+                    if stage.by_string and not stop_sent:
+                        stop_sent = True
+                        self.decode.abort.remote(rid)  # a stop string: no more tokens for it
+                    if chunk is None or not req.stream:
+                        continue
+                    frames = encode(chunk)
+                elif isinstance(msg, GenerateResult):
+                    tail = stage.finish()
+                    if tail and req.stream:
+                        yield encode(TokenChunk(request_id=rid, token_ids=[], text=tail))
+                    frames = encode(self._text_result(msg, stage, got_ids, "".join(got_text) + tail))
                 if isinstance(msg, ErrorReply):
                     self.counts["errors"] += 1
                     yield frames
@@ -232,6 +259,64 @@ class TokenizerRouter:
             self.active.discard(rid)
             if not finished:  # our consumer went away mid-stream
                 self.decode.abort.remote(rid)
+
+    @staticmethod
+    def _text_chunk(msg: TokenChunk, stage: TextStage, got_ids: list[int],
+                    got_text: list[str]) -> TokenChunk | None:
+        """The engine's chunk with its text, cut after a stop string or stop token (None: the
+        client gets none of it)."""
+        n, text = stage.feed(msg.token_ids)
+        if n == 0 and not text:
+            return None
+        got_ids += msg.token_ids[:n]
+        got_text.append(text)
+        cut = {"token_ids": msg.token_ids[:n], "text": text}
+        if msg.logprobs is not None:
+            cut["logprobs"] = msg.logprobs[:n]
+        if getattr(msg, "top_logprobs", None) is not None:
+            cut["top_logprobs"] = msg.top_logprobs[:n]
+        return msg.model_copy(update=cut)
+
+    @staticmethod
+    def _text_result(msg: GenerateResult, stage: TextStage, got_ids: list[int], text: str) -> GenerateResult:
+        """The engine's result with the client's text and tokens: a stop string the router found
+        makes it "stop" (the engine saw an abort); usage counts the tokens the client received."""
+        reason = "stop" if stage.by_string else msg.finish_reason
+        usage = msg.usage.model_copy(update={"completion_tokens": len(got_ids)})
+        return msg.model_copy(update={"text": text, "token_ids": list(got_ids),
+                                      "finish_reason": reason, "usage": usage})
+
+    def _full(self) -> str | None:
+        """Why a new request cannot be admitted now (None: it can)."""
+        n = len(self.active)
+        if n >= self.queue_size:
+            return f"{n} requests in flight, the queue holds {self.queue_size}; retry later"
+        running = self.config.max_num_seqs
+        if self.max_waiting is not None and n >= running + self.max_waiting:
+            return (f"{n - min(n, running)} requests waiting behind {min(n, running)} running, "
+                    f"max_waiting={self.max_waiting}; retry later")
+        return None
+
+    async def set_limits(self, queue_size: int | None = None,
+                         max_waiting: int | None | str = "keep") -> dict[str, Any]:
+        """Change the admission bounds at run time; returns the previous ones. ``max_waiting``
+        None removes that bound ("keep" leaves it)."""
+        old = {"queue_size": self.queue_size, "max_waiting": self.max_waiting}
+        if queue_size is not None:
+            if not (isinstance(queue_size, int) and 1 <= queue_size <= 100_000):
+                raise ValueError(f"queue_size={queue_size!r}; allowed: 1..100000")
+            self.queue_size = queue_size
+        if max_waiting != "keep":
+            if max_waiting is not None and not (isinstance(max_waiting, int) and max_waiting >= 0):
+                raise ValueError(f"max_waiting={max_waiting!r}; allowed: None or >= 0")
+            self.max_waiting = max_waiting
+        return old
+
+    async def token_strings(self, token_ids: list[int]) -> list[str]:
+        """The text of each token on its own (special tokens included), for logprobs."""
+        if self.tokenizer is None:
+            return [f"<{int(t)}>" for t in token_ids]
+        return [self.tokenizer.decode([int(t)], skip_special_tokens=False) for t in token_ids]
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.sampling.n != 1:
@@ -252,12 +337,14 @@ class TokenizerRouter:
         await asyncio.wait_for(self.decode.check_health.remote(), timeout=30)
 
     async def health(self) -> list[bytes]:
-        detail: dict[str, Any] = {"active": len(self.active), "queue_size": self.config.queue_size}
+        detail: dict[str, Any] = {"active": len(self.active), "queue_size": self.queue_size}
         detail.update(self.counts)
         return encode(HealthReply(service="router", ok=True, detail=detail))
 
     async def stats(self) -> dict[str, Any]:
-        return {"active": sorted(self.active), "polled": len(self.polled), **self.counts}
+        return {"active": sorted(self.active), "polled": len(self.polled), **self.counts,
+                "queue_size": self.queue_size, "max_waiting": self.max_waiting,
+                "max_num_seqs": self.config.max_num_seqs}
 
     async def close(self) -> None:
         """Cancel open polled requests (shutdown)."""
