@@ -4,6 +4,14 @@ reference loop (engine.generate.generate_ids) and the memory-bandwidth roofline.
 
     python bench/serving.py                       # hidden 512, 8 layers, 32 experts top-4
     python bench/serving.py --streams 1 4 16 --prompt-len 64 --new-tokens 32
+    python bench/serving.py --paths               # the same engine in process, through the Ray
+                                                  # client and through the HTTP API (below)
+
+--paths builds a small int4 store (or takes --store), deploys the Ray pipeline on a local
+cluster and measures TTFT and inter-token latency p50/p99 at 1, 4, 16 and 64 streams on three
+paths: the in-process Engine (same store, budgets and batch limit), the Ray driver client
+(router -> decode streaming generators) and the OpenAI-compatible HTTP API (aiohttp client,
+SSE; one more actor hop plus HTTP). Greedy, so every path produces the same tokens.
 
 Every stream's request arrives at t=0; TTFT is arrival -> first token, inter-token latency
 (ITL) is the gap between a stream's consecutive tokens. Roofline: each step must read the
@@ -14,8 +22,11 @@ so tokens/s <= tokens per step x bandwidth / bytes per step.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -86,6 +97,241 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
 
 
+def _pct_row(name: str, n: int, ttft: list[float], itl: list[float], tokens: int, wall: float) -> str:
+    return (f"| {name} | {n} | {pct(ttft, 0.5) * 1e3:.1f} | {pct(ttft, 0.99) * 1e3:.1f} | "
+            f"{pct(itl, 0.5) * 1e3:.2f} | {pct(itl, 0.99) * 1e3:.2f} | {tokens / wall:.1f} |")
+
+
+def _ray_serve_ingress(namespace: str) -> str:
+    """A Ray Serve deployment doing what the HTTP actor does for /v1/completions (parse, frames
+    to the router, SSE out); returns its URL. Needs ``pip install "ray[serve]"``."""
+    import socket
+
+    from ray import serve
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+    class Ingress:
+        def __init__(self, ns: str) -> None:
+            import ray
+
+            self.router = ray.get_actor("router", namespace=ns)
+
+        async def __call__(self, request: Request):
+            import uuid
+
+            from protocol import GenerateResult, TokenChunk, decode, encode
+            from services.http.openai_format import SSE_DONE, Formatter
+            from services.http.schemas import CompletionRequest, OpenAIError, parse_body
+
+            try:
+                body = parse_body(CompletionRequest, await request.body())
+                rid = "cmpl-" + uuid.uuid4().hex
+                greq = body.to_generate(rid)
+            except OpenAIError as e:
+                return JSONResponse(e.body(), status_code=e.status)
+            fmt = Formatter("completion", rid, body.model, body.include_usage)
+            gen = self.router.submit_frames.remote(encode(greq))
+
+            async def events():
+                sent = 0
+                async for ref in gen:
+                    msg, _ = decode(await ref)
+                    if isinstance(msg, TokenChunk):
+                        sent += len(msg.token_ids)
+                        if msg.text:
+                            yield fmt.chunk(msg.text)
+                    elif isinstance(msg, GenerateResult):
+                        yield fmt.chunk(final=True, finish=msg.finish_reason)
+                        if fmt.include_usage:
+                            yield fmt.usage_chunk({"prompt_tokens": msg.usage.prompt_tokens,
+                                                   "completion_tokens": sent})
+                        break
+                yield SSE_DONE
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(Ingress.bind(namespace), route_prefix="/v1/completions", name="bench-ingress")
+    return f"http://127.0.0.1:{port}/v1/completions"
+
+
+def paths_main(args) -> None:
+    """In-process Engine vs Ray client vs HTTP API on one store (see the module docstring)."""
+    import asyncio
+    import os
+    import sys
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    from engine.experts.runtime import load_from_store
+    from engine.experts.tiers import align_up
+    from engine.store import ExpertStore
+    from protocol import GenerateResult, TokenChunk
+    from services.app import deploy
+    from services.client import MoestreamClient
+    from services.config import DeployConfig
+    from services.http.server import HttpSettings
+    from tests.services.conftest import _add_tokenizer
+
+    tmp = tempfile.TemporaryDirectory(prefix="moestream-serving-")
+    store = args.store
+    if store is None:  # a random Qwen3-MoE with a word-level tokenizer (as the service tests)
+        from engine.quant.formats import QuantFormat
+        from engine.store import convert
+        from tests.engine.models.hf_tiny import make_checkpoint
+
+        root = Path(tmp.name)
+        make_checkpoint("qwen3_moe", root / "hf", seed=1, hidden_size=args.hidden,
+                        num_hidden_layers=args.layers, head_dim=64,
+                        num_attention_heads=args.hidden // 64, num_key_value_heads=2,
+                        moe_intermediate_size=args.moe_intermediate, num_experts=args.experts,
+                        num_experts_per_tok=2, norm_topk_prob=True,
+                        intermediate_size=args.moe_intermediate)
+        _add_tokenizer(root / "hf", 96)
+        store = root / "store"
+        convert(root / "hf", store, fmt=QuantFormat("int4", 32), progress=False)
+    with ExpertStore(store) as st:
+        slot, total, vocab = align_up(st.expert_nbytes), st.num_experts_total, st.config.vocab_size
+    dev = max(2, int(total * args.device_fraction)) * slot
+    seqs = max(args.streams)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(seqs)]
+    print(f"store {store}: {total} int4 experts, device cache {dev // slot} slots "
+          f"({args.device_fraction:.0%}), RAM tier: all; {args.prompt_len} prompt + up to "
+          f"{args.new_tokens} new tokens per stream (greedy, EOS ends a stream early on every "
+          f"path alike); max_num_seqs {seqs}; {os.cpu_count()} CPUs")
+    head = "| path | streams | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | gen tok/s |"
+    rows = []
+
+    # ---- in process: the decode actor's engine, built the same way
+    from engine.kv.paged import PagedKVCache
+    from engine.layers.sampler import SamplingConfig
+    from engine.options import configure
+
+    sm = load_from_store(store, device_budget=dev, prefetch_depth=0, dense="bf16")
+    configure(native_threads=0)
+    sm.model.native_step()
+    kv = PagedKVCache.from_budget(sm.store.config, 64 << 20, 16, dtype=torch.float32)
+    engine = Engine(sm.model, sm.tokenizer, kv, SchedulerConfig(max_num_batched_tokens=512,
+                                                                max_num_seqs=seqs))
+    sampling = SamplingConfig(max_tokens=args.new_tokens)
+    engine.generate([(prompts[0], SamplingConfig(max_tokens=4))])  # warm-up
+    for n in args.streams:
+        engine.generate([(p, sampling) for p in prompts[:n]])  # warm: this batch's shapes
+        t = time.perf_counter()
+        res = engine.generate([(p, sampling) for p in prompts[:n]])
+        wall = time.perf_counter() - t
+        rows.append(_pct_row("in-process Engine", n, [r.ttft for r in res],
+                             [x for r in res for x in r.inter_token_latencies],
+                             sum(len(r.output_ids) for r in res), wall))
+    sm.close()
+
+    cfg = DeployConfig(store=store, namespace="moestream-serving-bench", loaders=2,
+                       device_budget=dev, prefetch_depth=0, kv_budget="64MiB", max_num_seqs=seqs,
+                       queue_size=max(64, seqs), num_cpus=os.cpu_count(),
+                       object_store_memory=256 << 20)
+    app = deploy(cfg)
+    try:
+        client = MoestreamClient(namespace=cfg.namespace)
+
+        def ray_stream(p, t0, out):
+            last, ttft, itl, n_tok = None, None, [], 0
+            for m in client.generate(prompt_token_ids=p, sampling={"temperature": 0,
+                                                                   "max_tokens": args.new_tokens}):
+                if isinstance(m, TokenChunk) and m.token_ids:
+                    now = time.perf_counter()
+                    if last is None:
+                        ttft = now - t0
+                    else:
+                        itl.append(now - last)
+                    itl += [0.0] * (len(m.token_ids) - 1)
+                    last, n_tok = now, n_tok + len(m.token_ids)
+                elif not isinstance(m, (TokenChunk, GenerateResult)):
+                    raise RuntimeError(m)
+            out.append((ttft, itl, n_tok))
+
+        ray_stream(prompts[0], time.perf_counter(), [])  # warm: experts enter the RAM tier
+        for n in args.streams:
+            out: list = []
+            t0 = time.perf_counter()
+            ths = [threading.Thread(target=ray_stream, args=(p, t0, out)) for p in prompts[:n]]
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join()
+            wall = time.perf_counter() - t0
+            rows.append(_pct_row("Ray client (driver)", n, [o[0] for o in out],
+                                 [x for o in out for x in o[1]], sum(o[2] for o in out), wall))
+
+        host, port = app.start_http(HttpSettings(port=0, namespace=cfg.namespace, model_name="bench"))
+        urls = [("HTTP API (SSE)", f"http://{host}:{port}/v1/completions")]
+        if args.ray_serve:  # the alternative ingress, measured the same way
+            urls.append(("Ray Serve ingress (SSE)", _ray_serve_ingress(cfg.namespace)))
+
+        async def http_streams(url, n):
+            import aiohttp
+
+            conn = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=conn) as s:
+                async def one(p, t0):
+                    body = {"model": "bench", "prompt": p, "max_tokens": args.new_tokens,
+                            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+                    last, ttft, itl, n_tok = None, None, [], 0
+                    async with s.post(url, json=body) as r:
+                        assert r.status == 200, await r.text()
+                        async for line in r.content:
+                            if not line.startswith(b"data: {"):
+                                continue
+                            now = time.perf_counter()
+                            obj = json.loads(line[6:])
+                            if obj.get("usage"):
+                                n_tok = obj["usage"]["completion_tokens"]
+                            if not obj["choices"] or not obj["choices"][0]["text"]:
+                                continue
+                            if last is None:
+                                ttft = now - t0
+                            else:
+                                itl.append(now - last)
+                            last = now
+                    return ttft, itl, n_tok
+
+                t0 = time.perf_counter()
+                out = await asyncio.gather(*(one(p, t0) for p in prompts[:n]))
+                return out, time.perf_counter() - t0
+
+        for name, url in urls:
+            asyncio.run(http_streams(url, 1))  # warm
+            for n in args.streams:
+                out, wall = asyncio.run(http_streams(url, n))
+                rows.append(_pct_row(name, n, [o[0] for o in out if o[0] is not None],
+                                     [x for o in out for x in o[1]], sum(o[2] for o in out), wall))
+    finally:
+        if args.ray_serve:
+            from ray import serve
+
+            serve.shutdown()
+        app.shutdown()
+        ray.shutdown()
+        tmp.cleanup()
+    print(head)
+    print("|" + "|".join("---" if i == 0 else "---:" for i in range(7)) + "|")
+    for r in sorted(rows, key=lambda r: int(r.split("|")[2])):
+        print(r)
+    print("TTFT: all streams arrive at t=0, to each stream's first token; ITL: gaps between a "
+          "stream's consecutive tokens (HTTP: between SSE chunks with text); gen tok/s: all "
+          "streams' generated tokens over the wall time")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -101,9 +347,25 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-dtype", choices=["bf16", "fp32", "fp8"], default="bf16")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--paths", action="store_true", help="in process vs Ray client vs HTTP API "
+                    "on a store (module docstring); defaults become: 1 4 16 64 streams, hidden 256, "
+                    "2 layers, 8 experts, 16 prompt + 32 new tokens")
+    ap.add_argument("--store", type=Path, default=None, help="--paths: an existing store")
+    ap.add_argument("--ray-serve", action="store_true", help="--paths: also measure a Ray Serve "
+                    "ingress doing the same (needs `pip install \"ray[serve]\"`)")
+    ap.add_argument("--device-fraction", type=float, default=0.5, help="--paths: device cache "
+                    "as a share of the experts")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.paths:
+        given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+        for name, value in (("streams", [1, 4, 16, 64]), ("hidden", 256), ("layers", 2),
+                            ("experts", 8), ("prompt_len", 16), ("new_tokens", 32),
+                            ("moe_intermediate", 128)):
+            if name not in given:
+                setattr(args, name, value)
+        return paths_main(args)
 
     cfg = ModelConfig(arch="qwen3_moe", vocab_size=args.vocab, hidden_size=args.hidden,
                       intermediate_size=args.hidden * 2, num_layers=args.layers,

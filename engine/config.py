@@ -22,10 +22,15 @@ HF_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # HF "model_type" (used when "architectures" is absent) -> our key.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral",
                   "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
+HF_MODEL_TYPES["qwen3_next"] = "qwen3_next"
+HF_MODEL_TYPES.update({"gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3"})
 # GGUF "general.architecture" -> our key.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -158,6 +163,46 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3-Next): every layer not in ``full_attention_layers`` mixes
+    tokens with a gated delta rule over a per-sequence state instead of attention."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    full_attention_layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"linear attention {name} must be a positive integer, got {value!r}")
+        if self.num_value_heads % self.num_key_heads:
+            raise ConfigError(f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
+                              f"linear_num_key_heads ({self.num_key_heads})")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_elements(self) -> tuple[int, int]:
+        """(conv window, delta-rule matrix) elements one layer keeps per sequence."""
+        return (self.conv_dim * (self.conv_kernel - 1),
+                self.num_value_heads * self.key_head_dim * self.value_head_dim)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the model core needs; validated on construction."""
 
@@ -178,6 +223,15 @@ class ModelConfig:
     moe: MoEConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen3-Next: gated attention (q_proj also yields a per-head sigmoid gate), RoPE on the first
+    # partial_rotary_factor of head_dim, norms weighted by (1 + w), Gated DeltaNet layers
+    attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    norm_zero_centred: bool = False
+    linear_attn: LinearAttentionConfig | None = None
+    # Architecture-specific parameters (a frozen dataclass defined by the architecture's file,
+    # e.g. engine.models.gpt_oss.GptOssParams); None for the architectures of the shared decoder.
+    arch_params: Any = None
 
     def __post_init__(self) -> None:
         from engine.models.registry import ARCHITECTURES  # late: registry imports model files
@@ -199,6 +253,24 @@ class ModelConfig:
             raise ConfigError(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps}")
         if self.moe is None and self.intermediate_size < 1:
             raise ConfigError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim "
+                              f"{self.head_dim} must give an even rotary width >= 2")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear_attention_layer(self, layer: int) -> bool:
+        """Whether ``layer`` is a Gated DeltaNet (recurrent state) layer instead of attention."""
+        la = self.linear_attn
+        return la is not None and layer not in la.full_attention_layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Layers with a KV cache (all of them unless some are linear attention)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear_attention_layer(i))
 
     # ---- structure -------------------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:
@@ -225,17 +297,27 @@ class ModelConfig:
 
     def parameter_counts(self) -> dict[str, int]:
         """Total and active-per-token parameter counts, split into dense and routed-expert parts."""
+        custom = getattr(self.arch_params, "parameter_counts", None)
+        if custom is not None:  # architectures with their own layers count them themselves
+            return custom(self)
         h, hd = self.hidden_size, self.head_dim
         attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.attention_bias:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * hd
+        if self.attn_output_gate:
+            attn += h * hd * self.num_heads
         per_layer_dense = attn + 2 * h
+        la = self.linear_attn
+        if la is not None:
+            lin = (h * (2 * la.key_dim + 2 * la.value_dim) + h * 2 * la.num_value_heads
+                   + la.conv_dim * la.conv_kernel + 2 * la.num_value_heads + la.value_head_dim
+                   + la.value_dim * h)
         dense = self.vocab_size * h + h + (0 if self.tie_word_embeddings else self.vocab_size * h)
         routed_total = routed_active = 0
         for i in range(self.num_layers):
-            dense += per_layer_dense
+            dense += (lin + 2 * h) if self.is_linear_attention_layer(i) else per_layer_dense
             if self.is_moe_layer(i):
                 m = self.moe
                 assert m is not None
@@ -271,7 +353,15 @@ class ModelConfig:
             moe = dict(d["moe"])
             moe["mlp_only_layers"] = tuple(moe.get("mlp_only_layers", ()))
             d["moe"] = MoEConfig(**moe)
+        if d.get("linear_attn") is not None:
+            la = dict(d["linear_attn"])
+            la["full_attention_layers"] = tuple(la.get("full_attention_layers", ()))
+            d["linear_attn"] = LinearAttentionConfig(**la)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        if d.get("arch_params") is not None:
+            from engine.models.registry import get_spec
+
+            d["arch_params"] = get_spec(d["arch"]).params_from_dict(d["arch_params"])
         return cls(**d)
 
     # ---- constructors ----------------------------------------------------------------------
@@ -329,6 +419,11 @@ class ModelConfig:
             return tuple(value)
 
         try:
+            from engine.models.registry import get_spec
+
+            own_parser = get_spec(arch).config_from_hf
+            if own_parser is not None:  # architectures with their own layers parse their fields
+                return own_parser(raw, source)
             hidden = integer("hidden_size")
             heads = integer("num_attention_heads")
             head_dim = integer("head_dim", default=0) or hidden // heads
@@ -340,15 +435,15 @@ class ModelConfig:
                     expert_intermediate_size=integer("intermediate_size"),
                     norm_topk_prob=True,
                 )
-            elif arch in ("qwen2_moe", "qwen3_moe"):
+            elif arch in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
                 shared = integer("shared_expert_intermediate_size", default=0)
                 moe = MoEConfig(
                     num_experts=integer("num_experts", "num_local_experts"),
                     top_k=integer("num_experts_per_tok"),
                     expert_intermediate_size=integer("moe_intermediate_size"),
                     norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                    shared_expert_intermediate_size=shared if arch == "qwen2_moe" else 0,
-                    shared_expert_gate=arch == "qwen2_moe" and shared > 0,
+                    shared_expert_intermediate_size=shared if arch in ("qwen2_moe", "qwen3_next") else 0,
+                    shared_expert_gate=arch in ("qwen2_moe", "qwen3_next") and shared > 0,
                     decoder_sparse_step=integer("decoder_sparse_step", default=1) or 1,
                     mlp_only_layers=layer_list("mlp_only_layers"),
                 )
@@ -373,10 +468,11 @@ class ModelConfig:
                 rope=_rope_from_hf(raw, source),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bias,
-                qk_norm=arch == "qwen3_moe",
+                qk_norm=arch in ("qwen3_moe", "qwen3_next"),
                 moe=moe,
                 bos_token_id=ids["bos_token_id"][0] if ids["bos_token_id"] else None,
                 eos_token_ids=ids["eos_token_id"],
+                **(_qwen3_next_fields(raw, integer, source) if arch == "qwen3_next" else {}),
             )
         except (TypeError, ValueError, ArithmeticError) as e:
             if isinstance(e, (ConfigError, ModelFormatError, UnsupportedArchitectureError)):
@@ -465,6 +561,40 @@ class ModelConfig:
             if isinstance(e, (ConfigError, ModelFormatError, UnsupportedArchitectureError)):
                 raise
             raise ModelFormatError(source, _bad_value(e, "bad metadata value")) from None
+
+
+def _qwen3_next_fields(raw: Mapping[str, Any], integer, source: object) -> dict[str, Any]:
+    """The ModelConfig fields of a Qwen3-Next config.json: which layers are full attention
+    (``layer_types``, else every ``full_attention_interval``-th), the DeltaNet shapes, partial
+    RoPE (``partial_rotary_factor``, top level or in ``rope_parameters``; default 0.25)."""
+    layers = integer("num_hidden_layers")
+    types = raw.get("layer_types")
+    if types is not None:
+        if not (isinstance(types, list) and len(types) == layers
+                and all(t in ("linear_attention", "full_attention") for t in types)):
+            raise ModelFormatError(source, f"layer_types must list 'linear_attention' or "
+                                           f"'full_attention' for each of the {layers} layers")
+        full = tuple(i for i, t in enumerate(types) if t == "full_attention")
+    else:
+        interval = integer("full_attention_interval", default=4)
+        if interval < 1:
+            raise ModelFormatError(source, f"full_attention_interval must be >= 1, got {interval}")
+        full = tuple(i for i in range(layers) if (i + 1) % interval == 0)
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    prf = raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 0.25))
+    return dict(
+        attn_output_gate=True,
+        partial_rotary_factor=_number(prf, "partial_rotary_factor", source),
+        norm_zero_centred=True,
+        linear_attn=LinearAttentionConfig(
+            num_key_heads=integer("linear_num_key_heads", default=16),
+            num_value_heads=integer("linear_num_value_heads", default=32),
+            key_head_dim=integer("linear_key_head_dim", default=128),
+            value_head_dim=integer("linear_value_head_dim", default=128),
+            conv_kernel=integer("linear_conv_kernel_dim", default=4),
+            full_attention_layers=full,
+        ),
+    )
 
 
 def _number(value: Any, field: str, source: object) -> float:

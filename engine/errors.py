@@ -66,6 +66,11 @@ class CacheCapacityError(MoestreamError):
     """A cache budget cannot hold what a single step needs (e.g. fewer slots than top-k)."""
 
 
+class DeviceBudgetError(CacheCapacityError):
+    """An allocation on the device would exceed the device memory budget (``--vram-budget``);
+    the message names the allocation, its size, what is already allocated and the budget."""
+
+
 class CapacityError(MoestreamError):
     """A request can never fit (KV cache too small for prompt + max_tokens)."""
 

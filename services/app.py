@@ -26,6 +26,7 @@ from services.config import DeployConfig
 log = logging.getLogger(__name__)
 
 ROUTER, DECODE, LOADER_PREFIX = "router", "decode", "loader-"
+HTTP = "http"  # the OpenAI-compatible HTTP front end (services/http), when started
 _LOADER_RE = re.compile(r"^loader-(\d+)$")
 STARTUP_TIMEOUT_S = 300.0
 
@@ -42,6 +43,10 @@ def init_ray(config: DeployConfig | None = None, *, address: str | None = None,
     then lives only as long as this process). Joins when ``address`` (or config.address) is
     given; otherwise starts a local cluster with explicit CPUs, object store size and loopback
     binds. A process already connected is left as it is."""
+    from services.ray_env import apply_client_env
+
+    # token mode (a local cluster gets a token), per-account temp dir, loopback binds
+    apply_client_env(create_token=not (address or (config and config.address)))
     ray = _ray()
     if ray.is_initialized():
         return False
@@ -144,6 +149,8 @@ class App:
 
         ray = _ray()
         actors = {ROUTER: None, DECODE: None, **{n: None for n in loader_names(self.namespace)}}
+        if self._has_actor(HTTP):
+            actors[HTTP] = None
         refs = {}
         for name in actors:
             try:
@@ -171,13 +178,44 @@ class App:
         cluster this process started is shut down too."""
         from services.expert_loader import segment_prefix, sweep_segments
 
-        for name in [ROUTER, DECODE, *loader_names(self.namespace)]:
+        for name in [HTTP, ROUTER, DECODE, *loader_names(self.namespace)]:
             self._stop_actor(name, timeout_s)
         sweep_segments(segment_prefix(self.namespace))
         if self.owns_cluster:
             _ray().shutdown()
 
+    def start_http(self, settings, timeout_s: float = STARTUP_TIMEOUT_S) -> tuple[str, int]:
+        """Start the HTTP actor (services.http.server.HttpService, detached, restarted on
+        failure, on this process's node so a loopback bind is reachable here) and return the
+        (host, port) it listens on. One already running in the namespace is kept: its address
+        is returned."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from services.http.server import HttpService
+
+        ray = _ray()
+        if not self._has_actor(HTTP):
+            node = ray.get_runtime_context().get_node_id()
+            ray.remote(HttpService).options(
+                name=HTTP, namespace=self.namespace, lifetime="detached", max_restarts=-1,
+                max_task_retries=0, num_cpus=0, get_if_exists=True,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            ).remote(settings.model_dump_json())
+        h = ray.get_actor(HTTP, namespace=self.namespace)
+        host, port = ray.get(h.address.remote(), timeout=timeout_s)
+        return host, int(port)
+
+    def stop_http(self, timeout_s: float = 30.0) -> None:
+        self._stop_actor(HTTP, timeout_s)
+
     # ---- internals ---------------------------------------------------------------------------
+    def _has_actor(self, name: str) -> bool:
+        try:
+            _ray().get_actor(name, namespace=self.namespace)
+            return True
+        except ValueError:
+            return False
+
     def _start_loader(self, name: str, count: int):
         from engine.store.reader import ExpertStore
         from engine.experts.tiers import align_up

@@ -43,7 +43,8 @@ def main() -> None:
               help="Device expert slots, bytes (2GiB) or a share of the store's experts (25%).")
 @click.option("--ram-budget", default="100%", show_default=True,
               help="Host RAM tier, bytes or a share of the store's experts.")
-@click.option("--policy", type=click.Choice(["lru", "lfu"]), default="lfu", show_default=True)
+@click.option("--policy", type=click.Choice(["sweep", "lru", "lfu"]), default="sweep", show_default=True,
+              help="Device cache eviction: sweep (farthest expected next use under the layer sweep), lru, lfu.")
 @click.option("--prefetch", "prefetch_depth", type=int, default=None,
               help="Sparse layers ahead to predict and prefetch (0 = off). Default: 1 on a GPU, 0 "
                    "when the device tier is CPU memory (prefetch then competes with compute).")
@@ -257,6 +258,14 @@ def info(path):
     kv_layers = len(getattr(cfg, "attention_layers", range(cfg.num_layers)))
     click.echo(f"kv cache      {_human(2 * kv_layers * cfg.num_kv_heads * cfg.head_dim * 2, 'B')} per "
                f"context token at bf16 (keys and values of {kv_layers} layers)")
+    note = getattr(cfg.arch_params, "kv_note", None)  # e.g. MLA's latent against full heads
+    if note is not None:
+        click.echo(f"              {note(cfg)}")
+    if getattr(cfg, "linear_attn", None) is not None:  # Qwen3-Next: DeltaNet layers, recurrent state
+        from engine.models.qwen3_next import info_lines
+
+        for line in info_lines(cfg, _human):
+            click.echo(line)
 
 
 def _info_config(path: Path):

@@ -196,8 +196,8 @@ def _fractions(spec: str) -> list[float]:
 @click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False))
 @click.option("--budget", default="10%,25%,50%", show_default=True,
               help="Cache budgets as fractions of all experts (comma-separated, e.g. 10%,25%).")
-@click.option("--policy", "policies", default="lru,lfu,belady", show_default=True,
-              help="Eviction policies (comma-separated): lru, lfu, lfu-pure, belady, pinned+<p>.")
+@click.option("--policy", "policies", default="lru,lfu,sweep,belady", show_default=True,
+              help="Eviction policies (comma-separated): lru, lfu, lfu-pure, sweep, belady, pinned+<p>.")
 @click.option("--per-layer", is_flag=True, help="One pool per layer instead of one global pool.")
 @click.option("--expert-bytes", type=int, default=None,
               help="Bytes per expert [default: from the trace's metadata, else 1].")
@@ -233,10 +233,11 @@ def simulate_cmd(trace_path, budget, policies, per_layer, expert_bytes, plot):
     click.echo(f"trace {trace_path}: {trace!r}; {'per-layer' if per_layer else 'global'} pool; "
                f"expert bytes {expert_bytes}")
     click.echo(f"{'policy':>10} {'budget':>7} {'slots':>6} {'hit rate':>9} {'misses/tok':>11} "
-               f"{'missed ' + unit + '/tok':>18}")
+               f"{'missed ' + unit + '/tok':>18} {'/Belady':>8}")
     for r in table.results:
         click.echo(f"{r.policy:>10} {100 * r.budget_fraction:6.1f}% {r.capacity:>6} "
-                   f"{100 * r.hit_rate:8.2f}% {r.misses_per_token:11.2f} {r.bytes_missed_per_token:18.1f}")
+                   f"{100 * r.hit_rate:8.2f}% {r.misses_per_token:11.2f} {r.bytes_missed_per_token:18.1f} "
+                   f"{table.ratio(r.policy, r.capacity):8.2f}")
     if plot:
         from engine.experts.plot import plot_hit_rates
 

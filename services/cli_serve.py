@@ -32,7 +32,7 @@ from services.cli_checks import (check_budget, check_utf8, device_memory, fail a
 @click.option("--device-budget", default=None, help="Device bytes for experts, e.g. 16GiB.")
 @click.option("--ram-budget", default=None, help="RAM-tier bytes, all loaders together.")
 @click.option("--kv-budget", default="256MiB", show_default=True)
-@click.option("--policy", default="lfu", show_default=True)
+@click.option("--policy", default="sweep", show_default=True)
 @click.option("--prefetch-depth", type=int, default=None,
               help="Sparse layers ahead to prefetch; default 1 on a GPU, 0 on CPU.")
 @click.option("--queue-size", type=int, default=64, show_default=True)
@@ -46,9 +46,27 @@ from services.cli_checks import (check_budget, check_utf8, device_memory, fail a
               help="Intra-op CPU threads of the decode actor; default: every core of its node.")
 @click.option("--io-threads", type=int, default=2, show_default=True,
               help="Decode-side threads copying experts into device slots.")
+@click.option("--http", "http_address", default=None, metavar="HOST:PORT",
+              help="Also serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000), from "
+              "a detached actor that outlives this command; binds loopback unless told otherwise.")
+@click.option("--api-key", envvar="MOESTREAM_API_KEY", default=None,
+              help="Bearer key the HTTP API requires on every endpoint but /health "
+              "(env MOESTREAM_API_KEY); required when --http binds beyond loopback.")
+@click.option("--served-model-name", default=None,
+              help="Model id of the HTTP API (default: the store directory's name).")
+@click.option("--max-waiting", type=int, default=None,
+              help="Requests that may wait beyond the running batch; one more is refused "
+              "(HTTP 429 with Retry-After). Default: only --queue-size bounds them.")
+@click.option("--speculative", default=None, metavar="ngram|self|draft:PATH",
+              help="Lossless speculative decoding for every request that does not opt out "
+              "(per-request extra field speculative=false): prompt-lookup n-grams, the target on "
+              "its device-resident experts, or a draft model sharing the tokenizer.")
+@click.option("--max-draft", type=int, default=8, show_default=True,
+              help="Most draft tokens verified per request and step (1..16).")
 def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budget, policy,
           prefetch_depth, queue_size, request_timeout, dtype, dashboard, num_cpus,
-          object_store_memory, compute_threads, io_threads):
+          object_store_memory, compute_threads, io_threads, http_address=None, api_key=None,
+          served_model_name=None, max_waiting=None, speculative=None, max_draft=8):
     """Deploy the pipeline (router, decode, N loaders) for STORE."""
     from pydantic import ValidationError
 
@@ -62,22 +80,70 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
                            request_timeout_s=request_timeout, dtype=dtype,
                            include_dashboard=dashboard, num_cpus=num_cpus,
                            object_store_memory=object_store_memory, compute_threads=compute_threads,
-                           io_threads=io_threads)
+                           io_threads=io_threads, max_waiting=max_waiting,
+                           speculative=speculative, max_draft=max_draft)
     except ValidationError as e:
         _fail("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
+    http = http_settings(http_address, api_key, served_model_name or cfg.store.name, namespace) \
+        if http_address is not None else None
     if address is None:  # a local cluster: the budgets must fit this machine
         check_local_budgets(cfg, device_budget, ram_budget)
     app = deploy(cfg)
+    if http is not None:
+        host, port = app.start_http(http)
+        click.echo(f"OpenAI-compatible API on http://{host}:{port}/v1 (model "
+                   f"{http.model_name!r}{', bearer key required' if http.api_key_sha256 else ''})",
+                   err=True)
     click.echo(json.dumps(app.status(), indent=2, default=str))
     if app.owns_cluster:  # the cluster dies with this process: serve until interrupted
         click.echo("serving on a local cluster; Ctrl-C stops it", err=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
-            stop.wait()
-        except KeyboardInterrupt:
-            pass
-        app.shutdown()
+        stop_on_signal(app)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def stop_on_signal(app, poll_s: float = 0.5) -> float:
+    """Serve until SIGTERM, SIGINT (Ctrl-C) or SIGHUP, then stop every actor, free the shared
+    memory and the local cluster; further signals are ignored until that is done (it takes a
+    few seconds: tests/deploy/test_serve_lifecycle.py). Returns the seconds shutdown took."""
+    import time
+
+    stop = threading.Event()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, _frame: stop.set())
+    while not stop.wait(poll_s):  # a timed wait: the handler runs between waits
+        pass
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    t0 = time.monotonic()
+    app.shutdown()
+    took = time.monotonic() - t0
+    click.echo(f"stopped: actors, shared memory and the local cluster in {took:.1f} s", err=True)
+    return took
+
+
+def http_settings(address: str, api_key: str | None, model_name: str, namespace: str):
+    """``--http HOST:PORT`` (or ``:PORT`` / ``PORT``: loopback) -> HttpSettings. A bind beyond
+    loopback needs an API key."""
+    from services.http.server import LOOPBACK, HttpSettings, key_digest
+
+    host, sep, port = address.rpartition(":")
+    if not sep:
+        host, port = "", address
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port_n = int(port)
+    except ValueError:
+        port_n = -1
+    if not 0 <= port_n <= 65535:
+        _fail(f"--http {address!r}: expected HOST:PORT with a port in 0..65535, e.g. 127.0.0.1:8000")
+    if api_key is not None and not api_key.strip():
+        _fail("--api-key / MOESTREAM_API_KEY is empty; give a key or unset it")
+    if host not in LOOPBACK and not api_key:
+        _fail(f"--http {address!r} binds beyond loopback: give --api-key (or MOESTREAM_API_KEY)")
+    return HttpSettings(host=host, port=port_n, namespace=namespace, model_name=model_name,
+                        api_key_sha256=key_digest(api_key.strip()) if api_key else None)
 
 
 def check_local_budgets(cfg, device_text: object, ram_text: object) -> None:
@@ -210,6 +276,18 @@ def _token_ids(text: str) -> list[int]:
 
 
 COMMANDS: list[Callable] = [serve, scale, status, shutdown]
+
+
+@click.command("env")
+def env_cmd():
+    """Print the environment Ray's own CLI needs for this account's cluster (token auth, temp
+    dir, loopback, addresses): eval "$(moestream env)"; then `ray job submit ...` works."""
+    from services.ray_env import cli_env, shell_exports
+
+    click.echo(shell_exports(cli_env()), nl=False)
+
+
+COMMANDS.append(env_cmd)
 
 
 @click.group()

@@ -17,8 +17,9 @@ from engine.errors import MoestreamError
 @click.argument("src", type=click.Path(exists=True))
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False),
               help="Store directory to create (or resume, or leave alone when already finished).")
-@click.option("--quant", type=click.Choice(["int4", "nf4", "int8", "bf16"]), default="int4",
-              show_default=True, help="Format of the routed experts.")
+@click.option("--quant", type=click.Choice(["int4", "nf4", "int8", "bf16", "mxfp4"]), default="int4",
+              show_default=True, help="Format of the routed experts (mxfp4: group 32; MXFP4 "
+                                      "checkpoint experts are kept as released).")
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
               help="Weights per scale group (ignored by bf16).")
 @click.option("--dense-dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto",
@@ -32,7 +33,8 @@ def convert(src, out, quant, group_size, dense_dtype, overwrite, progress):
         from engine.quant.formats import QuantFormat
         from engine.store import convert as convert_store
 
-        summary = convert_store(src, out, fmt=QuantFormat(quant, int(group_size)),
+        group = 32 if quant == "mxfp4" else int(group_size)  # one exponent per 32 weights
+        summary = convert_store(src, out, fmt=QuantFormat(quant, group),
                                 dense_dtype=dense_dtype, progress=progress, overwrite=overwrite)
     except MoestreamError as e:  # typed, expected errors: one clear line, exit 2
         click.echo(f"error: {e}", err=True)

@@ -59,6 +59,9 @@ class MoestreamClient:
                  poll_s: float = 0.5) -> None:
         ray = _ray()
         if not ray.is_initialized():
+            from services.ray_env import apply_client_env
+
+            apply_client_env()  # token mode and temp dir of the cluster (services/ray_env.py)
             ray.init(address=address or "auto", namespace=namespace, log_to_driver=False)
         self.namespace = namespace
         self.router = ray.get_actor("router", namespace=namespace)

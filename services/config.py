@@ -44,8 +44,8 @@ class DeployConfig(BaseModel):
         "between the loaders; None = every expert fits.")
     kv_budget: Bytes = Field("256MiB", description="Bytes for the paged KV cache.")
     kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
-    policy: Literal["lru", "lfu", "lfu-pure"] = Field(
-        "lfu", description="Eviction policy of the device expert cache.")
+    policy: Literal["sweep", "lru", "lfu", "lfu-pure"] = Field(
+        "sweep", description="Eviction policy of the device expert cache.")
     ram_policy: Literal["lru", "lfu", "lfu-pure"] = Field(
         "lru", description="Eviction policy of each loader's RAM tier.")
     dense_format: Literal["fp32", "bf16", "int8"] = Field(
@@ -69,6 +69,17 @@ class DeployConfig(BaseModel):
         "call; False sends every device miss through the owning loader.")
     queue_size: int = Field(64, ge=1, le=100_000, description="Requests the router admits at "
                             "once (queued + running); beyond it requests get BUSY.")
+    max_waiting: int | None = Field(None, ge=0, le=100_000, description="Requests that may "
+                                    "wait beyond the max_num_seqs running ones; one more gets "
+                                    "BUSY (HTTP 429 with Retry-After). Unset: only queue_size.")
+    speculative: str | None = Field(
+        None, pattern=r"^(ngram|self|draft:.+)$",
+        description="Speculative decoding on the decode actor: ngram (prompt lookup), self (the "
+        "target on its device-resident experts) or draft:PATH (a smaller model sharing the "
+        "tokenizer, a path on the decode node); unset: off. Requests speculate by default when "
+        "set and may opt out (speculative=false); greedy output is identical either way.")
+    max_draft: int = Field(8, ge=1, le=16, description="Most draft tokens one step verifies "
+                           "per request (the adaptive controller picks up to this many).")
     max_num_seqs: int = Field(16, ge=1, le=4096, description="Sequences the decode engine runs "
                               "in one batch.")
     max_batched_tokens: int = Field(512, ge=1, le=1 << 20, description="Tokens per engine step.")

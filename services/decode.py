@@ -46,7 +46,23 @@ def sampling_config(p: SamplingParams | dict) -> SamplingConfig:
                           top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
                           presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                           seed=p.seed, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
-                          logprobs=p.logprobs)
+                          logprobs=p.logprobs, speculative=p.speculative,
+                          num_speculative_tokens=p.num_speculative_tokens)
+
+
+def speculative_config(mode: str | None, max_draft: int, sm, dtype: torch.dtype, device: str):
+    """``--speculative`` (ngram | self | draft:PATH) -> the engine's SpeculativeConfig (None: off).
+    Requests speculate by default when a mode is set; ``speculative: false`` opts one out."""
+    if mode is None:
+        return None
+    from engine.speculative import SpeculativeConfig
+
+    if mode.startswith("draft:"):
+        from engine.loading import load_model
+
+        draft = load_model(mode[len("draft:"):], dtype=dtype)[0].to(device)
+        return SpeculativeConfig("draft", max_draft=max_draft, draft_model=draft)
+    return SpeculativeConfig(mode, max_draft=max_draft, cache=sm.cache)
 
 
 @dataclass
@@ -193,7 +209,7 @@ class EngineLoop:
             t.sink(out)
             return
         del self.tracked[out.request_id]
-        t.sink(Finished(out, self._usage(t)))
+        t.sink(Finished(out, self._usage(t, out.spec)))
 
     def _cache_totals(self) -> tuple[int, int, int]:
         if self.cache is None:
@@ -202,7 +218,7 @@ class EngineLoop:
             m = self.cache.metrics.total()
         return m.hits, m.misses, m.bytes_to_device
 
-    def _usage(self, t: _Tracked) -> Usage:
+    def _usage(self, t: _Tracked, spec=None) -> Usage:
         hits, misses, nbytes = self._cache_totals()
         dh, dm = hits - t.hits0, misses - t.misses0
         generated = self.engine._generated_tokens - t.gen0  # all sequences: bytes are shared
@@ -214,7 +230,9 @@ class EngineLoop:
             decode_tokens_per_s=(t.tokens - 1) / decode_s if decode_s > 0 and t.tokens > 1 else 0.0,
             expert_hit_rate=dh / (dh + dm) if self.cache is not None and dh + dm else None,
             expert_bytes_per_token=(nbytes - t.bytes0) / generated
-            if self.cache is not None and generated else None)
+            if self.cache is not None and generated else None,
+            draft_tokens=spec.drafted if spec is not None else None,
+            accepted_draft_tokens=spec.accepted if spec is not None else None)
 
 
 @dataclass
@@ -233,7 +251,7 @@ class DecodeService:
     def __init__(self, config_json: str, loader_names: list[str] | None = None, *,
                  source=None) -> None:
         from engine.experts.runtime import load_from_store
-        from engine.kv.paged import PagedKVCache
+        from engine.kv.state import kv_cache_from_budget
         from engine.runner import Engine
         from engine.scheduler import SchedulerConfig
         from engine.store.reader import ExpertStore
@@ -266,11 +284,14 @@ class DecodeService:
             configure(native_threads=cfg.compute_threads or 0)
             self.sm.model.native_step()
         model_cfg = self.sm.store.config
-        self.kv = PagedKVCache.from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size,
-                                           dtype=dtype, device=self.device)
+        self.kv = kv_cache_from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size, dtype=dtype,
+                                       device=self.device, max_seqs=cfg.max_num_seqs)
         self.engine = Engine(self.sm.model, self.sm.tokenizer, self.kv,
                              SchedulerConfig(max_num_batched_tokens=cfg.max_batched_tokens,
-                                             max_num_seqs=cfg.max_num_seqs))
+                                             max_num_seqs=cfg.max_num_seqs),
+                             speculative=speculative_config(cfg.speculative, cfg.max_draft,
+                                                            self.sm, dtype, self.device),
+                             detokenize=False)  # text and stop strings: the router (text_stage)
         self.loop = EngineLoop(self.engine, self.sm.cache).start()
         self.started = time.time()
 
@@ -311,8 +332,10 @@ class DecodeService:
                     acc.ids += out.new_token_ids
                     acc.text.append(out.new_text)
                     lps = [float(lp["logprob"]) for lp in out.logprobs] if out.logprobs else None
+                    tops = ([[{"token_id": i, "logprob": v} for i, v in lp.get("top", ())]
+                             for lp in out.logprobs] if out.logprobs and params.logprobs else None)
                     yield encode(TokenChunk(request_id=request_id, token_ids=out.new_token_ids,
-                                            text=out.new_text, logprobs=lps))
+                                            text=out.new_text, logprobs=lps, top_logprobs=tops))
                 if isinstance(item, Finished):
                     done = True
                     yield encode(self._result(request_id, acc, out.finish_reason or "stop",
@@ -366,9 +389,18 @@ class DecodeService:
                     "bytes_to_device_per_token": summary["bytes_to_device_per_token"],
                     "source": self.source.stats() if hasattr(self.source, "stats") else {},
                     "device": self.device, "compute_threads": torch.get_num_threads(),
-                    "io_threads": self.sm.cache.pool._max_workers}
+                    "io_threads": self.sm.cache.pool._max_workers,
+                    # additive: what the HTTP front end's /metrics exports (services/http)
+                    "cache": summary, "engine": self._engine_totals()}
 
         return await asyncio.to_thread(self.loop.call, snapshot)
+
+    def _engine_totals(self) -> dict[str, int]:
+        """Token totals of the engine (engine thread only): computed counts recomputation."""
+        m = self.engine.metrics()
+        return {"prompt_tokens": m.prompt_tokens, "generated_tokens": m.generated_tokens,
+                "computed_tokens": m.computed_tokens, "preemptions": m.preemptions,
+                "steps": m.steps}
 
     async def health(self) -> list[bytes]:
         ok = self.loop.alive

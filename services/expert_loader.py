@@ -40,8 +40,6 @@ import hashlib
 import logging
 import mmap
 import os
-import secrets
-import stat
 import threading
 import time
 from contextlib import contextmanager
@@ -68,7 +66,6 @@ from protocol import (
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 MAGIC = 0x31304D4853454F4D  # b"MOESHM01"
 PREAMBLE = np.dtype([("magic", "<u8"), ("num_slots", "<u8"), ("slot_bytes", "<u8"),
                      ("data_offset", "<u8"), ("pad", "<u8", 4)])
@@ -77,61 +74,16 @@ SLOT_HEADER = np.dtype([("seq", "<u8"), ("layer", "<i4"), ("expert", "<i4"),
 assert PREAMBLE.itemsize == 64 and SLOT_HEADER.itemsize == 32
 
 
-SEGMENT_TAG = "moestream"
-
-
-def _user_prefix() -> str:
-    return f"{SEGMENT_TAG}.u{os.getuid()}."
-
-
-def segment_prefix(namespace: str, loader: str = "") -> str:
-    """Name prefix of the segments of ``loader`` in deployment ``namespace`` for this user (all
-    its loaders when ``loader`` is empty). The one place the name format lives:
-
-        moestream.u<uid>.<namespace digest>.<loader>.<pid>.<random>
-
-    The user id and a fixed-length digest of the namespace keep two users or two deployments
-    from matching each other's prefix; the dots end each part, so loader-1 never matches
-    loader-10."""
-    if "." in loader or "/" in loader:
-        raise ExpertLoadError(f"loader name {loader!r} may not contain '.' or '/'")
-    ns = hashlib.blake2b(namespace.encode(), digest_size=6).hexdigest()
-    return f"{_user_prefix()}{ns}." + (f"{loader}." if loader else "")
-
-
-def segment_name(prefix: str) -> str:
-    """A fresh segment name under ``prefix`` (segment_prefix): this process and a random part."""
-    return f"{prefix}{os.getpid()}.{secrets.token_hex(4)}"
-
-
-def sweep_segments(prefix: str) -> list[str]:
-    """Unlink leftover segments under ``prefix`` (segment_prefix; a killed predecessor's).
-
-    Only regular files owned by this user are removed; a segment that cannot be removed is
-    skipped (one warning per sweep) and the sweep goes on. Returns the names removed."""
-    uid = os.getuid()
-    if not prefix.startswith(_user_prefix()):
-        raise ExpertLoadError(f"{prefix!r} is not a segment prefix of this user; "
-                              f"build it with segment_prefix()")
-    gone, skipped = [], []
-    for name in sorted(os.listdir(SHM_DIR)):
-        if not name.startswith(prefix):
-            continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            st = os.lstat(path)
-            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
-                continue  # another user's, or not a segment: never touched
-            os.unlink(path)
-            gone.append(name)
-        except FileNotFoundError:
-            pass  # removed meanwhile by its owner
-        except OSError as e:
-            skipped.append(f"{name} ({e.strerror or type(e).__name__})")
-    if skipped:
-        log.warning("shared-memory sweep of %s/%s*: left %d segment(s) it cannot remove: %s",
-                    SHM_DIR, prefix, len(skipped), ", ".join(skipped[:8]))
-    return gone
+# Naming, sweeps and the reaper live in services/shm.py (stdlib only: it is also the reaper).
+from services.shm import (  # noqa: E402  (re-exported: app.py and the tests import them here)
+    SEGMENT_TAG,
+    SHM_DIR,
+    Reaper,
+    segment_name,
+    segment_prefix,
+    sweep_dead_segments,
+    sweep_segments,
+)
 
 
 # --------------------------------------------------------------------------- writer side
@@ -159,8 +111,17 @@ class ShmRamTier:
         try:
             os.ftruncate(fd, size)
             self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(self.path)
+            raise
         finally:
             os.close(fd)
+        try:  # unlinks the segment if this process dies without close() (SIGKILL, ray stop)
+            self.reaper: Reaper | None = Reaper(self.path)
+        except OSError as e:
+            self.reaper = None
+            log.warning("no reaper for %s (%s): a killed loader leaves it to the next start's "
+                        "sweep", self.name, e)
         pre = np.frombuffer(self.mm, dtype=PREAMBLE, count=1)
         pre["num_slots"], pre["slot_bytes"], pre["data_offset"] = self.num_slots, self.slot_bytes, self.data_offset
         pre["magic"] = MAGIC
@@ -226,6 +187,9 @@ class ShmRamTier:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        if self.reaper is not None:
+            self.reaper.close()
+            self.reaper = None
         self.hdr = None
         try:
             self.mm.close()
@@ -491,7 +455,8 @@ class ExpertLoader:
 
         self.name = name
         prefix = segment_prefix(namespace, name)
-        swept = sweep_segments(prefix)  # a killed predecessor's segment, if any
+        # a killed predecessor's segment, and any of this account whose creator is gone
+        swept = sweep_segments(prefix) + sweep_dead_segments()
         if swept:
             log.info("loader %s: removed stale segments %s", name, swept)
         self.store = ExpertStore(store_path)

@@ -39,7 +39,7 @@ MISS_MODES = ("transfer", "cpu", "auto")
 @dataclass(frozen=True)
 class CacheConfig:
     device_budget: int  # bytes for device slots
-    policy: str = "lfu"  # eviction policy of the device tier: lru | lfu
+    policy: str = "sweep"  # eviction policy of the device tier: sweep | lru | lfu | lfu-pure
     pinned: frozenset = frozenset()  # always-resident keys (filled at start)
     prefetch_depth: int = 1  # sparse layers ahead to predict; 0 = off
     miss_compute: str = "transfer"  # transfer | cpu | auto (cost model)

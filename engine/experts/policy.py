@@ -336,6 +336,11 @@ class BeladyPolicy(EvictionPolicy):
     def _tracks(self, key: Key) -> bool:
         return key in self._next
 
+    def admit(self, key: Key, victim: Key, now: int | float) -> bool:
+        """Belady with bypass: cache the missed ``key`` (accessed at ``now``) only if it is used
+        again before ``victim`` is."""
+        return self._next_use[int(now)] < self._next.get(victim, len(self._future))
+
     def next_use(self, key: Key) -> int | None:
         """Index of the next use of a tracked key (``len(future)`` = never), None if untracked."""
         return self._next.get(key)
@@ -382,6 +387,11 @@ class PinnedPolicy(EvictionPolicy):
     def victim(self, resident, protected=frozenset(), now=0):
         return self.inner.victim(resident, _Union(protected, self.pinned), now)
 
+    def admit(self, key: Key, victim: Key, now: int | float) -> bool:
+        """The inner policy's admission decision; always admit when it has none."""
+        admit = getattr(self.inner, "admit", None)
+        return True if admit is None else admit(key, victim, now)
+
 
 def top_keys(source: "RoutingTrace | Iterable[Key]", n: int, *, per_layer: bool = False) -> set[Key]:
     """The ``n`` most frequently accessed keys (ties: smaller key first).
@@ -406,7 +416,7 @@ def top_keys(source: "RoutingTrace | Iterable[Key]", n: int, *, per_layer: bool 
     return out
 
 
-POLICY_NAMES = ("lru", "lfu", "lfu-pure", "belady")
+POLICY_NAMES = ("lru", "lfu", "lfu-pure", "sweep", "belady")
 
 
 def make_policy(
@@ -424,6 +434,7 @@ def make_policy(
         "lru": LRUPolicy,
         "lfu": lambda: LFUPolicy(half_life=half_life),
         "lfu-pure": lambda: LFUPolicy(half_life=None),
+        "sweep": _sweep,
         "belady": lambda: _belady(future, next_use),
     }
     if base not in factories:
@@ -434,6 +445,12 @@ def make_policy(
     if pinned or name.startswith("pinned+"):
         policy = PinnedPolicy(policy, pinned)
     return policy
+
+
+def _sweep() -> EvictionPolicy:
+    from engine.experts.policy_sweep import SweepPolicy  # it subclasses EvictionPolicy
+
+    return SweepPolicy()
 
 
 def _belady(future: Sequence[Key] | None, next_use: Sequence[int] | None) -> BeladyPolicy:

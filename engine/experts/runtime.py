@@ -34,7 +34,7 @@ class StoreModel:
 
 
 def load_from_store(store_path, *, device_budget: int | None = None, ram_budget: int | None = None,
-                    policy: str = "lfu", prefetch_depth: int | None = None, miss_compute: str = "transfer",
+                    policy: str = "sweep", prefetch_depth: int | None = None, miss_compute: str = "transfer",
                     pinned=frozenset(), dtype: torch.dtype = torch.float32,
                     source: ExpertSource | None = None, device: str = "cpu",
                     dense: str = "fp32", io_threads: int = 2, head: str | None = None) -> StoreModel:

@@ -15,11 +15,21 @@ and counts hits and misses exactly. The cache model is the live cache's:
 - a miss inserts the expert, evicting the policy's victim if the pool is full;
 - pinned experts are loaded before the first access (no miss is charged for them), count
   against capacity and are never evicted;
+- ``bypass=True`` lets a policy decline to cache a miss: when the pool is full the policy's
+  ``admit(key, victim, now)`` (policies without one always admit) decides whether the missed
+  expert takes the victim's slot or is used once from a staging buffer and dropped (counted as a
+  miss, ``SimResult.bypassed``). The bound for such a run is Belady with bypass (cache a miss
+  only if it is used again before the farthest resident key), which is >= plain Belady;
 - ``per_layer=True`` splits capacity into one pool per layer (layer l gets
   ``capacity // L`` slots, plus one for the first ``capacity % L`` layers), each with its
   own policy instance; otherwise one global pool.
 
 ``now`` passed to the policies is the index of the access in the flat stream.
+
+Online policies see the past only: the replay tells a policy about an access when it happens
+(``on_hit``/``on_insert``/``admit`` at that access) and never hands it the trace; only
+``belady`` is built with the future stream. :class:`SweepTable` prints every policy's hit rate
+as a ratio to the bound of its run (Belady, or Belady with bypass).
 """
 
 from __future__ import annotations
@@ -60,6 +70,8 @@ class SimResult:
     layer_hits: np.ndarray  # [num_layers]
     layer_accesses: np.ndarray  # [num_layers]
     evicted: list[Key] | None = field(default=None, repr=False)  # only with record_evictions
+    bypass: bool = False  # admission control was allowed (see simulate)
+    bypassed: int = 0  # misses served without caching
 
     @property
     def hit_rate(self) -> float:
@@ -102,6 +114,8 @@ class SimResult:
             "bytes_missed_per_token": self.bytes_missed_per_token,
             "pinned": self.pinned,
             "evictions": self.evictions,
+            "bypass": self.bypass,
+            "bypassed": self.bypassed,
             "per_layer_hit_rate": self.per_layer_hit_rate.tolist(),
         }
 
@@ -139,6 +153,7 @@ def simulate(
     half_life: float | None = None,
     whole_record: bool = True,
     record_evictions: bool = False,
+    bypass: bool = False,
 ) -> SimResult:
     """Replay ``trace`` through a cache of ``capacity`` expert slots.
 
@@ -152,7 +167,8 @@ def simulate(
 
     ``expert_bytes``: size of one expert, or a mapping ``(layer, expert) -> bytes`` or
     ``layer -> bytes``; only misses are charged. ``whole_record``: see the module docstring.
-    ``record_evictions`` keeps the evicted keys in order in ``SimResult.evicted``.
+    ``record_evictions`` keeps the evicted keys in order in ``SimResult.evicted``. ``bypass``:
+    admission control, see the module docstring.
     """
     L, E = trace.num_layers, trace.num_experts
     if isinstance(capacity, bool) or int(capacity) != capacity or capacity < 1:
@@ -210,7 +226,7 @@ def simulate(
 
     layers = trace.layer.tolist()
     K = trace.top_k
-    hits = misses = evictions = 0
+    hits = misses = evictions = bypassed = 0
     bytes_missed = 0
     seen: set[Key] = set(pinned)
     compulsory = 0
@@ -247,6 +263,13 @@ def simulate(
                             f"current step: token {trace.token_index[r]}, layer {l}, needs "
                             f"{K} experts); raise capacity or pin fewer experts"
                         )
+                    admit = getattr(pol, "admit", None) if bypass else None
+                    if admit is not None and not admit(key, v, now):
+                        bypassed += 1
+                        if not whole_record:
+                            protected.add(key)
+                        now += 1
+                        continue
                     res.discard(v)
                     pol.on_remove(v)
                     evictions += 1
@@ -276,6 +299,8 @@ def simulate(
         layer_hits=np.asarray(layer_hits, np.int64),
         layer_accesses=layer_acc.astype(np.int64),
         evicted=evicted,
+        bypass=bypass,
+        bypassed=bypassed,
     )
 
 
@@ -300,9 +325,11 @@ def budgets_from_fractions(
 
 @dataclass
 class SweepTable:
-    """Results of :func:`sweep`: one :class:`SimResult` per (policy, budget)."""
+    """Results of :func:`sweep`: one :class:`SimResult` per (policy, budget), and per budget
+    the bound each policy is judged against (Belady; Belady with bypass for a bypass run)."""
 
     results: list[SimResult]
+    bounds: dict[int, SimResult] = field(default_factory=dict)  # capacity -> Belady's result
 
     @property
     def policies(self) -> list[str]:
@@ -321,13 +348,29 @@ class SweepTable:
     def hit_rate(self, policy: str, capacity: int) -> float:
         return self.get(policy, capacity).hit_rate
 
+    def ratio(self, policy: str, capacity: int) -> float:
+        """Hit rate of ``policy`` over its bound's at ``capacity`` (NaN without a bound, or when
+        the bound has no hits)."""
+        bound = self.bounds.get(capacity)
+        if bound is None or not bound.hits:
+            return float("nan")
+        return self.get(policy, capacity).hit_rate / bound.hit_rate
+
     def rows(self) -> list[dict]:
-        return [r.as_dict() for r in self.results]
+        out = []
+        for r in self.results:
+            d = r.as_dict()
+            d["ratio_to_bound"] = self.ratio(r.policy, r.capacity)
+            out.append(d)
+        return out
 
     def format(self) -> str:
-        """Hit-rate table: one row per budget, one column per policy."""
+        """Hit-rate table: one row per budget, one column per policy; each cell is the hit rate
+        and, after it, the ratio to the bound (Belady, or Belady with bypass)."""
         pols = self.policies
+        bypass = any(r.bypass for r in self.results)
         head = f"{'slots':>7} {'budget':>7} " + " ".join(f"{p:>14}" for p in pols)
+        head += f"   (hit rate, ratio to {'Belady with bypass' if bypass else 'Belady'})"
         lines = [head, "-" * len(head)]
         for c in self.capacities:
             frac = c / self.results[0].num_keys
@@ -335,7 +378,9 @@ class SweepTable:
             for p in pols:
                 try:
                     r = self.get(p, c)
-                    cells.append(f"{100 * r.hit_rate:13.1f}%")
+                    ratio = self.ratio(p, c)
+                    cells.append(f"{100 * r.hit_rate:6.1f}% {ratio:6.2f}" if ratio == ratio
+                                 else f"{100 * r.hit_rate:13.1f}%")
                 except KeyError:
                     cells.append(f"{'-':>14}")
             lines.append(f"{c:>7} {100 * frac:6.1f}% " + " ".join(cells))
@@ -352,9 +397,15 @@ def sweep(
     **kwargs,
 ) -> SweepTable:
     """:func:`simulate` for every policy and capacity in ``budgets`` (expert slots; see
-    :func:`budgets_from_fractions`). ``kwargs`` go to :func:`simulate`."""
-    results = []
+    :func:`budgets_from_fractions`). ``kwargs`` go to :func:`simulate`. Belady (with bypass
+    when ``bypass=True``) is run at every capacity as the bound, listed or not."""
+    results, bounds = [], {}
     for cap in budgets:
         for pol in policies:
-            results.append(simulate(trace, pol, cap, **kwargs))
-    return SweepTable(results)
+            r = simulate(trace, pol, cap, **kwargs)
+            results.append(r)
+            if pol == "belady":
+                bounds[cap] = r
+        if cap not in bounds:
+            bounds[cap] = simulate(trace, "belady", cap, **kwargs)
+    return SweepTable(results, bounds)

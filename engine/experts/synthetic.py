@@ -10,6 +10,16 @@ Model, per layer l (independently):
 - records come out in execution order: token by token, layer by layer.
 
 Deterministic given ``seed`` (numpy PCG64).
+
+Because the model is known, so is the best any *online* cache can do on its traces:
+:func:`online_ceiling`. When layer ``l`` is visited for token ``t`` the experts of ``l`` it holds
+were chosen before the routing was seen, so its expected hits are the sum of the conditional
+pick probabilities of what it holds (given the past: here the previous token's experts of that
+layer, since layers are independent), and what it holds of layer ``l`` then was already held
+since ``l``'s previous visit (only misses of ``l`` add experts of ``l``), so the holdings at the
+visits of one sweep sum to at most the capacity on average. The bound is therefore the
+capacity x tokens largest conditional probabilities over all (token, layer, expert), divided by
+the accesses. Belady knows the routing itself and can exceed it by far on near-uniform routing.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import numpy as np
 
 from engine.experts.trace import RoutingTrace
 
-__all__ = ["synthetic_trace", "cyclic_trace"]
+__all__ = ["synthetic_trace", "cyclic_trace", "pick_probabilities", "online_ceiling"]
 
 
 def synthetic_trace(
@@ -52,11 +62,9 @@ def synthetic_trace(
         raise ValueError(f"synthetic_trace zipf exponents must be finite and >= 0, got {zipfs.tolist()}")
 
     rng = np.random.default_rng(seed)
-    ranks = np.log(np.arange(1, E + 1, dtype=np.float64))
     experts = np.empty((T, L, K), dtype=np.int64)
     for l in range(L):
-        logw = np.empty(E)
-        logw[rng.permutation(E)] = -zipfs[l] * ranks  # expert perm[r] has rank r
+        logw = _log_weights(rng, E, zipfs[l])
         # Gumbel top-k per token: candidates in sampling order, first K suffice because at most
         # the reused experts (<= K - needed) can collide with them.
         g = logw[None, :] + rng.gumbel(size=(T, E))
@@ -84,6 +92,59 @@ def synthetic_trace(
     tok = np.repeat(np.arange(T, dtype=np.int64), L)
     lay = np.tile(np.arange(L, dtype=np.int64), T)
     return RoutingTrace(L, E, K, tok, lay, experts.reshape(T * L, K))
+
+
+def _log_weights(rng: np.random.Generator, num_experts: int, zipf: float) -> np.ndarray:
+    """Log popularity of every expert of one layer: expert ``perm[r]`` has rank ``r``."""
+    ranks = np.log(np.arange(1, num_experts + 1, dtype=np.float64))
+    logw = np.empty(num_experts)
+    logw[rng.permutation(num_experts)] = -zipf * ranks
+    return logw
+
+
+def _zipfs(zipf, num_layers: int) -> np.ndarray:
+    return np.full(num_layers, float(zipf)) if np.ndim(zipf) == 0 else np.asarray(zipf, np.float64)
+
+
+def pick_probabilities(trace: RoutingTrace, zipf: float | Sequence[float], locality: float, seed: int,
+                       samples: int = 1000) -> np.ndarray:
+    """``[records, num_experts]``: for each record of ``trace`` (made by :func:`synthetic_trace`
+    with these ``zipf``, ``locality`` and ``seed``), the probability of each expert being
+    picked given the previous token's experts of the same layer, by Monte Carlo over
+    ``samples`` draws of the generator's own process (fixed seed ``seed + 1``)."""
+    T, L, E, K = trace.num_tokens, trace.num_layers, trace.num_experts, trace.top_k
+    if len(trace) != T * L:
+        raise ValueError("pick_probabilities needs a trace made by synthetic_trace (token by token, every layer)")
+    rng = np.random.default_rng(seed)
+    logws = []
+    for l in range(L):  # replay the generator's draws to recover its weights
+        logws.append(_log_weights(rng, E, _zipfs(zipf, L)[l]))
+        rng.gumbel(size=(T, E))
+        rng.random((T, K))
+    mc = np.random.default_rng(seed + 1)
+    ex = trace.experts.reshape(T, L, K)
+    out = np.empty((T, L, E))
+    for l in range(L):
+        for t in range(T):
+            g = logws[l][None, :] + mc.gumbel(size=(samples, E))
+            if t > 0:  # reused experts of the previous token come first
+                keep = mc.random((samples, K)) < locality
+                rows = np.repeat(np.arange(samples), K)[keep.reshape(-1)]
+                g[rows, np.tile(ex[t - 1, l], samples)[keep.reshape(-1)]] = np.inf
+            top = np.argpartition(-g, K - 1, axis=1)[:, :K] if K < E else np.tile(np.arange(E), (samples, 1))
+            out[t, l] = np.bincount(top.reshape(-1), minlength=E) / samples
+    return out.reshape(T * L, E)
+
+
+def online_ceiling(probabilities: np.ndarray, capacity: int, num_layers: int, top_k: int) -> float:
+    """The hit rate no online policy exceeds in expectation (module docstring), from
+    :func:`pick_probabilities` (``[records, experts]``, one record per token and layer)."""
+    if capacity < 1:
+        raise ValueError(f"online_ceiling capacity must be >= 1, got {capacity}")
+    flat = np.sort(probabilities.reshape(-1))[::-1]
+    tokens = probabilities.shape[0] / num_layers
+    n = min(flat.size, int(round(capacity * tokens)))
+    return float(flat[:n].sum() / (probabilities.shape[0] * top_k))
 
 
 def cyclic_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: int) -> RoutingTrace:

@@ -156,6 +156,11 @@ class SparseMoE(nn.Module):
         self.provider: ExpertProvider | None = None  # set by the model loader
         self.observers: list[RouteObserver] = []
 
+    def run_expert(self, e: int, expert: Expert, x: torch.Tensor) -> torch.Tensor:
+        """The compute stage for one expert: x [T_e, H] -> [T_e, H] (unweighted). Architectures
+        whose experts are not a plain SwiGLU (biases, other activations) override this."""
+        return expert.forward(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         provider = self.provider
         assert provider is not None, "experts not attached (engine.models.load.build_model)"
@@ -179,7 +184,7 @@ class SparseMoE(nn.Module):
         def compute(start: int, part: list[int], experts: Mapping[int, Expert]) -> None:
             for j, e in enumerate(part, start):  # grouped by expert
                 a, b = starts[j], starts[j + 1]
-                contributions.append(experts[e].forward(xs[a:b]) * ws[a:b])
+                contributions.append(self.run_expert(e, experts[e], xs[a:b]) * ws[a:b])
 
         fetch_and_compute(provider, self.layer, ids, x, compute)  # fetch + compute
         # combine: one scatter-add for the whole layer (a per-expert index_add_ cost ~0.15 ms

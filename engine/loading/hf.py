@@ -65,6 +65,7 @@ class _Ref:
     rows: tuple[int, int] | None = None  # [lo, hi) along dim 1 after taking ``expert``
     shape: tuple[int, ...] = ()
     dtype: str = ""
+    load: object = None  # ArchSpec.hf_split: a zero-argument function reading the tensor
 
 
 class HFSource(TensorSource):
@@ -84,6 +85,7 @@ class HFSource(TensorSource):
         self._refs: dict[str, _Ref] = {}
         try:
             located = self._locate(root)  # {stored tensor name: SafetensorsFile}
+            self._located = located
             for stored, f in located.items():
                 self._add(stored, f)
         except BaseException:
@@ -166,6 +168,12 @@ class HFSource(TensorSource):
 
     def _add(self, stored: str, f: SafetensorsFile) -> None:
         shape, dtype = f.info(stored)
+        if self._spec.hf_split is not None:
+            parts = self._spec.hf_split(stored, shape, dtype, self._stored_get, self.config)
+            if parts is not None:  # the architecture splits (or pairs up) this stored tensor
+                for canonical, pshape, pdtype, load in parts:
+                    self._put(canonical, _Ref(f, stored, shape=tuple(pshape), dtype=pdtype, load=load))
+                return
         m = _FUSED_RE.match(stored)
         if m is None:
             self._put(self._spec.canonical_name(stored), _Ref(f, stored, shape=shape, dtype=dtype))
@@ -205,6 +213,16 @@ class HFSource(TensorSource):
                 f.path, f"fused expert tensor {quote(stored)} holds {shape[0]} experts but "
                         f"config.json declares {declared}")
 
+    def get_quantized(self, name: str, fmt) -> object | None:
+        """``name`` as a QuantizedTensor in ``fmt`` without re-quantizing, when the checkpoint
+        holds it in that format (gpt-oss MXFP4 experts), else None (the caller quantizes get())."""
+        quantized = getattr(self._ref(name).load, "quantized", None)
+        return quantized() if quantized is not None and quantized.fmt == fmt else None
+
+    def _stored_get(self, stored: str) -> torch.Tensor:
+        """A tensor by its stored name (for ArchSpec.hf_split loaders); KeyError if absent."""
+        return self._located[stored].get(stored)
+
     # ---- TensorSource ----------------------------------------------------------------------
     def names(self) -> list[str]:
         return sorted(self._refs)
@@ -234,6 +252,8 @@ class HFSource(TensorSource):
         """The tensor in its stored dtype. A zero-copy view of the read-only mapping: do not
         modify it in place (clone first); see SafetensorsFile.get."""
         r = self._ref(name)
+        if r.load is not None:
+            return r.load()
         t = r.file.get(r.stored_name)
         if r.expert is not None:
             t = t[r.expert]  # [out, in] of one expert; contiguous (a dim-0 slice)

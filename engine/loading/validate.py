@@ -44,7 +44,8 @@ def _gguf_dequantizable() -> frozenset[str]:
     return frozenset(GGML_TYPES[i].name for i in DEQUANTIZERS)
 
 
-SUPPORTED_DTYPES = FLOAT_DTYPES | _gguf_dequantizable()
+# mxfp4: gpt-oss's HF experts; f8_e4m3: DeepSeek's block-FP8 weights (both dequantized by get())
+SUPPORTED_DTYPES = FLOAT_DTYPES | _gguf_dequantizable() | {"mxfp4", "f8_e4m3"}
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -56,6 +57,15 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def iter_expected(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     """``(name, shape)`` of every canonical tensor ``config`` implies, lazily, in layer order."""
     c = config
+    own = getattr(c.arch_params, "expected_tensors", None)
+    if own is not None:  # architectures with their own layers list their own tensors
+        yield from own(c)
+        return
+    if c.linear_attn is not None:  # Qwen3-Next: DeltaNet and gated-attention layers
+        from engine.models.qwen3_next import expected_tensors
+
+        yield from expected_tensors(c)
+        return
     V, H, D = c.vocab_size, c.hidden_size, c.head_dim
     q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
     yield "model.embed_tokens.weight", (V, H)

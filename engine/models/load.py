@@ -14,7 +14,7 @@ from engine.models.base import CausalLM
 def dense_state_dict(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every non-expert tensor the model needs, cast to ``dtype``."""
     with torch.device("meta"):
-        skeleton = CausalLM(cfg)
+        skeleton = model_class(cfg)(cfg)
     wanted = [n for n in skeleton.state_dict() if not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     return {n: source.get(n).to(dtype) for n in wanted}
 
@@ -35,16 +35,25 @@ def build_model(cfg: ModelConfig, source: TensorSource, *, dtype: torch.dtype = 
     attached to each sparse layer."""
     state = dense_state_dict(cfg, source, dtype)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = model_class(cfg)(cfg)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)
-    model.rotary = type(model.rotary)(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 4096))
+    model.rotary = type(model.rotary)(cfg.rope, cfg.rotary_dim, min(cfg.max_position_embeddings, 4096))
     if cfg.moe is not None:
         provider = provider or resident_experts(cfg, source, dtype)
         for block in model.moe_blocks:
             block.provider = provider
     return model.eval()
+
+
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    """The module class of ``cfg``'s architecture: its own (ArchSpec.model_class) or the shared
+    decoder."""
+    from engine.models.registry import get_spec
+
+    own = get_spec(cfg.arch).model_class
+    return own() if own is not None else CausalLM
 
 
 def is_expert_tensor(name: str) -> bool:

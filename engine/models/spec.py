@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,17 @@ class ArchSpec:
     hf_renames: tuple[tuple[str, str], ...] = ()
     # GGUF: architecture string in ``general.architecture``.
     gguf_arch: str | None = None
+    # Architectures whose layers differ from the shared decoder (engine.models.base) declare:
+    # config_from_hf(raw config.json dict, source) -> ModelConfig (instead of the generic parser),
+    # params_from_dict(dict) -> the ModelConfig.arch_params object (manifest round trip),
+    # model_class() -> the CausalLM subclass to build (late import: model files import layers),
+    # hf_split(stored name, shape, dtype, stored_get) -> [(canonical, shape, dtype, load)] for a
+    # stored tensor that is not one canonical tensor as is (fused/interleaved experts, MXFP4
+    # blocks), ``load()`` reading it lazily; None: the generic handling.
+    config_from_hf: Callable[..., Any] | None = None
+    params_from_dict: Callable[[Any], Any] | None = None
+    model_class: Callable[[], type] | None = None
+    hf_split: Callable[..., Any] | None = None
     _compiled: list = field(default_factory=list, compare=False, repr=False)
 
     def canonical_name(self, hf_name: str) -> str:

@@ -13,7 +13,13 @@ name        parts (name dtype shape)                                     weight[
 ``nf4``     codes u8 [N, K/2], scales f16 [N, K/G]                        NF4[code] * scale (absmax)
 ``int8``    codes i8 [N, K],   scales f16 [N, K/G]                        code * scale (symmetric)
 ``bf16``    weight bf16 [N, K]                                            weight
+``mxfp4``   codes u8 [N, K/2], scales u8 [N, K/32] (G = 32 only)          E2M1[code] * 2^(scale-127)
 ==========  ===========================================================  =========================
+
+``mxfp4`` (OCP microscaling FP4, as gpt-oss ships its experts): 4-bit E2M1 values (sign, 2-bit
+exponent, 1-bit mantissa: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) with one E8M0 exponent
+byte per 32 weights. Its codes keep the released byte order (byte j of a row holds weight 2j in
+its low nibble and 2j+1 in its high nibble), so a checkpoint's blocks are stored unchanged.
 
 4-bit packing (``int4`` and ``nf4``): codes are packed two per byte in blocks of 32 consecutive
 weights of a row: byte ``j`` (0..15) of a block holds the code of weight ``j`` in its low nibble
@@ -49,7 +55,8 @@ import torch
 
 from engine.errors import ConfigError, ModelFormatError
 
-FORMATS = ("int4", "nf4", "int8", "bf16")
+FORMATS = ("int4", "nf4", "int8", "bf16")  # group-wise: every group size of GROUP_SIZES
+MX_FORMATS = ("mxfp4",)  # microscaling: a fixed block of 32 (group_size must be 32)
 GROUP_SIZES = (32, 64, 128)
 ALIGN = 64          # every part / tensor of a blob starts at a multiple of this many bytes
 PACK_BLOCK = 32     # 4-bit codes are packed in blocks of 32 weights (byte j: weight j | weight j+16)
@@ -84,14 +91,18 @@ class QuantFormat:
     group_size: int = 64
 
     def __post_init__(self) -> None:
-        if self.name not in FORMATS:
-            raise ConfigError(f"quant format {self.name!r} is not supported; supported: {', '.join(FORMATS)}")
+        if self.name not in FORMATS + MX_FORMATS:
+            raise ConfigError(f"quant format {self.name!r} is not supported; supported: "
+                              f"{', '.join(FORMATS + MX_FORMATS)}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
                 or self.group_size not in GROUP_SIZES:
             raise ConfigError(
                 f"quant group_size {self.group_size!r} (format {self.name}) is not supported; "
                 f"allowed: {', '.join(map(str, GROUP_SIZES))}"
             )
+        if self.name == "mxfp4" and self.group_size != 32:
+            raise ConfigError(f"quant format mxfp4 has one exponent per 32 weights; group_size "
+                              f"{self.group_size} is not allowed (use 32)")
 
     @property
     def grouped(self) -> bool:
@@ -101,7 +112,8 @@ class QuantFormat:
     def bits_per_weight(self) -> float:
         """Stored bits per weight including the per-group fp16 metadata (padding excluded)."""
         g = self.group_size
-        return {"int4": 4 + 32 / g, "nf4": 4 + 16 / g, "int8": 8 + 16 / g, "bf16": 16.0}[self.name]
+        return {"int4": 4 + 32 / g, "nf4": 4 + 16 / g, "int8": 8 + 16 / g, "bf16": 16.0,
+                "mxfp4": 4 + 8 / g}[self.name]
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "group_size": self.group_size}
@@ -143,6 +155,8 @@ def part_specs(shape: Iterable[int], fmt: QuantFormat) -> list[tuple[str, torch.
         return [("codes", torch.uint8, (n, k // 2)), ("scales", torch.float16, (n, ng))]
     if fmt.name == "int8":
         return [("codes", torch.int8, (n, k)), ("scales", torch.float16, (n, ng))]
+    if fmt.name == "mxfp4":
+        return [("codes", torch.uint8, (n, k // 2)), ("scales", torch.uint8, (n, ng))]
     return [("weight", torch.bfloat16, (n, k))]
 
 

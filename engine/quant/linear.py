@@ -63,6 +63,9 @@ def dense_linears(model) -> list[tuple[nn.Module, str]]:
     from engine.layers.mlp import SwiGLU
     from engine.layers.moe import SparseMoE
 
+    own = getattr(model, "dense_linear_slots", None)
+    if own is not None:  # architectures with their own layers name their linears
+        return own()
     out: list[tuple[nn.Module, str]] = []
     for layer in model.model.layers:
         out += [(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]

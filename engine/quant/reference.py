@@ -13,6 +13,9 @@ rounded values, so ``dequantize`` is exactly what the codes and stored metadata 
 - int8: per group ``absmax``; ``scale = absmax / 127``; ``code = round(w / scale)`` clamped to
   [-127, 127]; ``w' = code * scale``.
 - bf16: ``w' = w.to(bfloat16)``.
+- mxfp4: per group of 32 ``e = floor(log2(absmax)) - 2`` (6 = 1.5 * 2^2 is E2M1's largest
+  value; OCP MX rule), stored biased (``e + 127``, clamped to [0, 254]); ``code`` = the E2M1
+  value nearest to ``w / 2^e`` (clamped to +-6); ``w' = E2M1[code] * 2^e``.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ def quantize(w: torch.Tensor, fmt: QuantFormat) -> QuantizedTensor:
     w = w.detach().to("cpu", torch.float32)
     if fmt.name == "bf16":
         return QuantizedTensor(fmt, (n, k), {"weight": w.to(torch.bfloat16).contiguous()})
+    if fmt.name == "mxfp4":
+        return _quantize_mxfp4(w, fmt)
     g = fmt.group_size
     wg = w.reshape(n, k // g, g)
     if fmt.name == "int4":
@@ -94,6 +99,39 @@ def quantize(w: torch.Tensor, fmt: QuantFormat) -> QuantizedTensor:
                                          "scales": scale16.contiguous()})
 
 
+# E2M1 (4-bit float: sign, 2 exponent bits, 1 mantissa bit), indexed by code; the OCP MX order
+# (transformers' FP4_VALUES): codes 0-7 positive, 8-15 their negatives.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def unpack_mxfp4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """MXFP4 codes ``[N, K/2]`` (byte j: weight 2j low nibble, 2j+1 high) -> ``[N, K]`` uint8."""
+    n, k2 = packed.shape
+    return torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(n, k2 * 2)
+
+
+def _quantize_mxfp4(w: torch.Tensor, fmt: QuantFormat) -> QuantizedTensor:
+    n, k = w.shape
+    wg = w.reshape(n, k // 32, 32)
+    amax = wg.abs().amax(-1)
+    e = torch.where(amax > 0, torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - 2,
+                    torch.full_like(amax, -127.0)).clamp(-127, 127)
+    scaled = (wg / torch.ldexp(torch.ones_like(e), e.int())[..., None]).clamp(-6, 6)
+    mags = torch.tensor(E2M1_VALUES[:8])
+    idx = torch.bucketize(scaled.abs(), (mags[1:] + mags[:-1]) / 2)  # nearest magnitude, 0..7
+    codes = (idx + 8 * (scaled < 0)).to(torch.uint8).reshape(n, k)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    return QuantizedTensor(fmt, (n, k), {"codes": packed, "scales": (e + 127).to(torch.uint8).contiguous()})
+
+
+def _dequantize_mxfp4(q: QuantizedTensor) -> torch.Tensor:
+    n, k = q.shape
+    codes = unpack_mxfp4_codes(q.parts["codes"]).long()
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[codes]
+    exps = q.parts["scales"].to(torch.int32) - 127
+    return torch.ldexp(values.reshape(n, k // 32, 32), exps[..., None]).reshape(n, k)
+
+
 def unpack_codes(q: QuantizedTensor) -> torch.Tensor:
     """Integer codes ``[N, K]`` (uint8 for int4/nf4, int8 for int8)."""
     if q.fmt.name in ("int4", "nf4"):
@@ -108,6 +146,8 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
     n, k = q.shape
     if q.fmt.name == "bf16":
         return q.parts["weight"].float()
+    if q.fmt.name == "mxfp4":
+        return _dequantize_mxfp4(q)
     g = q.fmt.group_size
     codes = unpack_codes(q).reshape(n, k // g, g)
     s = q.parts["scales"].float()[..., None]

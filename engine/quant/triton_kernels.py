@@ -51,7 +51,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 # ``from __future__ import annotations``).
 constexpr = tl.constexpr if tl is not None else int
 
-FORMAT_IDS = {"int4": 0, "nf4": 1, "int8": 2, "bf16": 3}
+FORMAT_IDS = {"int4": 0, "nf4": 1, "int8": 2, "bf16": 3, "mxfp4": 4}
 MAX_T = 8            # token rows handled by the fused kernel; more -> dequantize + matmul
 BLOCK_N = 32
 TARGET_PROGRAMS = 256  # aim for about this many programs per launch (>= 2 per SM on big GPUs)
@@ -83,6 +83,14 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, m_ptr, cb_ptr, out_ptr, T, N, K, K_PER_SPLI
         if FMT == 3:  # bf16, passed as int16 bits: widen to the float32 with the same value
             bits = tl.load(w_ptr + rows64[:, None] * K + ks[None, :], mask=wmask, other=0)
             w = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        elif FMT == 4:  # mxfp4: E2M1[code] * 2^(e - 127); byte k // 2, low nibble for even k
+            e = tl.load(s_ptr + rows64[:, None] * (K // 32) + (ks // 32)[None, :], mask=wmask,
+                        other=127).to(tl.int32)
+            b = tl.load(w_ptr + rows64[:, None] * (K // 2) + (ks // 2)[None, :], mask=wmask, other=0)
+            c = (b.to(tl.int32) >> ((ks % 2) * 4)[None, :]) & 0xF
+            # 2^(e-127) from the exponent bits; e = 0 is the subnormal 2^-127 (bits 0x400000)
+            scale = tl.where(e == 0, 0x400000, e << 23).to(tl.float32, bitcast=True)
+            w = tl.load(cb_ptr + c) * scale
         else:
             s = tl.load(s_ptr + rows64[:, None] * (K // G) + (ks // G)[None, :], mask=wmask,
                         other=0.0).to(tl.float32)
@@ -143,7 +151,11 @@ def supports(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _codebook(device: torch.device) -> torch.Tensor:
+def _codebook(device: torch.device, fmt: str = "nf4") -> torch.Tensor:
+    """The kernel's value table: NF4's code book, or E2M1's values for mxfp4."""
+    if fmt == "mxfp4":
+        from engine.quant.reference import E2M1_VALUES
+        return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
     return torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device)
 
 
@@ -201,7 +213,7 @@ def qlinear_triton(x: torch.Tensor, q: QuantizedTensor, *, split: int | None = N
     out = torch.empty(split, t, n, dtype=torch.float32, device=dev)
     grid = (-(-n // BLOCK_N), split, -(-t // block_t))
     _kernel()[grid](
-        x, w, s, m, _codebook(dev), out, t, n, k, k_per_split,
+        x, w, s, m, _codebook(dev, q.fmt.name), out, t, n, k, k_per_split,
         FMT=FORMAT_IDS[q.fmt.name], G=q.fmt.group_size, BLOCK_T=block_t, BLOCK_N=BLOCK_N,
         BLOCK_K=block_k)
     return out[0] if split == 1 else out.sum(0)

@@ -450,7 +450,10 @@ def _write_layer(out: Path, source, layer: int, n_exp: int, fmt, bar,
     offset = 0
     with open(tmp, "wb") as f:
         for j in range(n_exp):
-            w = [source.get(expert_name(layer, j, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+            names = [expert_name(layer, j, p) for p in ("gate_proj", "up_proj", "down_proj")]
+            native = getattr(source, "get_quantized", None)  # e.g. MXFP4 experts kept as released
+            w = [(native(n, fmt) if native is not None else None) for n in names]
+            w = [q if q is not None else source.get(n) for q, n in zip(w, names)]
             blob, layout = pack_expert(*w, fmt)
             entries.append(ExpertEntry(layer=layer, expert=j, file=name, offset=offset, nbytes=len(blob),
                                        sha256=blob_digest(layer, j, fmt.name, fmt.group_size, blob),

@@ -64,23 +64,24 @@ def store_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference(store_path):
-    """The in-process engine (engine.generate) on the same store: greedy tokens to compare."""
+    """The in-process engine (engine.runner.Engine, the decode actor's) on the same store, one
+    request alone and without speculation: greedy tokens and text to compare."""
     from engine.experts.runtime import load_from_store
-    from engine.generate import generate_ids
+    from engine.generate import Request
     from engine.layers.sampler import SamplingConfig
+    from engine.runner import Engine
 
     sm = load_from_store(store_path, prefetch_depth=0, dense=DENSE)  # as the decode actor runs it
-    eos = sorted(set(sm.model.config.eos_token_ids) | set(sm.tokenizer.eos_token_ids))
+
+    def alone(prompt_ids, max_tokens):
+        engine = Engine.for_requests(sm.model, sm.tokenizer, len(prompt_ids) + max_tokens)
+        return engine.generate([Request(list(prompt_ids), SamplingConfig(max_tokens=max_tokens))])[0]
 
     def greedy(prompt_ids, max_tokens):
-        cfg = SamplingConfig(max_tokens=max_tokens)
-        return [t for t, _, _ in generate_ids(sm.model, prompt_ids, cfg, eos_ids=eos)]
+        return alone(prompt_ids, max_tokens).output_ids
 
     def text(prompt_ids, max_tokens):
-        from engine.generate import generate_text
-
-        cfg = SamplingConfig(max_tokens=max_tokens)
-        return "".join(ev.text for ev in generate_text(sm.model, sm.tokenizer, prompt_ids, cfg))
+        return alone(prompt_ids, max_tokens).text
 
     greedy.tokenizer = sm.tokenizer
     greedy.text = text
@@ -165,7 +166,10 @@ def deploy_config(store_path, slot_info):
     return DeployConfig(store=store_path, namespace=NAMESPACE, loaders=2,
                         device_budget=top_k * slot, ram_budget=8 * slot, kv_budget="4MiB",
                         prefetch_depth=0, fetch_timeout_s=3.0, fetch_attempts=10,
-                        request_timeout_s=120, dense_format=DENSE)
+                        request_timeout_s=120, dense_format=DENSE,
+                        # every request speculates unless it opts out: each token-identity test
+                        # of the pipeline also checks that speculation is lossless there
+                        speculative="ngram", max_draft=4)
 
 
 @pytest.fixture(scope="session")

@@ -27,8 +27,13 @@ def test_cluster_yaml_passes_ray_validation():
     assert prepared["provider"]["head_ip"] == "127.0.0.1"
     assert prepared["provider"]["worker_ips"] == []
     head = " ".join(prepared["head_start_ray_commands"])
-    assert "--dashboard-host=127.0.0.1" in head and "ray.env" in head
+    assert "deploy/start-head.sh" in head and "deploy/stop-head.sh" in head
+    # `ray stop` would stop every Ray cluster of the account
+    assert "ray stop" not in head and "ray stop" not in " ".join(prepared["worker_start_ray_commands"])
     assert any("deploy/setup.sh" in c for c in prepared["setup_commands"])
+    # nothing large shipped: .gitignore'd paths (.venv, build outputs) stay behind
+    assert prepared["rsync_filter"] == [".gitignore"] and ".venv" in prepared["rsync_exclude"]
+    assert prepared["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
 
 
 def test_validation_is_real():
@@ -43,7 +48,9 @@ def test_env_and_start_script_bind_loopback_with_token_auth():
     env = dict(line.split("=", 1) for line in (DEPLOY / "ray.env").read_text().splitlines()
                if line and not line.startswith("#"))
     assert env["RAY_AUTH_MODE"] == "token"
+    assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # Ray's single-node mode: loopback
     assert "127.0.0.1" in env["RAY_API_SERVER_ADDRESS"]
+    assert "$(id -u)" in env["RAY_TMPDIR"]  # per-account temp dir
     script = (DEPLOY / "start-head.sh").read_text()
     for flag in ("--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
                  "deploy/ray.env", "--object-store-memory"):

@@ -76,7 +76,8 @@ def test_decode_actor_takes_the_cores_and_its_configured_io_threads(app, deploy_
 def test_driver_path_matches_in_process_engine(app, client, reference, store_path):
     prompt = [5, 17, 33, 8, 61, 12, 40, 3, 27]
     want = reference(prompt, 16)
-    msgs = run(client, prompt_token_ids=prompt, sampling=GREEDY)
+    # plain decoding here: the byte bound below is per decode step
+    msgs = run(client, prompt_token_ids=prompt, sampling={**GREEDY, "speculative": False})
     res = result_of(msgs)
     assert res.token_ids == want
     chunks = [m for m in msgs if isinstance(m, TokenChunk)]
@@ -103,6 +104,60 @@ def test_driver_path_matches_in_process_engine(app, client, reference, store_pat
     msgs = [{"role": "user", "content": "hello world"}]
     res = result_of(run(client, messages=msgs, sampling=GREEDY))
     assert res.token_ids == reference(tok.apply_chat_template(msgs), 16)
+    s = wait_idle(app)
+    assert s["kv_blocks_used"] == 0 and s["expert_pins"] == 0
+
+
+def test_speculative_batch_of_8_matches_each_request_alone(app, client, reference):
+    """8 concurrent requests on a server started with --speculative ngram (the test deployment):
+    each gives its plain greedy tokens alone; usage reports drafts and acceptances; a request
+    that opts out reports none."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [([7 + i, 20, 31, 7 + i, 20, 31, 44] * 3)[: 9 + 2 * i] for i in range(8)]
+    want = [reference(p, 20) for p in prompts]
+
+    def one(i):
+        sampling = {"temperature": 0.0, "max_tokens": 20, "speculative": i != 7}
+        return result_of(run(client, prompt_token_ids=prompts[i], sampling=sampling))
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert [r.token_ids for r in results] == want
+    usage = [r.usage for r in results]
+    assert all(u.draft_tokens is not None and u.accepted_draft_tokens <= u.draft_tokens for u in usage[:7])
+    assert sum(u.draft_tokens for u in usage[:7]) > 0 and sum(u.accepted_draft_tokens for u in usage[:7]) > 0
+    assert usage[7].draft_tokens is None and usage[7].accepted_draft_tokens is None
+    s = wait_idle(app)
+    assert s["kv_blocks_used"] == 0 and s["expert_pins"] == 0
+
+
+def test_stop_strings_are_matched_by_the_router(app, client, reference, store_path):
+    """The decode actor computes tokens only; the router makes the text and cuts at a stop
+    string, aborts the rest, and bills the tokens the client got: the same tokens, text and
+    finish as the in-process engine with the stop string."""
+    from engine.experts.runtime import load_from_store
+    from engine.generate import Request
+    from engine.layers.sampler import SamplingConfig
+    from engine.runner import Engine
+    from tests.services.conftest import DENSE
+
+    prompt = reference.tokenizer.encode("the capital of france is")
+    free = reference.text(prompt, 24)
+    stop = free[len(free) // 2: len(free) // 2 + 2]
+    with load_from_store(store_path, dense=DENSE) as sm:
+        engine = Engine.for_requests(sm.model, sm.tokenizer, len(prompt) + 24)
+        want = engine.generate([Request(prompt, SamplingConfig(max_tokens=24, stop=(stop,)))])[0]
+    for stream in (True, False):
+        msgs = run(client, prompt_token_ids=prompt, stream=stream,
+                   sampling={"temperature": 0.0, "max_tokens": 24, "stop": [stop]})
+        res = result_of(msgs)
+        assert (res.token_ids, res.text, res.finish_reason) == (want.output_ids, want.text, "stop")
+        assert res.usage.completion_tokens == len(want.output_ids) < 24
+        if stream:
+            chunks = [m for m in msgs if isinstance(m, TokenChunk)]
+            assert "".join(c.text for c in chunks) == want.text
+            assert [t for c in chunks for t in c.token_ids] == want.output_ids
     s = wait_idle(app)
     assert s["kv_blocks_used"] == 0 and s["expert_pins"] == 0
 

@@ -1,0 +1,295 @@
+"""Decode tok/s of a streamed-expert MoE on a target device, from bytes and bandwidths.
+
+Per sparse layer ``l`` of one decoded token (batch 1):
+
+    compute_l  = device_bytes_l / device_bw + layer_overhead
+    transfer_l = missed_bytes_l / link_bw + missed_experts_l * miss_overhead
+    hidden_l   = overlap * transfer_l                      (prefetched behind compute)
+    time_l     = max(compute_l, hidden_l) + (transfer_l - hidden_l)
+
+and a token costs ``sum_l time_l + head_bytes / device_bw``. ``device_bytes_l`` is every byte
+layer ``l`` reads on the device: its dense weights (attention or linear attention, router,
+shared expert) and its ``top_k`` routed experts; ``missed_bytes_l = (1 - hit_rate) * top_k *
+expert_bytes`` come over the host-to-device link (hit rate from the trace simulator at the
+target's cache size, :func:`engine.experts.simulate.simulate`). ``layer_overhead`` is the fixed
+cost of a layer as the step is built (launches or native calls, bookkeeping), measured on it;
+``miss_overhead`` the fixed cost of one miss beside its bytes (the cache's bookkeeping, a copy
+call), measured too (0 on the targets, where a copy engine moves whole layers); ``overlap`` is the share of the missed bytes whose copy can run behind compute (prefetch
+recall; 0 when the step waits for every miss).
+
+:class:`ModelShape` holds the byte counts of a model: the headline shape (``SHAPES["full"]``:
+48 layers, hidden 2048, 512 experts of width 768, top-10, one shared expert, the Qwen3-Next
+layer mix of 3 Gated DeltaNet layers to 1 gated-attention layer, counted by its public
+config's sizes only) and smaller ones that run on a CPU. :func:`memory_split` divides a
+device budget into dense weights, KV cache, recurrent state, workspace and expert slots.
+
+Nothing here imports torch: the arithmetic is checked by tests on hand-made inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from engine.errors import ConfigError, DeviceBudgetError
+
+__all__ = ["ModelShape", "Target", "SHAPES", "TARGETS", "layer_time", "token_time", "memory_split",
+           "MemorySplit", "Prediction", "predict", "int4_expert_bytes", "DENSE_BYTES_PER_PARAM"]
+
+# bytes per dense weight: bf16, int8 with one fp16 scale per 64 weights, fp32
+DENSE_BYTES_PER_PARAM = {"bf16": 2.0, "int8": 1 + 2 / 64, "fp32": 4.0}
+SLOT_ALIGN = 4096
+
+
+def int4_expert_bytes(hidden: int, width: int, group: int = 64) -> int:
+    """One SwiGLU expert (gate, up: [width, hidden]; down: [hidden, width]) in int4 with an
+    fp16 scale and min per ``group`` weights: 4.5 bits per weight at group 64."""
+    per_matrix = lambda rows, cols: rows * cols // 2 + 2 * 2 * rows * math.ceil(cols / group)  # noqa: E731
+    return 2 * per_matrix(width, hidden) + per_matrix(hidden, width)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Byte counts of one MoE model (parameters; formats are applied by the cost model)."""
+
+    name: str
+    layers: int
+    hidden: int
+    experts: int
+    expert_width: int
+    top_k: int
+    shared_width: int  # 0: no shared expert
+    vocab: int
+    # attention layers (Qwen3-Next: gated attention, q_proj doubled for the gate)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    attn_gate: bool = False
+    # Gated DeltaNet layers (0 = none): 1 in every ``full_attention_every`` layers is attention
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_head_dim: int = 128
+    conv_kernel: int = 4
+    full_attention_every: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "experts", "expert_width", "top_k", "vocab", "heads",
+                     "kv_heads", "head_dim", "full_attention_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"shape {self.name}: {name} must be a positive integer, got {v!r}")
+        if self.top_k > self.experts:
+            raise ConfigError(f"shape {self.name}: top_k {self.top_k} exceeds experts {self.experts}")
+
+    # ---- per layer ---------------------------------------------------------------------------
+    def is_linear(self, layer: int) -> bool:
+        return self.linear_key_heads > 0 and (layer + 1) % self.full_attention_every != 0
+
+    @property
+    def attention_params(self) -> int:
+        q = self.heads * self.head_dim * (2 if self.attn_gate else 1)
+        kv = 2 * self.kv_heads * self.head_dim
+        return self.hidden * (q + kv) + self.heads * self.head_dim * self.hidden
+
+    @property
+    def linear_params(self) -> int:
+        kd = self.linear_key_heads * self.linear_head_dim
+        vd = self.linear_value_heads * self.linear_head_dim
+        conv = (2 * kd + vd) * self.conv_kernel
+        return self.hidden * (2 * kd + 2 * vd) + self.hidden * 2 * self.linear_value_heads + conv + vd * self.hidden
+
+    def mixer_params(self, layer: int) -> int:
+        return self.linear_params if self.is_linear(layer) else self.attention_params
+
+    @property
+    def ffn_dense_params(self) -> int:
+        """Router and shared expert (with its gate) of one sparse layer."""
+        shared = 3 * self.hidden * self.shared_width + self.hidden if self.shared_width else 0
+        return self.experts * self.hidden + shared
+
+    def layer_dense_params(self, layer: int) -> int:
+        return self.mixer_params(layer) + self.ffn_dense_params + 2 * self.hidden  # + norms
+
+    @property
+    def expert_bytes(self) -> int:
+        return int4_expert_bytes(self.hidden, self.expert_width)
+
+    @property
+    def slot_bytes(self) -> int:
+        return -(-self.expert_bytes // SLOT_ALIGN) * SLOT_ALIGN
+
+    # ---- whole model -------------------------------------------------------------------------
+    @property
+    def num_experts_total(self) -> int:
+        return self.layers * self.experts
+
+    @property
+    def dense_params(self) -> int:
+        """Every non-expert weight: layers, embedding and LM head (untied)."""
+        return sum(self.layer_dense_params(l) for l in range(self.layers)) + 2 * self.vocab * self.hidden
+
+    @property
+    def routed_params(self) -> int:
+        return self.num_experts_total * 3 * self.hidden * self.expert_width
+
+    @property
+    def attention_layers(self) -> int:
+        return sum(1 for l in range(self.layers) if not self.is_linear(l))
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return self.attention_layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
+
+    def state_bytes(self) -> int:
+        """Recurrent state of the Gated DeltaNet layers for one sequence (fp32)."""
+        if not self.linear_key_heads:
+            return 0
+        kd = self.linear_key_heads * self.linear_head_dim
+        vd = self.linear_value_heads * self.linear_head_dim
+        per_layer = (2 * kd + vd) * (self.conv_kernel - 1) + self.linear_value_heads * self.linear_head_dim ** 2
+        return 4 * per_layer * (self.layers - self.attention_layers)
+
+    def with_layers(self, layers: int) -> "ModelShape":
+        return replace(self, name=f"{self.name}-L{layers}", layers=layers)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A device: ``device_bw`` bytes/s its kernels read weights at, ``link_bw`` bytes/s of a
+    pinned host-to-device copy, ``vram`` bytes, fixed ``layer_overhead_s`` per layer, and the
+    share of missed bytes whose copy overlaps compute (``overlap``)."""
+
+    name: str
+    device_bw: float
+    link_bw: float
+    vram: int
+    layer_overhead_s: float
+    overlap: float = 0.0
+    note: str = ""
+    miss_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.device_bw > 0 and self.link_bw > 0):
+            raise ConfigError(f"target {self.name}: bandwidths must be > 0")
+        if not (0.0 <= self.overlap <= 1.0):
+            raise ConfigError(f"target {self.name}: overlap must be in [0, 1], got {self.overlap}")
+        if self.layer_overhead_s < 0 or self.miss_overhead_s < 0:
+            raise ConfigError(f"target {self.name}: overheads must be >= 0")
+
+
+def layer_time(device_bytes: float, missed_bytes: float, target: Target, missed_experts: float = 0.0) -> float:
+    """Seconds for one layer of one token (module docstring)."""
+    compute = device_bytes / target.device_bw + target.layer_overhead_s
+    transfer = missed_bytes / target.link_bw + missed_experts * target.miss_overhead_s
+    hidden = target.overlap * transfer
+    return max(compute, hidden) + (transfer - hidden)
+
+
+def token_time(layers: Sequence[tuple[float, ...]], head_bytes: float, target: Target) -> float:
+    """Seconds per token: ``layers`` is ``(device_bytes, missed_bytes[, missed_experts])`` per layer."""
+    return sum(layer_time(layer[0], layer[1], target, *layer[2:]) for layer in layers) + head_bytes / target.device_bw
+
+
+@dataclass(frozen=True)
+class MemorySplit:
+    budget: int
+    dense: int
+    kv: int
+    state: int
+    workspace: int
+    slots: int  # bytes of expert slots
+    num_slots: int
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [("dense weights", self.dense), ("KV cache", self.kv), ("recurrent state", self.state),
+                ("workspace + context", self.workspace), ("expert slots", self.slots)]
+
+
+def memory_split(shape: ModelShape, budget: int, *, dense_format: str = "bf16", context: int = 4096,
+                 workspace: int = 0) -> MemorySplit:
+    """The device budget divided: dense weights, KV for ``context`` tokens, recurrent state,
+    ``workspace`` (activations, CUDA context), and what is left as expert slots. Raises
+    :class:`DeviceBudgetError` when the fixed parts leave no room for one token's ``top_k``
+    experts."""
+    if dense_format not in DENSE_BYTES_PER_PARAM:
+        raise ConfigError(f"dense format {dense_format!r}; allowed: {', '.join(DENSE_BYTES_PER_PARAM)}")
+    dense = int(shape.dense_params * DENSE_BYTES_PER_PARAM[dense_format])
+    kv = shape.kv_bytes_per_token() * context
+    state = shape.state_bytes()
+    left = budget - dense - kv - state - workspace
+    num_slots = max(0, left) // shape.slot_bytes
+    if num_slots < shape.top_k:
+        raise DeviceBudgetError(
+            f"device budget {budget / 2**30:.2f} GiB: dense {dense / 2**30:.2f} GiB + KV {kv / 2**30:.2f} "
+            f"GiB + state {state / 2**30:.3f} GiB + workspace {workspace / 2**30:.2f} GiB leave "
+            f"{max(left, 0) / 2**30:.2f} GiB, fewer than top_k={shape.top_k} expert slots of "
+            f"{shape.slot_bytes} bytes")
+    return MemorySplit(budget, dense, kv, state, workspace, num_slots * shape.slot_bytes, num_slots)
+
+
+@dataclass
+class Prediction:
+    shape: str
+    target: str
+    hit_rate: float
+    tok_s: float
+    token_s: float
+    compute_s: float  # sum of the layers' compute parts + head
+    transfer_s: float  # sum of the layers' transfers
+    device_bytes: float  # per token
+    missed_bytes: float  # per token
+    split: MemorySplit | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def predict(shape: ModelShape, target: Target, hit_rate: float, *, dense_format: str = "bf16",
+            split: MemorySplit | None = None) -> Prediction:
+    """Decode tok/s of ``shape`` on ``target`` at a device expert hit rate ``hit_rate``."""
+    if not (0.0 <= hit_rate <= 1.0):
+        raise ConfigError(f"hit_rate must be in [0, 1], got {hit_rate}")
+    per_param = DENSE_BYTES_PER_PARAM[dense_format]
+    routed = shape.top_k * shape.expert_bytes
+    missed = (1.0 - hit_rate) * routed
+    n_missed = (1.0 - hit_rate) * shape.top_k
+    layers = [(shape.layer_dense_params(l) * per_param + routed, missed, n_missed) for l in range(shape.layers)]
+    head = shape.vocab * shape.hidden * per_param
+    t = token_time(layers, head, target)
+    compute = sum(d / target.device_bw + target.layer_overhead_s for d, _, _ in layers) + head / target.device_bw
+    transfer = shape.layers * (missed / target.link_bw + n_missed * target.miss_overhead_s)
+    return Prediction(shape.name, target.name, hit_rate, 1.0 / t, t, compute, transfer,
+                      sum(d for d, _, _ in layers) + head, missed * shape.layers, split)
+
+
+# The headline shape: public figures of the 125B-A6B Qwen3-Next-class model; the layer mixers by
+# Qwen3-Next's config sizes (gated attention 16 x 256 q heads, 2 kv heads; Gated DeltaNet 16 key
+# and 32 value heads of 128), 3 DeltaNet layers to 1 attention layer.
+SHAPES = {
+    "full": ModelShape("full", layers=48, hidden=2048, experts=512, expert_width=768, top_k=10,
+                       shared_width=768, vocab=151936, heads=16, kv_heads=2, head_dim=256,
+                       attn_gate=True, linear_key_heads=16, linear_value_heads=32,
+                       linear_head_dim=128, full_attention_every=4),
+    # what bench/headline.py runs (standard attention, sized so a layer's dense bytes are close
+    # to the Qwen3-Next mix's average): the full shape's runnable stand-in on a GPU ...
+    "full-runnable": ModelShape("full-runnable", layers=48, hidden=2048, experts=512, expert_width=768,
+                                top_k=10, shared_width=768, vocab=151936, heads=48, kv_heads=8, head_dim=128),
+    # ... and a reduced one that runs on a CPU in well under two minutes
+    "small": ModelShape("small", layers=8, hidden=512, experts=64, expert_width=256, top_k=4,
+                        shared_width=256, vocab=4096, heads=8, kv_heads=2, head_dim=64),
+    "tiny": ModelShape("tiny", layers=2, hidden=128, experts=8, expert_width=64, top_k=2,
+                       shared_width=64, vocab=512, heads=4, kv_heads=2, head_dim=32),
+}
+
+# Targets. Bandwidths are what kernels and copies achieve, not data-sheet peaks (RTX 4090:
+# 1008 GB/s GDDR6X, ~900 read by a good GEMV; PCIe 4.0 x16: 32 GB/s raw, ~25 pinned). The
+# per-layer overhead: 3.2 ms is the step as built on a GPU (torch layers + Triton experts, 149
+# launches a layer: 38.6 tok/s for 8 layers on the H200, README); 0.1 ms is a step captured as
+# one grouped launch or CUDA graph per layer.
+TARGETS = {
+    "rtx4090": Target("RTX 4090 + PCIe 4.0 x16", device_bw=900e9, link_bw=25e9, vram=24 * 2**30,
+                      layer_overhead_s=3.2e-3, overlap=0.5, note="step as built"),
+    "rtx4090-graphs": Target("RTX 4090 + PCIe 4.0 x16, one launch/layer", device_bw=900e9, link_bw=25e9,
+                             vram=24 * 2**30, layer_overhead_s=1e-4, overlap=0.5,
+                             note="per-layer overhead 0.1 ms (grouped launch / CUDA graph)"),
+    "h200-24g": Target("H200, 24 GiB cap", device_bw=4.0e12, link_bw=50e9, vram=24 * 2**30,
+                       layer_overhead_s=3.2e-3, overlap=0.5, note="step as built"),
+}

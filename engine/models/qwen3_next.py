@@ -1,0 +1,196 @@
+"""Qwen3-Next: a hybrid of Gated DeltaNet (linear attention with a per-sequence recurrent state)
+and gated full attention (every ``full_attention_interval``-th layer, 4 in the 80B-A3B), each
+followed by a sparse MoE (512 experts, top-10 renormalised, plus a shared expert scaled by
+sigmoid(x @ shared_expert_gate)). Norms are zero-centred ((1 + w)); RoPE covers the first
+25% of each head. HF tensor names are already canonical (``linear_attn.*``, ``self_attn.*``,
+per-expert ``mlp.experts.{j}.*``); the MTP weights of released checkpoints are ignored.
+
+The KV cache holds only the attention layers (compact indices 0..La-1); the DeltaNet layers'
+state lives in engine.kv.state (a HybridKVCache in the serving engine, a growable store beside
+any other cache).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.kv.base import BatchLayout, KVCache
+from engine.kv.state import recurrent_state_for
+from engine.layers.centred_norm import CentredRMSNorm
+from engine.layers.deltanet import GatedDeltaNet
+from engine.layers.gated_attention import GatedAttention
+from engine.layers.mlp import SwiGLU
+from engine.layers.moe import SparseMoE
+from engine.layers.rope import Rotary
+from engine.loading.source import expert_name
+from engine.models.base import CausalLM
+from engine.threads import step_threads
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, kv_layer: int, state_layer: int) -> None:
+        super().__init__()
+        self.linear = cfg.is_linear_attention_layer(layer)
+        self.input_layernorm = CentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, layer, state_layer)
+        else:
+            self.self_attn = GatedAttention(cfg, layer, kv_layer)
+        self.post_attention_layernorm = CentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = (SparseMoE(cfg, layer) if cfg.is_moe_layer(layer)
+                               else SwiGLU(cfg.hidden_size, cfg.intermediate_size))
+
+    def forward(self, x, cos, sin, layout, kv, state):
+        h = self.input_layernorm(x)
+        h = self.linear_attn(h, layout, state) if self.linear else self.self_attn(h, cos, sin, layout, kv)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridDecoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers, kv_i, st_i = [], 0, 0
+        for i in range(cfg.num_layers):
+            layers.append(HybridLayer(cfg, i, kv_i, st_i))
+            if cfg.is_linear_attention_layer(i):
+                st_i += 1
+            else:
+                kv_i += 1
+        self.layers = nn.ModuleList(layers)
+        self.norm = CentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = HybridDecoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.rope, cfg.rotary_dim, max_positions=min(cfg.max_position_embeddings, 4096))
+
+    def native_step(self):
+        """No native step for these layers yet: the torch layers run."""
+        return None
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
+                all_logits: bool = False, rows: list[int] | None = None) -> torch.Tensor:
+        """As CausalLM.forward; the DeltaNet layers read and advance each sequence's recurrent
+        state (engine.kv.state), which must stand at the sequence's context length."""
+        device = self.model.embed_tokens.weight.device
+        tokens = tokens.to(device)
+        state = recurrent_state_for(kv, self.config)
+        state.begin(layout)  # raises before anything is computed from a wrong state
+        with step_threads(tokens.shape[0], device):
+            cos, sin = self.rotary.cos_sin(layout.positions().to(device))
+            x = self.model.embed_tokens(tokens)
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, layout, kv, state)
+            state.advance(layout)
+            return self.final_logits(x, layout, all_logits, rows)
+
+    def dense_linear_slots(self) -> list[tuple[nn.Module, str]]:
+        """(parent, attribute) of every dense linear engine.quant.linear may swap."""
+        out: list[tuple[nn.Module, str]] = []
+        for layer in self.model.layers:
+            if layer.linear:
+                out += [(layer.linear_attn, n) for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")]
+            else:
+                out += [(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            mlp = layer.mlp.shared_expert if isinstance(layer.mlp, SparseMoE) else layer.mlp
+            if mlp is not None:
+                out += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        out.append((self, "lm_head"))
+        return out
+
+
+def expected_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(canonical name, shape) of every tensor a Qwen3-Next config implies, in layer order
+    (engine.loading.validate)."""
+    la = c.linear_attn
+    assert la is not None
+    V, H, D = c.vocab_size, c.hidden_size, c.head_dim
+    yield "model.embed_tokens.weight", (V, H)
+    yield "model.norm.weight", (H,)
+    if not c.tie_word_embeddings:
+        yield "lm_head.weight", (V, H)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (H,)
+        yield p + "post_attention_layernorm.weight", (H,)
+        if c.is_linear_attention_layer(i):
+            a = p + "linear_attn."
+            yield a + "in_proj_qkvz.weight", (2 * la.key_dim + 2 * la.value_dim, H)
+            yield a + "in_proj_ba.weight", (2 * la.num_value_heads, H)
+            yield a + "conv1d.weight", (la.conv_dim, 1, la.conv_kernel)
+            yield a + "dt_bias", (la.num_value_heads,)
+            yield a + "A_log", (la.num_value_heads,)
+            yield a + "norm.weight", (la.value_head_dim,)
+            yield a + "out_proj.weight", (H, la.value_dim)
+        else:
+            a = p + "self_attn."
+            q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
+            yield a + "q_proj.weight", (2 * q_out, H)
+            yield a + "k_proj.weight", (kv_out, H)
+            yield a + "v_proj.weight", (kv_out, H)
+            yield a + "o_proj.weight", (H, q_out)
+            if c.attention_bias:
+                yield a + "q_proj.bias", (2 * q_out,)
+                yield a + "k_proj.bias", (kv_out,)
+                yield a + "v_proj.bias", (kv_out,)
+                yield a + "o_proj.bias", (H,)
+            yield a + "q_norm.weight", (D,)
+            yield a + "k_norm.weight", (D,)
+        if c.is_moe_layer(i):
+            m = c.moe
+            assert m is not None
+            I = m.expert_intermediate_size
+            yield p + "mlp.gate.weight", (m.num_experts, H)
+            for j in range(m.num_experts):
+                yield expert_name(i, j, "gate_proj"), (I, H)
+                yield expert_name(i, j, "up_proj"), (I, H)
+                yield expert_name(i, j, "down_proj"), (H, I)
+            S = m.shared_expert_intermediate_size
+            if S:
+                yield p + "mlp.shared_expert.gate_proj.weight", (S, H)
+                yield p + "mlp.shared_expert.up_proj.weight", (S, H)
+                yield p + "mlp.shared_expert.down_proj.weight", (H, S)
+                yield p + "mlp.shared_expert_gate.weight", (1, H)
+        else:
+            I = c.intermediate_size
+            yield p + "mlp.gate_proj.weight", (I, H)
+            yield p + "mlp.up_proj.weight", (I, H)
+            yield p + "mlp.down_proj.weight", (H, I)
+
+
+def info_lines(cfg: ModelConfig, human) -> list[str]:
+    """Extra lines of `moestream info` for a model with DeltaNet layers: the layer mix, the
+    recurrent state one sequence keeps (read and rewritten by every decoded token), KV per token
+    of the attention layers alone, and the bytes one decoded token reads split into dense (bf16),
+    routed experts (4.5-bit) and state."""
+    from engine.kv.state import slot_bytes
+
+    la = cfg.linear_attn
+    assert la is not None
+    counts = cfg.parameter_counts()
+    n_lin = cfg.num_layers - len(cfg.attention_layers)
+    state = slot_bytes(cfg)
+    kv_token = len(cfg.attention_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    dense = (counts["active"] - counts["routed_active"]) * 2
+    experts = counts["routed_active"] * 4.5 / 8
+    return [
+        f"layers        {n_lin} Gated DeltaNet (k heads {la.num_key_heads}x{la.key_head_dim}, v heads "
+        f"{la.num_value_heads}x{la.value_head_dim}, conv {la.conv_kernel}) + {len(cfg.attention_layers)} gated "
+        f"attention (RoPE on {cfg.rotary_dim} of {cfg.head_dim} dims)",
+        f"state         {human(state, 'B')} per sequence (fp32 conv windows + delta-rule matrices), "
+        f"KV {human(kv_token, 'B')} per token (bf16, attention layers only)",
+        f"read/token    dense {human(dense, 'B')} (bf16) + routed experts {human(experts, 'B')} (4.5 b/w) "
+        f"+ state {human(2 * state, 'B')} (read and rewritten) = {human(dense + experts + 2 * state, 'B')} "
+        f"per sequence",
+    ]

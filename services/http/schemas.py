@@ -1,0 +1,291 @@
+"""Request bodies of the OpenAI-compatible endpoints, and the error every refusal becomes.
+
+Bodies are validated strictly (no "5" for 5, no true for 1, unknown fields refused), so a typo
+is a 400 naming the field rather than a silently ignored option. Fields OpenAI defines but this
+server cannot honour yet (``n > 1``, tools, images, ``logit_bias``, ``echo``, ...) are refused
+with a 400 naming them; fields that change nothing here (``user``, ``metadata``, ``store``, ...)
+are accepted. Our extras ride as extra body fields: ``top_k``, ``min_p``,
+``repetition_penalty``, ``speculative``, ``num_speculative_tokens``.
+
+    req = parse_body(ChatCompletionRequest, raw_bytes)   # OpenAIError(400) naming the field
+    greq = req.to_generate(request_id)                     # protocol.GenerateRequest
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from protocol import ChatMessage, GenerateRequest, SamplingParams
+from protocol.messages import MAX_CHAT_MESSAGES, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_PROMPT_CHARS
+
+DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI: until the context ends; here a bound the engine checks
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class OpenAIError(Exception):
+    """An HTTP error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled",
+             500: "server_error", 502: "server_error", 503: "service_unavailable",
+             504: "timeout"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+
+
+def _loc(loc: tuple) -> str:
+    """pydantic's ('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[str]", "list[int]", "int", "function-after[...]") or "[" in str(part):
+            continue  # union member names pydantic adds to the location
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def invalid(e: ValidationError) -> OpenAIError:
+    """The first validation error as a 400 naming its field."""
+    err = e.errors(include_url=False)[0]
+    param = _loc(err["loc"]) or None
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field; this server does not accept it"
+    return OpenAIError(400, f"{param}: {msg}" if param else msg, param=param,
+                       code="invalid_value" if err["type"] != "missing" else "missing_required_parameter")
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    if not raw:
+        raise OpenAIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise invalid(e) from None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage on every chunk
+
+
+def _unsupported(param: str, what: str) -> OpenAIError:
+    return OpenAIError(400, f"{param}: {what} is not supported by this server", param=param,
+                       code="unsupported_parameter")
+
+
+class _Sampling(_Body):
+    """The fields both endpoints share."""
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(None, max_length=256)
+    # extras (extra_body in the openai client)
+    top_k: int | None = Field(None, ge=-1, le=1_000_000)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    speculative: bool | None = None
+    num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_DRAFT_TOKENS)
+
+    def _check_common(self) -> None:
+        if self.n not in (None, 1):
+            raise _unsupported("n", f"n={self.n} (several choices per request)")
+        if self.logit_bias:
+            raise _unsupported("logit_bias", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options: only allowed when stream is true",
+                              param="stream_options", code="invalid_value")
+
+    def _stop_list(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for i, s in enumerate(stop):
+            if not 1 <= len(s) <= 256:
+                param = "stop" if isinstance(self.stop, str) else f"stop[{i}]"
+                raise OpenAIError(400, f"{param}: a stop string must have 1..256 characters",
+                                  param=param, code="invalid_value")
+        if len(stop) > 16:
+            raise OpenAIError(400, f"stop: at most 16 stop strings, got {len(stop)}", param="stop",
+                              code="invalid_value")
+        return stop
+
+    def _sampling(self, max_tokens: int | None, default_max: int, logprobs: int | None) -> SamplingParams:
+        kw: dict[str, Any] = {"max_tokens": max_tokens or default_max, "stop": self._stop_list(),
+                              "logprobs": logprobs}
+        for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                     "min_p", "repetition_penalty", "speculative", "num_speculative_tokens"):
+            v = getattr(self, name)
+            if v is not None:
+                kw[name] = float(v) if isinstance(v, int) and name not in (
+                    "seed", "speculative", "num_speculative_tokens") else v
+        if self.top_k is not None:
+            kw["top_k"] = max(self.top_k, 0)  # -1 (vLLM's "off") == 0 here
+        try:
+            return SamplingParams(**kw)
+        except ValidationError as e:
+            raise invalid(e) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are supported."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
+class ChatMessageIn(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = Field(None, max_length=256)
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    refusal: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+
+    def _messages(self) -> list[ChatMessage]:
+        out = []
+        for i, m in enumerate(self.messages):
+            where = f"messages[{i}]"
+            if m.role in ("tool", "function"):
+                raise _unsupported(f"{where}.role", f"role {m.role!r} (tool results)")
+            if m.tool_calls:
+                raise _unsupported(f"{where}.tool_calls", "tool_calls")
+            if m.function_call is not None:
+                raise _unsupported(f"{where}.function_call", "function_call")
+            if isinstance(m.content, list):
+                texts = []
+                for j, part in enumerate(m.content):
+                    if part.type != "text":
+                        what = "image content" if part.type.startswith("image") else \
+                            f"content parts of type {part.type!r}"
+                        raise _unsupported(f"{where}.content[{j}]", what)
+                    text = (part.model_extra or {}).get("text")
+                    if not isinstance(text, str):
+                        raise OpenAIError(400, f"{where}.content[{j}].text: a text part needs a "
+                                          f"string 'text'", param=f"{where}.content[{j}].text",
+                                          code="invalid_value")
+                    texts.append(text)
+                content = "".join(texts)
+            else:
+                content = m.content or ""
+            if len(content) > MAX_PROMPT_CHARS:
+                raise OpenAIError(400, f"{where}.content: longer than {MAX_PROMPT_CHARS} characters",
+                                  param=f"{where}.content", code="invalid_value")
+            role = "system" if m.role == "developer" else m.role
+            out.append(ChatMessage(role=role, content=content))
+        return out
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        self._check_common()
+        if self.tools:
+            raise _unsupported("tools", "tools (function calling)")
+        if self.functions:
+            raise _unsupported("functions", "functions (function calling)")
+        if self.tool_choice not in (None, "none"):
+            raise _unsupported("tool_choice", "tool_choice")
+        if self.function_call not in (None, "none"):
+            raise _unsupported("function_call", "function_call")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise _unsupported("response_format", f"response_format {self.response_format.get('type')!r}")
+        if self.modalities not in (None, ["text"]):
+            raise _unsupported("modalities", f"modalities {self.modalities}")
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs",
+                              code="invalid_value")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        sampling = self._sampling(self.max_completion_tokens or self.max_tokens,
+                                  DEFAULT_CHAT_MAX_TOKENS, logprobs)
+        return GenerateRequest(request_id=request_id, messages=self._messages(), sampling=sampling,
+                               stream=bool(self.stream))
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        self._check_common()
+        if self.echo:
+            raise _unsupported("echo", "echo")
+        if self.best_of not in (None, 1):
+            raise _unsupported("best_of", f"best_of={self.best_of}")
+        if self.suffix:
+            raise _unsupported("suffix", "suffix")
+        prompt, ids = self.prompt, None
+        if isinstance(prompt, list):
+            if len(prompt) == 0:
+                raise OpenAIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+            if isinstance(prompt[0], (str, list)):
+                if len(prompt) != 1:
+                    raise _unsupported("prompt", f"a batch of {len(prompt)} prompts in one request")
+                prompt = prompt[0]
+            if isinstance(prompt, list):
+                prompt, ids = None, prompt
+        if prompt is not None and not 1 <= len(prompt) <= MAX_PROMPT_CHARS:
+            raise OpenAIError(400, f"prompt: must have 1..{MAX_PROMPT_CHARS} characters",
+                              param="prompt", code="invalid_value")
+        sampling = self._sampling(self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, self.logprobs)
+        try:
+            return GenerateRequest(request_id=request_id, prompt=prompt, prompt_token_ids=ids,
+                                   sampling=sampling, stream=bool(self.stream))
+        except ValidationError as e:
+            err = invalid(e)
+            err.param = "prompt"
+            raise err from None

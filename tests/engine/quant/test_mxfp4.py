@@ -1,0 +1,97 @@
+"""MXFP4: the reference against transformers' own dequantization of the same blocks and scales,
+the CPU kernel and the Triton kernel (interpreted here) against the reference, quantization
+round trips, expert blobs, and gpt-oss checkpoints whose experts are MXFP4 (_blocks/_scales)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.errors import ConfigError
+from engine.quant.formats import QuantFormat, QuantizedTensor, pack_expert, unpack_expert
+from engine.quant.mxfp4 import MXFP4, dequantize_fast, from_hf_blocks, qlinear_mxfp4_cpu
+from engine.quant.reference import dequantize, linear_ref, quantize
+
+
+def random_blocks(g: torch.Generator, e: int, out: int, groups: int, lo: int = 110, hi: int = 135):
+    blocks = torch.randint(0, 256, (e, out, groups, 16), generator=g, dtype=torch.int64).to(torch.uint8)
+    scales = torch.randint(lo, hi, (e, out, groups), generator=g, dtype=torch.int64).to(torch.uint8)
+    return blocks, scales
+
+
+def test_reference_equals_transformers_dequantization():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks, scales = random_blocks(g, 3, 24, 4, lo=0, hi=255)  # every exponent, subnormal 2^-127 too
+    hf = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    for e in range(3):
+        ours = dequantize(from_hf_blocks(blocks[e], scales[e]))  # [out, in]
+        assert torch.equal(ours, hf[e].T), e
+
+
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_cpu_kernel_equals_reference(t):
+    g = torch.Generator().manual_seed(t)
+    blocks, scales = random_blocks(g, 1, 40, 6)
+    q = from_hf_blocks(blocks[0], scales[0])
+    assert torch.equal(dequantize_fast(q), dequantize(q))
+    x = torch.randn(t, 192, generator=g)
+    torch.testing.assert_close(qlinear_mxfp4_cpu(x, q), linear_ref(x, q), atol=1e-5, rtol=1e-5)
+
+
+def test_qlinear_and_expert_forward_route_mxfp4_to_its_kernel():
+    from engine.quant.kernels import backend_for, expert_forward, qlinear
+    from engine.quant.reference import expert_ref
+
+    g = torch.Generator().manual_seed(4)
+    gate, up, down = (quantize(torch.randn(*s, generator=g), MXFP4) for s in ((64, 96), (64, 96), (96, 64)))
+    assert backend_for(gate) == "torch"  # no native MXFP4 kernel: never handed to the C++ kernels
+    x = torch.randn(5, 96, generator=g)
+    torch.testing.assert_close(qlinear(x, gate), linear_ref(x, gate), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(expert_forward(x, gate, up, down), expert_ref(x, gate, up, down),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_triton_kernel_equals_reference():
+    tk = pytest.importorskip("engine.quant.triton_kernels")
+    if not tk.available() or not tk.supports(torch.device("cpu")):
+        pytest.skip("Triton cannot run on CPU tensors in this process")
+    g = torch.Generator().manual_seed(2)
+    for t, n, k in [(1, 48, 256), (3, 70, 384), (tk.MAX_T + 2, 33, 128)]:
+        blocks, scales = random_blocks(g, 1, n, k // 32)
+        q = from_hf_blocks(blocks[0], scales[0])
+        x = torch.randn(t, k, generator=g)
+        want = linear_ref(x, q)
+        bound = 1e-4 * (x.abs() @ dequantize(q).abs().T) + 1e-5
+        assert bool(((tk.qlinear_triton(x, q) - want).abs() <= bound).all())
+
+
+def test_quantize_round_trip_and_error():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 128, generator=g)
+    q = quantize(w, MXFP4)
+    assert q.parts["codes"].shape == (32, 64) and q.parts["scales"].shape == (32, 4)
+    assert torch.equal(dequantize(quantize(dequantize(q), MXFP4)), dequantize(q))  # grid points stay
+    rel = (dequantize(q) - w).norm() / w.norm()
+    assert 0.05 < rel < 0.2  # 4-bit float with a power-of-two scale
+    assert torch.equal(dequantize(quantize(torch.zeros(2, 32), MXFP4)), torch.zeros(2, 32))
+    assert MXFP4.bits_per_weight == 4.25
+
+
+def test_group_size_other_than_32_is_refused():
+    with pytest.raises(ConfigError, match="mxfp4"):
+        QuantFormat("mxfp4", 64)
+
+
+def test_expert_blob_round_trip_keeps_the_bytes():
+    g = torch.Generator().manual_seed(3)
+    blocks, scales = random_blocks(g, 3, 64, 2)
+    gate, up = from_hf_blocks(blocks[0], scales[0]), from_hf_blocks(blocks[1], scales[1])
+    db, ds = random_blocks(g, 1, 64, 2)
+    down = from_hf_blocks(db[0], ds[0])
+    blob, layout = pack_expert(gate, up, down, MXFP4)
+    g2, u2, d2 = unpack_expert(blob, layout)
+    for a, b in ((gate, g2), (up, u2), (down, d2)):
+        assert isinstance(b, QuantizedTensor) and b.fmt == MXFP4
+        assert torch.equal(a.parts["codes"], b.parts["codes"]) and torch.equal(a.parts["scales"], b.parts["scales"])

@@ -1,0 +1,115 @@
+"""`moestream serve` as an operator runs it (issue 16): every socket of a running deployment on
+loopback (or proven to need the token), a clean stop on SIGTERM and on Ctrl-C within
+STOP_LIMIT_S (actors, processes and shared memory gone), and no segment surviving a deployment
+SIGKILLed whole beyond the next start. Each test starts its own local cluster (own temp dir and
+token), not the session cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.deploy.helpers import Serve, alive, audit, http_status, shm_of
+
+pytestmark = pytest.mark.ray
+
+STOP_LIMIT_S = 30.0  # what the README promises for SIGTERM / Ctrl-C of `moestream serve`
+
+
+@pytest.fixture()
+def serve(store_path, request):
+    s = Serve(store_path, namespace=f"life-{request.node.name[-12:]}-{os.getpid()}")
+    yield s
+    s.cleanup()
+
+
+def _stopped_cleanly(s: Serve, pids: list[int], sig: int, group: bool) -> float:
+    rc, took = s.signal_and_wait(sig, group=group, timeout_s=STOP_LIMIT_S + 30)
+    assert rc == 0, s.log()
+    assert took < STOP_LIMIT_S, f"serve took {took:.1f} s to stop"
+    assert "stopped: actors, shared memory and the local cluster" in s.log()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in pids if alive(p)] == [], "processes of the deployment outlived serve"
+    assert shm_of(s.namespace) == {}
+    return took
+
+
+def test_sockets_loopback_or_token_and_sigterm_stops_everything(serve):
+    serve.start("--dashboard")
+    pids = serve.pids()
+    socks, problems = audit(pids)
+    assert problems == []
+    # the audit saw the deployment (GCS, raylet, the dashboard and every worker listen)
+    dash = [s.port for s in socks if "dashboard.py" in s.command and f"--port={s.port}" in s.command]
+    assert len(socks) >= 8 and len(dash) == 1, socks
+    assert all(s.loopback for s in socks), [s for s in socks if not s.loopback]
+    # the Jobs API on loopback still wants the token
+    assert http_status("127.0.0.1", dash[0], "/api/jobs/") == 401
+    segs = shm_of(serve.namespace)
+    assert len(segs) == 2 and all(b > 0 for b in segs.values())
+    _stopped_cleanly(serve, pids, signal.SIGTERM, group=False)
+
+
+def test_ctrl_c_of_the_terminal_stops_everything(serve):
+    serve.start()
+    pids = serve.pids()
+    assert len(shm_of(serve.namespace)) == 2
+    # a terminal's Ctrl-C: SIGINT to the whole foreground group (gcs_server, raylet, ... too)
+    _stopped_cleanly(serve, pids, signal.SIGINT, group=True)
+
+
+def test_sigkill_of_everything_then_start_again_leaves_one_deployment_of_segments(serve, store_path):
+    serve.start()
+    first = shm_of(serve.namespace)
+    assert len(first) == 2
+    serve.kill()
+    leaked = shm_of(serve.namespace)
+    assert leaked == first  # reapers died with the rest: the segments are left behind ...
+    again = Serve(store_path, namespace=serve.namespace)
+    try:
+        again.start()
+        now = shm_of(serve.namespace)
+        # ... and the next start removes them: one deployment's worth, none of the old names
+        assert len(now) == 2 and not set(now) & set(first)
+        assert sum(now.values()) == sum(first.values())
+        _stopped_cleanly(again, again.pids(), signal.SIGTERM, group=False)
+    finally:
+        again.cleanup()
+
+
+def test_reaper_unlinks_the_segment_of_a_killed_process(tmp_path):
+    """A process holding a segment is SIGKILLed: its reaper removes the segment at once."""
+    code = ("import os, sys, time\n"
+            "from services.shm import Reaper, segment_name, segment_prefix, SHM_DIR\n"
+            "p = os.path.join(SHM_DIR, segment_name(segment_prefix('reaper-test', 'loader-0')))\n"
+            "open(p, 'wb').write(b'x' * 4096)\n"
+            "r = Reaper(p)\n"
+            "print(p, r.proc.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    path, reaper_pid = child.stdout.readline().split()
+    try:
+        assert os.path.isfile(path) and alive(int(reaper_pid))
+        time.sleep(0.5)
+        assert os.path.isfile(path)  # the reaper waits while its process lives
+        child.kill()
+        child.wait()
+        deadline = time.monotonic() + 5
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(path)
+        while alive(int(reaper_pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(int(reaper_pid))
+    finally:
+        child.kill()
+        if os.path.exists(path):
+            os.unlink(path)
