@@ -43,11 +43,11 @@ def main() -> int:
         return 2
 
     from engine.experts.runtime import load_from_store
-    from engine.generate import generate_ids
     from engine.kv.base import BatchLayout, ContiguousKVCache
     from engine.layers.sampler import SamplingConfig
     from engine.options import configure
     from engine.quant.kernels import int8_activations
+    from engine.runner import stream_request
 
     sm = load_from_store(store, dense=args.dense)
     ids = sm.tokenizer.encode(pydoc.render_doc(str, renderer=pydoc.plaintext))[: args.tokens + 1]
@@ -60,7 +60,7 @@ def main() -> int:
 
     def decode_speed() -> float:
         stats = None
-        for _, _, stats in generate_ids(sm.model, ids[:32], SamplingConfig(max_tokens=48, ignore_eos=True)):
+        for _, stats in stream_request(sm.model, ids[:32], SamplingConfig(max_tokens=48, ignore_eos=True)):
             pass
         return stats.decode_tps
 

@@ -47,14 +47,14 @@ def median_itl(times: list[float]) -> float:
 
 def in_process(store, prompt, n, device_budget, ram_budget):
     from engine.experts.runtime import load_from_store
-    from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
+    from engine.runner import stream_request
 
     sm = load_from_store(store, device_budget=device_budget, ram_budget=ram_budget, prefetch_depth=0)
     times, toks = [], []
-    for t, _, _ in generate_ids(sm.model, prompt, SamplingConfig(max_tokens=n, ignore_eos=True)):
-        times.append(time.perf_counter())
-        toks.append(t)
+    for out, _ in stream_request(sm.model, prompt, SamplingConfig(max_tokens=n, ignore_eos=True)):
+        times += [time.perf_counter()] * len(out.new_token_ids)
+        toks += out.new_token_ids
     sm.close()
     return toks, median_itl(times)
 

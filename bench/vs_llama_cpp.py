@@ -367,13 +367,14 @@ def compare_logits(a: np.ndarray, b: np.ndarray) -> str:
 
 
 def moestream_greedy(model, prompt: list[int], new: int) -> tuple[list[int], float, float]:
-    from engine.generate import generate_ids
+    """Greedy tokens, prefill and decode tok/s through the serving engine (engine.runner)."""
     from engine.layers.sampler import SamplingConfig
+    from engine.runner import stream_request
 
     out, stats = [], None
-    for tok, _, stats in generate_ids(model, prompt, SamplingConfig(max_tokens=new, temperature=0.0,
-                                                                    ignore_eos=True)):
-        out.append(tok)
+    for o, stats in stream_request(model, prompt, SamplingConfig(max_tokens=new, temperature=0.0,
+                                                                  ignore_eos=True)):
+        out += o.new_token_ids
     return out, stats.prefill_tps, stats.decode_tps
 
 
@@ -411,10 +412,10 @@ def op_counts(model, prompt: list[int], steps: int) -> dict:
     decoded token, over ``steps`` decode steps after the prompt (sampling included)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
+    from engine.runner import stream_request
 
-    gen = generate_ids(model, prompt, SamplingConfig(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+    gen = stream_request(model, prompt, SamplingConfig(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
     next(gen)  # prefill + first token
     next(gen)  # one decode step outside the profiler (first-use work)
     native: Counter = Counter()

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence as Seq
+from typing import Iterable, Iterator, Sequence as Seq
 
 import torch
 
 from engine.errors import ConfigError, RequestValidationError
-from engine.generate import Request, validate_prompt
+from engine.generate import GenerationStats, Request, validate_prompt
 from engine.kv.base import BatchLayout
 from engine.kv.paged import KVMetrics, PagedKVCache
 from engine.layers.sampler import SamplingConfig, top_logprobs
@@ -310,3 +310,25 @@ class Engine:
                              running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                              kv=self.kv.metrics(), draft_tokens=self._drafted,
                              accepted_draft_tokens=self._accepted)
+
+
+def stream_request(model: CausalLM, prompt_ids: Seq[int], sampling: SamplingConfig, tokenizer=None,
+                   speculative: SpeculativeConfig | None = None) -> Iterator[tuple[RequestOutput, GenerationStats]]:
+    """One request through a fresh Engine sized for it (the in-process CLI and the benchmarks):
+    yields (output, figures so far) per step that produced tokens. The whole prompt is one
+    prefill step; prefill time runs to the first token, decode time from it to the latest."""
+    engine = Engine.for_requests(model, tokenizer, len(prompt_ids) + sampling.max_tokens,
+                                 speculative=speculative, max_batched_tokens=max(512, len(prompt_ids)))
+    engine.add_request("stream", prompt_ids, sampling)
+    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    t0 = time.perf_counter()
+    t_first = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.new_token_ids and t_first is None:
+                t_first = now
+                stats.prefill_seconds = now - t0
+            stats.generated_tokens += len(out.new_token_ids)
+            stats.decode_seconds = now - (t_first or now)
+            yield out, stats

@@ -130,36 +130,20 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
 def _stream_one(model, tok, ids, sampling, spec, loaded) -> None:
     """One request through the serving engine (the same Engine as the decode actor), its text
     streamed as each step completes it, then one line of figures on stderr."""
-    import time
+    from engine.runner import stream_request
 
-    from engine.generate import GenerationStats
-    from engine.runner import Engine
-
-    engine = Engine.for_requests(model, tok, len(ids) + sampling.max_tokens, speculative=spec,
-                                 max_batched_tokens=max(512, len(ids)))
-    engine.add_request("cli", ids, sampling)
-    stats = GenerationStats(prompt_tokens=len(ids))
-    t0 = time.perf_counter()
-    t_first = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            now = time.perf_counter()
-            if out.new_token_ids and t_first is None:
-                t_first = now
-                stats.prefill_seconds = now - t0
-            stats.generated_tokens += len(out.new_token_ids)
-            stats.decode_seconds = now - (t_first or now)
-            if out.new_text:
-                click.echo(out.new_text, nl=False)
-            if out.finished:
-                click.echo("")
-                line = f"[{out.finish_reason}] {stats.summary()}"
-                if out.spec is not None:
-                    line += (f", drafted {out.spec.drafted}, accepted {out.spec.accepted} "
-                             f"({out.spec.acceptance_rate:.0%})")
-                if loaded is not None and loaded.cache is not None:
-                    line += ", " + _cache_line(loaded, stats.prompt_tokens + stats.generated_tokens)
-                click.echo(line, err=True)
+    for out, stats in stream_request(model, ids, sampling, tok, spec):
+        if out.new_text:
+            click.echo(out.new_text, nl=False)
+        if out.finished:
+            click.echo("")
+            line = f"[{out.finish_reason}] {stats.summary()}"
+            if out.spec is not None:
+                line += (f", drafted {out.spec.drafted}, accepted {out.spec.accepted} "
+                         f"({out.spec.acceptance_rate:.0%})")
+            if loaded is not None and loaded.cache is not None:
+                line += ", " + _cache_line(loaded, stats.prompt_tokens + stats.generated_tokens)
+            click.echo(line, err=True)
 
 
 def _device(name: str) -> str:
