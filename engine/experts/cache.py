@@ -154,6 +154,14 @@ class ExpertCache(ExpertProvider):
         self.pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="expert-io")
         self.metrics = CacheMetrics()
         self.restrict_to_resident = False  # set while drafting self-speculatively
+        # the grouped GPU path (engine.quant.triton_moe): each layer's experts as two launches
+        # reading their slots through a device slot map [layers, experts] (written as experts
+        # are copied in; only entries of acquired, hence resident and pinned, experts are read)
+        self.grouped = self.device.type == "cuda"
+        n_layers = max(self.sparse_layers) + 1 if self.sparse_layers else 0
+        self.slot_map = torch.full((n_layers, store.config.moe.num_experts), -1, dtype=torch.int32,
+                                   device=self.device)
+        self._grouped_layouts: dict[int, object] = {}  # layer -> SlotLayout or None
         # cost model for miss_compute="auto": seconds per byte moved vs per byte computed on CPU
         self._transfer_s_per_byte = 1 / 10e9
         self._cpu_s_per_byte = 1 / 10e9
@@ -395,6 +403,8 @@ class ExpertCache(ExpertProvider):
         else:
             self.source.read_into(key, self.slots[slot])
         self.views[slot] = self._slot_view(key, slot)
+        if self.grouped:
+            self.slot_map[key[0], key[1]] = slot
         dt = time.perf_counter() - t0
         self._transfer_s_per_byte = 0.8 * self._transfer_s_per_byte + 0.2 * dt / nbytes
         with self.lock:
@@ -412,6 +422,24 @@ class ExpertCache(ExpertProvider):
             v = made[1]
             self.slot_rows[slot] = torch.tensor(slot_row(v.gate, v.up, v.down), dtype=torch.int64)
         return made[1]
+
+    def grouped_layout(self, layer: int, device: torch.device):
+        """The layer's SlotLayout for the grouped kernels (engine.quant.triton_moe), or None: the
+        grouped path is off, Triton cannot run on ``device``, the experts' format is not one the
+        kernels decode, or the layer's experts do not share one blob layout."""
+        if not self.grouped:
+            return None
+        if layer not in self._grouped_layouts:
+            from engine.quant import triton_moe
+
+            store = self.store
+            n = store.config.moe.num_experts
+            layout = None
+            if len({store.layout_key(layer, e) for e in range(n)}) == 1 and triton_moe.supports(device, True):
+                probe = torch.zeros(self.slot_bytes, dtype=torch.uint8)
+                layout = triton_moe.slot_layout(*store.expert_tensors(layer, 0, probe), probe)
+            self._grouped_layouts[layer] = layout
+        return self._grouped_layouts[layer]
 
     def slot_table(self, layer, expert_ids, experts):
         """Slots of acquired experts (pinned until release); -1 for one computed on the CPU."""

@@ -161,12 +161,43 @@ class SparseMoE(nn.Module):
         whose experts are not a plain SwiGLU (biases, other activations) override this."""
         return expert.forward(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        provider = self.provider
-        assert provider is not None, "experts not attached (engine.models.load.build_model)"
-        routing = self.gate(x, provider.allowed_experts(self.layer))  # route
-        for observe in self.observers:
-            observe(self.layer, routing.ids)
+    def _grouped_layout(self, provider: ExpertProvider, x: torch.Tensor):
+        """The slot layout when this layer's experts can run as two grouped launches over the
+        provider's slot pool (engine.quant.triton_moe: the CUDA path), else None."""
+        layout_of = getattr(provider, "grouped_layout", None)
+        if layout_of is None or type(self).run_expert is not SparseMoE.run_expert:
+            return None  # no slot pool, or experts that are not a plain SwiGLU
+        return layout_of(self.layer, x.device)
+
+    def _routed_grouped(self, x: torch.Tensor, routing: Routing, provider: ExpertProvider, layout) -> torch.Tensor:
+        """fetch, then compute + combine in two launches: every (token, pick) reads its expert
+        from the slot the provider's device slot map names."""
+        from engine.quant.triton_moe import grouped_moe
+
+        uniq = torch.unique(routing.ids).tolist()
+        result: list[torch.Tensor] = []
+
+        def compute(start: int, part: list[int], experts: Mapping[int, Expert]) -> None:
+            if start == 0 and len(part) == len(uniq) and not any(
+                    getattr(experts[e], "on_cpu", False) for e in part):
+                pair_slot = provider.slot_map[self.layer][routing.ids].reshape(-1)
+                result.append(grouped_moe(x, routing.weights, pair_slot, provider.slots, layout))
+            else:  # chunked acquisition or experts computed on the CPU: one expert at a time
+                result.append(self._per_expert_part(x, routing, part, experts))
+
+        fetch_and_compute(provider, self.layer, uniq, x, compute)
+        return result[0].to(x.dtype) if len(result) == 1 else torch.stack(result).sum(0).to(x.dtype)
+
+    def _per_expert_part(self, x: torch.Tensor, routing: Routing, part: list[int],
+                         experts: Mapping[int, Expert]) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for e in part:
+            tok, k = (routing.ids == e).nonzero(as_tuple=True)
+            y = self.run_expert(e, experts[e], x[tok]).float() * routing.weights[tok, k, None]
+            out.index_add_(0, tok, y)
+        return out
+
+    def _routed_per_expert(self, x: torch.Tensor, routing: Routing, provider: ExpertProvider) -> torch.Tensor:
         # group the (token, pick) pairs by expert once: a stable sort of the flat picks, so each
         # expert's tokens are one contiguous run (in token order) of the gathered rows
         k = routing.ids.shape[1]
@@ -189,7 +220,19 @@ class SparseMoE(nn.Module):
         fetch_and_compute(provider, self.layer, ids, x, compute)  # fetch + compute
         # combine: one scatter-add for the whole layer (a per-expert index_add_ cost ~0.15 ms
         # each, more than the int4 expert itself at decode)
-        out = torch.zeros_like(x).index_add_(0, rows, torch.cat(contributions).to(x.dtype))
+        return torch.zeros_like(x).index_add_(0, rows, torch.cat(contributions).to(x.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        provider = self.provider
+        assert provider is not None, "experts not attached (engine.models.load.build_model)"
+        routing = self.gate(x, provider.allowed_experts(self.layer))  # route
+        for observe in self.observers:
+            observe(self.layer, routing.ids)
+        grouped = self._grouped_layout(provider, x)
+        if grouped is not None:
+            out = self._routed_grouped(x, routing, provider, grouped)
+        else:
+            out = self._routed_per_expert(x, routing, provider)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
