@@ -244,11 +244,11 @@ def routing_trace(model, tokenizer, text, windows: int | Sequence[Sequence[int]]
 
 def generation_trace(model, prompts: Sequence[Sequence[int]], max_tokens: int, *,
                      eos_ids: Sequence[int] = (), include_prompt: bool = False):
-    """Record routing while greedily generating from each prompt (engine.generate.generate_ids):
-    one sequence per prompt. Decode steps are recorded with their absolute position; prefill
-    records only with ``include_prompt``. Returns (trace, generated id lists)."""
-    from engine.generate import generate_ids
+    """Record routing while greedily generating from each prompt through the serving engine
+    (engine.runner.Engine, one request at a time). Decode steps are recorded with their absolute
+    position; prefill records only with ``include_prompt``. Returns (trace, generated id lists)."""
     from engine.layers.sampler import SamplingConfig
+    from engine.runner import Engine
 
     rec, blocks, ordinal = _recorder(model)
     state = {"pos": 0, "prefill": True}
@@ -268,13 +268,17 @@ def generation_trace(model, prompts: Sequence[Sequence[int]], max_tokens: int, *
     try:
         for prompt in prompts:
             rec.new_sequence()
-            state.update(pos=len(prompt), prefill=True)
-            out = []
-            sampling = SamplingConfig(max_tokens=max_tokens, temperature=0.0)
-            for token, _, _ in generate_ids(model, list(prompt), sampling, eos_ids=eos_ids):
-                out.append(token)
-                # the next forward (if any) decodes this token at position len(prompt)+len(out)-1
-                state.update(pos=len(prompt) + len(out) - 1, prefill=False)
+            engine = Engine.for_requests(model, None, len(prompt) + max_tokens,
+                                         max_batched_tokens=max(512, len(prompt)))
+            engine.eos_ids = frozenset(eos_ids)  # exactly the caller's stop ids
+            engine.add_request("trace", list(prompt), SamplingConfig(max_tokens=max_tokens, temperature=0.0))
+            seq = engine.scheduler.get("trace")
+            out: list[int] = []
+            while engine.has_unfinished():
+                # the whole prompt is one prefill step; then each step decodes the last token
+                state.update(prefill=seq.num_computed_tokens < len(prompt), pos=seq.num_tokens - 1)
+                for o in engine.step():
+                    out += o.new_token_ids
             outputs.append(out)
     finally:
         for b in blocks:
