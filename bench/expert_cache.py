@@ -4,6 +4,7 @@
     python bench/expert_cache.py --layers 8 --tokens 16   # quick look
     python bench/expert_cache.py --device cuda            # device slots on the GPU, experts on
                                                           # the fused Triton kernels
+    python bench/expert_cache.py --policy-table           # the simulator's policy table only
 
 Builds (once, cached under ~/.cache/moestream/bench) a random Qwen3-MoE checkpoint written
 layer by layer as a sharded safetensors directory, converts it to an int4 store, then generates
@@ -14,7 +15,7 @@ resident: memory bandwidth / active bytes per token) and the transfer-bound roof
 bytes this run actually moved. Routing here is a random model's (near uniform): trained MoEs
 route with more skew and locality (see the simulator rows on skewed synthetic traces).
 Then replays the routing trace recorded at the 100% budget through the simulator (LRU, LFU,
-Belady) at the same budgets, and synthetic traces with skew for comparison.
+sweep, Belady; each with its ratio to Belady) at the same budgets, and synthetic traces with skew for comparison.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def run_budget(store: Path, frac: float, ram_budget: int, prompt: list[int], tok
 
     total = store_expert_bytes(store)
     # Replayed routing is not what the routers would predict, so prefetch is off for it.
-    sm = load_from_store(store, device_budget=int(total * frac), ram_budget=ram_budget, policy="lfu",
+    sm = load_from_store(store, device_budget=int(total * frac), ram_budget=ram_budget, policy="sweep",
                          prefetch_depth=0 if replay is not None else 1, device=device, dense=dense)
     if replay is not None:
         ReplayRouting(replay, sorted(sm.store.config.moe_layers)).install(sm.model)
@@ -215,6 +216,37 @@ def print_rows(rows, dense_active, expert_active, mem_bw, disk_bw, link_bw, comp
               f"{r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f} | {1 / moved:.1f} | {compute_roof:.1f} |")
 
 
+def policy_table(tokens: int = 144, samples: int = 1000) -> None:
+    """The README's policy table: LRU, LFU, sweep (the default) and Belady at 10/25/50% of the
+    experts on the demo model's decode trace, the moe16 model's (held out: never tuned on) and
+    synthetic traces of the demo's shape, each cell with its ratio to Belady; for the synthetic
+    traces also the online ceiling (engine.experts.synthetic.online_ceiling)."""
+    from engine.experts.simulate import budgets_from_fractions, sweep
+    from engine.experts.synthetic import online_ceiling, pick_probabilities, synthetic_trace
+    from engine.experts.trace import RoutingTrace
+
+    data = Path(__file__).resolve().parents[1] / "tests" / "data"
+    rows = [("demo model, decode (144 tokens; tuned on)", RoutingTrace.load(data / "smollm2_demo_generate.npz"), None),
+            ("moe16 top-8 model, decode (318 tokens; held out)",
+             RoutingTrace.load(data / "smollm2_moe16_top8_heldout_generate.npz"), None)]
+    for zipf, seed in ((0.6, 1), (1.2, 2)):
+        rows.append((f"synthetic, zipf {zipf}, locality 0.3 (seed {seed})",
+                     synthetic_trace(tokens, 30, 12, 6, zipf=zipf, locality=0.3, seed=seed), (zipf, 0.3, seed)))
+    pols = ["lru", "lfu", "sweep", "belady"]
+    print("| trace | budget | " + " | ".join(p.upper() if p != "sweep" else "sweep (default)" for p in pols)
+          + " | online ceiling |")
+    print("|---|---|" + "---|" * (len(pols) + 1))
+    for label, tr, model in rows:
+        caps = budgets_from_fractions(tr, [0.1, 0.25, 0.5])
+        table = sweep(tr, pols, caps)
+        probs = pick_probabilities(tr, model[0], model[1], model[2], samples=samples) if model else None
+        for c in caps:
+            cells = [f"{table.hit_rate(p, c):.1%} ({table.ratio(p, c):.2f})" if p != "belady"
+                     else f"{table.hit_rate(p, c):.1%}" for p in pols]
+            ceiling = (f"{online_ceiling(probs, c, tr.num_layers, tr.top_k):.1%}" if probs is not None else "-")
+            print(f"| {label} | {c / tr.num_keys:.0%} | " + " | ".join(cells) + f" | {ceiling} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
@@ -234,7 +266,12 @@ def main() -> None:
     ap.add_argument("--locality", type=float, default=0.3, help="reuse of the previous token's experts")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where the model and the device expert slots live")
+    ap.add_argument("--policy-table", action="store_true",
+                    help="only print the simulator's policy table (README) and exit")
     args = ap.parse_args()
+    if args.policy_table:
+        policy_table()
+        return
 
     from engine.experts.runtime import store_expert_bytes
     from engine.experts.simulate import sweep
@@ -292,12 +329,12 @@ def main() -> None:
     slots = [r["slots"] for r in rows]
     print("\nsimulator on the trace recorded at the 100% budget (hit rate):")
     if 1.0 in budgets:
-        print(sweep(rec.trace(), ["lru", "lfu", "belady"], slots).format())
+        print(sweep(rec.trace(), ["lru", "lfu", "sweep", "belady"], slots).format())
     for zipf in (0.0, 1.2):
         tr = synthetic_trace(400, len(cfg.moe_layers), cfg.moe.num_experts, cfg.moe.top_k, zipf=zipf,
                              locality=0.3, seed=0)
         print(f"\nsimulator on a synthetic trace, zipf {zipf}, locality 0.3 (hit rate):")
-        print(sweep(tr, ["lru", "lfu", "belady"], slots).format())
+        print(sweep(tr, ["lru", "lfu", "sweep", "belady"], slots).format())
 
 
 if __name__ == "__main__":

@@ -19,6 +19,18 @@
 4. With ``--e2e``: ``bench/expert_cache.py --device cuda`` on an 8-layer random Qwen3-MoE store
    (tok/s, hit rates and bytes per token at 25% and 100% device budgets; builds the store first).
 
+``--headline`` instead runs the headline check (issue 15) and nothing else: first correctness,
+a tiny synthetic MoE (engine.experts.synthetic_store) decoded through the expert cache on the
+GPU against the same model on the CPU (fp32 dense, int4 experts: the logits must agree); then
+``bench/headline.py --shape full --device cuda --vram-budget 24GiB --layers N`` (default 12 of
+the 48 layers, scaled per layer and labelled so; ``--layers 48`` for the whole 65 GB if the host
+can pin it), and one table of the measured figures beside the cost model's predictions.
+It needs no checkpoint, no disk space and no package beyond torch and triton (no pydantic,
+transformers or ray): carry nothing but the working tree, e.g. one ``run`` of
+``PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --headline`` (``--headline-layers 24`` for
+more; about 3 minutes at 12 layers is the estimate, not yet measured). ``--headline --smoke``
+runs the same logic on the CPU with the tiny shape (CI, and this machine).
+
 Nothing is installed or downloaded; the output is a short table.
 
 On this workplace's lent H200 machine (python3 3.12 with torch, triton and transformers, but no
@@ -163,6 +175,81 @@ def launches_per_token(device: torch.device, smoke: bool) -> None:
             sm.close()
 
 
+def headline_correctness(device: torch.device) -> bool:
+    """The tiny synthetic MoE through the expert cache (a quarter of the experts resident) on
+    ``device`` against the same model on the CPU: same weights, same routing, fp32 dense."""
+    from engine.costmodel import SHAPES
+    from engine.experts.synthetic import synthetic_trace
+    from engine.experts.synthetic_store import SyntheticExpertStore, build_synthetic_model
+    from engine.generate import generate_ids
+    from engine.layers.sampler import SamplingConfig
+
+    shape = SHAPES["tiny"]
+    source = SyntheticExpertStore(shape, seed=0).ram_source()
+    tr = synthetic_trace(16, shape.layers, shape.experts, shape.top_k, zipf=1.0, locality=0.3, seed=0)
+    logits = {}
+    for dev in ("cpu", device.type):
+        with build_synthetic_model(shape, device_budget=shape.num_experts_total * shape.slot_bytes // 4,
+                                   device=dev, dense="fp32", trace=tr, source=source) as sm:
+            # prefills of fixed prompts (no sampled token feeds back, so a near-tie cannot fork
+            # the two runs); the trace routes them alike on both devices
+            logits[dev] = [next(generate_ids(sm.model, list(range(3, 3 + n)),
+                                             SamplingConfig(max_tokens=1, ignore_eos=True)))[1].float().cpu()
+                           for n in (1, 2, 3, 4, 5)]
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(logits[device.type], logits["cpu"]))
+    ok = worst <= 2e-3
+    print(f"headline correctness: tiny synthetic MoE through the expert cache on {device.type} vs CPU: "
+          f"max |logit diff| / max |logit| = {worst:.2e} {'ok' if ok else 'FAIL'}")
+    return ok
+
+
+def headline_check(args) -> int:
+    import json
+    import tempfile
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("no CUDA device: run with --headline --smoke for the CPU check of the same logic", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if cuda else 'CPU'}")
+    if not headline_correctness(device):
+        print("FAILURES above: not timing a step that computes wrong numbers")
+        return 1
+    out = Path(tempfile.mkdtemp()) / "headline.json"
+    cmd = [sys.executable, "bench/headline.py", "--device", device.type, "--json", str(out)]
+    cmd += (["--shape", "full", "--vram-budget", "24GiB", "--layers", str(args.headline_layers)] if cuda
+            else ["--shape", "tiny"])
+    t = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    print(r.stdout[-6000:])
+    if r.returncode:
+        print(r.stderr[-3000:])
+        return 1
+    f = json.loads(out.read_text())
+    scale = (f["scaled_from"] or 0) and f["scaled_from"]
+    layers_note = f" ({args.headline_layers} of {scale} layers, tok/s scaled per layer)" if scale else ""
+    print(f"\nHEADLINE ({time.perf_counter() - t:.0f} s){layers_note}")
+    print("| figure | measured | predicted |")
+    print("|---|---|---|")
+    tps = f["decode_tps"] * (args.headline_layers / scale if scale else 1)
+    print(f"| decode tok/s | {tps:.2f} | {f['predicted_tps'] * (args.headline_layers / scale if scale else 1):.2f} "
+          f"(cost model, this device) |")
+    print(f"| expert hit rate (live / simulated) | {f['hit_rate']:.1%} | {f['sim_hit_rate']:.1%} |")
+    print(f"| expert MB per token from RAM / disk | {f['ram_bytes_per_token'] / 1e6:.1f} / 0 | |")
+    print(f"| host-to-device GB/s (achieved / copy test) | {f['link_gbs']:.1f} / {f['link_bw'] / 1e9:.1f} | |")
+    print(f"| stall fraction | {f['stall_fraction']:.1%} | |")
+    launches = f["launches_per_token"] if cuda else f["calls_per_token"]
+    print(f"| {'kernel launches' if cuda else 'native calls'} per token | {launches or 0:.0f} | |")
+    print(f"| device GiB: dense / KV / state / slots / peak of budget | "
+          f"{f['dense_bytes'] / 2**30:.2f} / {f['kv_bytes'] / 2**30:.3f} / {f['state_bytes'] / 2**30:.3f} / "
+          f"{f['slot_bytes'] / 2**30:.2f} / {f['peak'] / 2**30:.2f} of {f['budget'] / 2**30:.0f} | |")
+    for p in f["predictions"]:
+        print(f"| full shape on {p['target']} | | {p['tok_s']:.1f} tok/s ({p['note']}) |")
+    print("ALL OK")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU in Triton's interpreter")
@@ -171,7 +258,11 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-tests", action="store_true", help="skip the pytest part")
     ap.add_argument("--e2e", action="store_true", help="also run bench/expert_cache.py on the device")
+    ap.add_argument("--headline", action="store_true", help="only the headline check (see above)")
+    ap.add_argument("--headline-layers", type=int, default=12, help="layers of the full shape to run")
     args = ap.parse_args()
+    if args.headline:
+        return headline_check(args)
     cuda = torch.cuda.is_available()
     if not cuda:
         if not args.smoke:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -69,7 +70,7 @@ def host_available() -> int:
 
 def memory_bandwidth(device: torch.device) -> float:
     """Read bytes/s of a large reduction on the device."""
-    n = (1 << 28) if device.type == "cuda" else (1 << 26)
+    n = (1 << 27) if device.type == "cuda" else (1 << 26)  # 512 MiB: inside the workspace
     x = torch.ones(n, dtype=torch.float32, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     x.sum()
@@ -119,14 +120,24 @@ class CallCounter:
 
 
 def decode(model, first: int, tokens: int):
-    """Generate ``tokens`` tokens from a one-token prompt (every step is one token's decode)."""
+    """Generate ``tokens`` tokens from a one-token prompt (every step is one token's decode).
+    Returns the GenerationStats and each step's seconds (the one-token prefill included)."""
     from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
 
-    stats = None
+    stats, times = None, []
+    t = time.perf_counter()
     for _, _, stats in generate_ids(model, [first], SamplingConfig(max_tokens=tokens, ignore_eos=True)):
-        pass
-    return stats
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
+    return stats, times
+
+
+def median_tps(times) -> float:
+    """Tokens/s from the median step time: robust to other processes taking the cores for a
+    while (the machine may be shared), unlike the mean."""
+    return 1.0 / statistics.median(times)
 
 
 def rotating_trace(tokens: int, shape: ModelShape, span: int):
@@ -230,8 +241,6 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from engine.experts.device_budget import DeviceBudget
-
     name, warmup, tokens, share, workspace = DEFAULTS[args.shape]
     shape = SHAPES[name]
     scaled = args.layers is not None and args.layers != shape.layers
@@ -248,9 +257,17 @@ def run(args) -> int:
     figures: dict = dict(shape=shape.name, device=str(device), scaled_from=SHAPES[name].layers if scaled else None)
 
     # ---- 1. plan ------------------------------------------------------------------------------
+    from engine.experts.device_budget import DeviceBudget
+
     context = warmup + tokens + 8
+    # on a GPU the CUDA context counts against the budget too: measured before planning
+    ledger = None if args.dry_run else DeviceBudget(budget, device)
+    workspace += ledger.context if ledger is not None else 0
     split = memory_split(shape, budget, dense_format=dense, context=context, workspace=workspace)
     slots = split.num_slots if share is None else min(split.num_slots, max(shape.top_k, int(share * shape.num_experts_total)))
+    if scaled and share is None:  # the full model's share of experts resident, per layer
+        whole = memory_split(SHAPES[name], budget, dense_format=dense, context=context, workspace=workspace)
+        slots = min(split.num_slots, max(shape.top_k, whole.num_slots * shape.layers // SHAPES[name].layers))
     ram_need = shape.num_experts_total * shape.slot_bytes
     headroom = parse_bytes(args.ram_headroom, name="--ram-headroom")
     avail = host_available()
@@ -278,7 +295,6 @@ def run(args) -> int:
     # ---- 2. build -----------------------------------------------------------------------------
     from engine.experts.synthetic_store import SyntheticExpertStore, TraceRouting, build_synthetic_model
 
-    ledger = DeviceBudget(budget, device)
     trace = make_trace(args, shape, warmup + tokens + 8)  # + the profiled tokens on a GPU
     t0 = time.perf_counter()
     store = SyntheticExpertStore(shape, seed=args.seed)
@@ -287,7 +303,7 @@ def run(args) -> int:
           f"({'pinned' if source.pinned else 'pageable'})")
     ledger.charge("expert slots", slots * shape.slot_bytes)
     ledger.charge("KV cache", split.kv)
-    ledger.charge("workspace", workspace)
+    ledger.charge("workspace", workspace - ledger.context)  # the context is the ledger's own
     with ledger.guard("building the model"):
         sm = build_synthetic_model(shape, device_budget=slots * shape.slot_bytes, device=args.device, dense=dense,
                                    policy=args.policy, seed=args.seed, trace=trace, source=source)
@@ -295,8 +311,7 @@ def run(args) -> int:
         model, cache = sm.model, sm.cache
         dense_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
                           if t.device.type == device.type)
-        if device.type == "cpu":  # QuantLinear keeps its packed weights outside parameters
-            dense_bytes = max(dense_bytes, split.dense)
+        dense_bytes = max(dense_bytes, split.dense)  # QuantLinear may keep packed weights outside parameters
         ledger.charge("dense weights", dense_bytes)
         print(f"built in {time.perf_counter() - t0:.1f} s; device ledger: "
               + ", ".join(f"{k} {format_bytes(v)}" for k, v in ledger.rows()) + f"; free {format_bytes(ledger.free)}")
@@ -305,34 +320,32 @@ def run(args) -> int:
         # every expert a miss -> the fixed cost of a miss beside its bytes ---------------------
         from engine.experts.cache import CacheMetrics
 
-        mem_bw = memory_bandwidth(device)
-        link_bw = link_bandwidth(source, device)
-        span = max(shape.top_k, min(shape.experts, slots // shape.layers))
-        warm = -(-span // shape.top_k) + 1  # tokens until every expert of the rotation is resident
-        TraceRouting(rotating_trace(warm + 24, shape, span), store.config.moe_layers).install(model)
-        with ledger.guard("calibration"):
-            decode(model, 1, warm)  # compile, fill
-            cache.metrics = CacheMetrics()
-            st = decode(model, 1, 16)
-        if cache.metrics.total().misses:
-            print(f"note: the all-hit calibration missed {cache.metrics.total().misses} times")
-        t_res = 1.0 / st.decode_tps
-        base = predict(shape, Target("this device", mem_bw, link_bw, budget, 0.0), 1.0, dense_format=dense)
-        overhead = (t_res - base.token_s) / shape.layers
-        if overhead < 0:
-            print(f"note: the step read faster than the measured bandwidth ({-overhead * 1e6:.0f} µs/layer below); "
-                  f"overhead taken as 0")
-        overhead = max(overhead, 0.0)
-        TraceRouting(rotating_trace(32, shape, shape.experts), store.config.moe_layers).install(model)
-        cache.metrics = CacheMetrics()
-        with ledger.guard("calibration"):
-            st = decode(model, 1, 16)
-        mt = cache.metrics.total()
-        miss_per_token = mt.misses / st.generated_tokens
-        t_miss = 1.0 / st.decode_tps
-        miss_overhead = max(0.0, (t_miss - t_res) / max(miss_per_token, 1e-9) - shape.expert_bytes / link_bw)
+        with ledger.guard("bandwidth tests (workspace)"):
+            mem_bw = memory_bandwidth(device)
+            link_bw = link_bandwidth(source, device)
+        span = max(shape.top_k, min(shape.experts, 3 * slots // (4 * shape.layers)))
+
+        def calibrate():
+            """Step times with every expert a hit, then with (nearly) every expert a miss."""
+            warm = 2 * -(-span // shape.top_k) + 1  # tokens until the rotation is resident
+            TraceRouting(rotating_trace(warm + 24, shape, span), store.config.moe_layers).install(model)
+            with ledger.guard("calibration"):
+                decode(model, 1, warm)  # compile, fill
+                cache.metrics = CacheMetrics()
+                _, hit_times = decode(model, 1, 16)
+                if cache.metrics.total().misses:
+                    print(f"note: the all-hit calibration missed {cache.metrics.total().misses} times")
+                TraceRouting(rotating_trace(32, shape, shape.experts), store.config.moe_layers).install(model)
+                cache.metrics = CacheMetrics()
+                st, miss_times = decode(model, 1, 16)
+            return hit_times, miss_times, cache.metrics.total().misses / st.generated_tokens
+
+        # calibrated before and after the measured run, medians over both: the load of a shared
+        # machine changes over seconds
+        hit_times, miss_times, miss_per_token = calibrate()
 
         # ---- 4. warm up on the trace, then measure ---------------------------------------------
+        cache = fresh_cache(sm)  # cold, like the simulator's replay: no calibration history
         routing = TraceRouting(trace, store.config.moe_layers)
         routing.install(model)
         with ledger.guard("warm-up"):
@@ -345,7 +358,8 @@ def run(args) -> int:
         if native is not None and native[1] is not None:
             counter = native[1].ext = CallCounter(native[1].ext)
         with ledger.guard("decode"):
-            st = decode(model, 1, tokens)
+            st, times = decode(model, 1, tokens)
+        tps = median_tps(times)
         steps = st.generated_tokens  # the one-token prefill is a decode step too
         wall = st.prefill_seconds + st.decode_seconds
         m = cache.metrics.total()
@@ -357,18 +371,27 @@ def run(args) -> int:
         launches = cuda_launches(model, routing) if device.type == "cuda" else None
         peak = ledger.check_peak()
 
+        h2, m2, _ = calibrate()
+        t_res, t_miss = 1.0 / median_tps(hit_times + h2), 1.0 / median_tps(miss_times + m2)
+        base = predict(shape, Target("this device", mem_bw, link_bw, budget, 0.0), 1.0, dense_format=dense)
+        overhead = (t_res - base.token_s) / shape.layers
+        if overhead < 0:
+            print(f"note: the step read faster than the measured bandwidth ({-overhead * 1e6:.0f} µs/layer below); "
+                  f"overhead taken as 0")
+        overhead = max(overhead, 0.0)
+        miss_overhead = max(0.0, (t_miss - t_res) / max(miss_per_token, 1e-9) - shape.expert_bytes / link_bw)
         sim_hit = simulated_hit_rate(trace[:(warmup + tokens) * shape.layers], slots, warmup, args.policy)
         target = Target("this device", mem_bw, link_bw, budget, overhead, miss_overhead_s=miss_overhead)
         pred = predict(shape, target, sim_hit, dense_format=dense)
-        err = pred.tok_s / st.decode_tps - 1
+        err = pred.tok_s / tps - 1
         scale = f" x{SHAPES[name].layers / shape.layers:.0f} layers" if scaled else ""
         print(f"\nMEASURED ({shape.name}{', reduced-layer run' if scaled else ''}; routing: "
               f"{args.trace or f'synthetic zipf {args.zipf} locality {args.locality}'}; {tokens} tokens after {warmup} warm-up)")
         print("| figure | value |")
         print("|---|---|")
         rows = [
-            ("decode tok/s", f"{st.decode_tps:.2f}"
-             + (f" (per-layer scaled to {SHAPES[name].layers} layers: {st.decode_tps * shape.layers / SHAPES[name].layers:.2f})"
+            ("decode tok/s (median step / mean)", f"{tps:.2f} / {st.decode_tps:.2f}"
+             + (f" (per-layer scaled to {SHAPES[name].layers} layers: {tps * shape.layers / SHAPES[name].layers:.2f})"
                 if scaled else "")),
             ("device expert hit rate (live / simulated)", f"{live_hit:.1%} / {sim_hit:.1%}"),
             ("expert bytes per token from RAM", format_bytes(to_device)),
@@ -387,7 +410,7 @@ def run(args) -> int:
         ]
         for k, v in rows:
             print(f"| {k} | {v} |")
-        figures.update(decode_tps=st.decode_tps, hit_rate=live_hit, sim_hit_rate=sim_hit, ram_bytes_per_token=to_device,
+        figures.update(decode_tps=tps, decode_tps_mean=st.decode_tps, hit_rate=live_hit, sim_hit_rate=sim_hit, ram_bytes_per_token=to_device,
                        disk_bytes_per_token=0, link_gbs=source.link_bandwidth() / 1e9, stall_fraction=stall,
                        calls_per_token=calls, launches_per_token=launches, dense_bytes=dense_bytes, kv_bytes=split.kv,
                        state_bytes=split.state, slot_bytes=slots * shape.slot_bytes, peak=peak,
@@ -398,6 +421,24 @@ def run(args) -> int:
     figures["predictions"] = predictions
     _write(args.json, figures)
     return 0
+
+
+def fresh_cache(sm):
+    """Replace the model's expert cache by an empty one of the same configuration (the old
+    one's slots are released first, so the device budget holds)."""
+    from engine.experts.cache import ExpertCache
+
+    old = sm.cache
+    old.close()
+    config, routers, device = old.config, old.routers, old.device
+    sm.cache = old = None  # noqa: F841 - drop the slots before allocating new ones
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    cache = ExpertCache(sm.store, sm.source, config, routers=routers, device=device)
+    for block in sm.model.moe_blocks:
+        block.provider = cache
+    sm.cache = cache
+    return cache
 
 
 def cuda_launches(model, routing, steps: int = 3) -> float:

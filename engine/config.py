@@ -33,6 +33,8 @@ HF_MODEL_TYPES["qwen3_next"] = "qwen3_next"
 HF_MODEL_TYPES.update({"gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3"})
 # GGUF "general.architecture" -> our key.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+GGUF_ARCHITECTURES.update({"gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3"})
+GGUF_ARCHITECTURES["qwen3next"] = "qwen3_next"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # config.json fields that hold special-token ids; eos may be a list of ids.
 HF_SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -486,6 +488,16 @@ class ModelConfig:
         if garch not in GGUF_ARCHITECTURES:
             raise UnsupportedArchitectureError(garch, list(GGUF_ARCHITECTURES))
         arch = GGUF_ARCHITECTURES[garch]
+        from engine.models.registry import get_spec
+
+        own_parser = get_spec(arch).config_from_gguf
+        if own_parser is not None:  # architectures with their own layers parse their keys
+            try:
+                return own_parser(meta, source)
+            except (TypeError, ValueError, ArithmeticError) as e:
+                if isinstance(e, (ConfigError, ModelFormatError, UnsupportedArchitectureError)):
+                    raise
+                raise ModelFormatError(source, _bad_value(e, "bad metadata value")) from None
         if arch == "llama" and int(meta.get("llama.expert_count", 0) or 0) > 0:
             arch = "mixtral"  # llama.cpp writes Mixtral as a llama with experts
 

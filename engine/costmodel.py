@@ -126,8 +126,9 @@ class ModelShape:
 
     @property
     def dense_params(self) -> int:
-        """Every non-expert weight: layers, embedding and LM head (untied)."""
-        return sum(self.layer_dense_params(l) for l in range(self.layers)) + 2 * self.vocab * self.hidden
+        """Every non-expert weight: layers, embedding, final norm and LM head (untied)."""
+        return (sum(self.layer_dense_params(l) for l in range(self.layers)) + 2 * self.vocab * self.hidden
+                + self.hidden)  # + the final norm
 
     @property
     def routed_params(self) -> int:

@@ -24,7 +24,8 @@ Drafters:
     NgramDrafter       prompt lookup: copy what followed the latest earlier occurrence of the
                        trailing n-gram (no model, no bytes)
     DraftModelDrafter  a small model sharing the tokenizer, with its own KV cache kept in sync by
-                       longest-common-prefix against the accepted history (rollback = truncation)
+                       longest-common-prefix against the accepted history (rollback = truncation; a draft
+                       model with recurrent state also restores its state checkpoint there)
     SelfSpecDrafter    the target model itself routed only to device-resident experts
                        (``ExpertCache.restrict_to_resident``): drafts move no expert bytes; its
                        draft positions are written into the shared KV cache and then overwritten
@@ -57,6 +58,7 @@ from torch import nn
 
 from engine.errors import ConfigError
 from engine.kv.base import BatchLayout, ContiguousKVCache, KVCache
+from engine.kv.state import StateSnapshot, restore_state, snapshot_state
 from engine.layers.sampler import SamplerState, distribution, sample
 from engine.models.base import CausalLM
 
@@ -188,7 +190,10 @@ class DraftModelDrafter:
 
     Sync rule: ``fed`` lists the tokens whose K/V the draft cache holds. Before drafting, the
     longest common prefix of ``fed`` and the accepted history is kept (everything after it,
-    i.e. rejected drafts, is stale and will be overwritten) and the rest of history is fed."""
+    i.e. rejected drafts, is stale and will be overwritten) and the rest of history is fed.
+    A draft model with recurrent state (engine.kv.state) cannot truncate that: before each draft
+    forward beyond the history its state is snapshotted, and a rollback restores the one at the
+    common prefix (no snapshot there: its prefill again)."""
 
     def __init__(self, draft_model: CausalLM, max_draft: int = 8, seq_id: int = 0,
                  sample_drafts: bool = True) -> None:
@@ -198,13 +203,14 @@ class DraftModelDrafter:
         self.kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                     dtype=draft_model.model.embed_tokens.weight.dtype)
         self.fed: list[int] = []
+        self._snaps: dict[int, StateSnapshot] = {}  # position -> the draft's recurrent state there
 
     def begin(self, prompt_ids, ctx) -> None:
         if self.model.config.vocab_size != ctx.vocab_size:
             raise ConfigError(f"the draft model's vocabulary ({self.model.config.vocab_size}) differs "
                               f"from the target's ({ctx.vocab_size}); they must share a tokenizer")
         self.kv.free(self.seq_id)
-        self.fed = []
+        self.fed, self._snaps = [], {}
         self._catch_up(list(prompt_ids)[:-1])  # the draft's prefill; the last token comes later
 
     def _catch_up(self, history: list[int]) -> torch.Tensor | None:
@@ -214,6 +220,9 @@ class DraftModelDrafter:
                 break
             keep += 1
         keep = min(keep, len(history) - 1) if history else 0  # feed >= 1 token to get logits
+        if keep < len(self.fed):
+            keep = self._rewind(keep)
+        self._snaps = {}
         new = history[keep:]
         self.fed = self.fed[:keep]
         if not new:
@@ -222,6 +231,16 @@ class DraftModelDrafter:
                             BatchLayout.single(self.seq_id, len(new), keep), self.kv)[0]
         self.fed += new
         return logits
+
+    def _rewind(self, pos: int) -> int:
+        """Roll the draft's cache back to ``pos``; returns where it now stands: ``pos`` (KV is
+        cut by position alone; recurrent state from its snapshot) or 0 (recurrent state with no
+        snapshot at ``pos``: a prefill again)."""
+        snap = self._snaps.get(pos)
+        if snap is not None:
+            restore_state(self.kv, self.seq_id, snap)
+            return pos
+        return pos if snapshot_state(self.kv, self.seq_id) is None else 0
 
     def propose(self, history, k, ctx):
         k = min(k, self.max_draft)
@@ -234,6 +253,9 @@ class DraftModelDrafter:
             if q is not None:
                 qs.append(q)
             if i + 1 < k:
+                snap = snapshot_state(self.kv, self.seq_id)  # None: no recurrent state
+                if snap is not None:
+                    self._snaps[len(self.fed)] = snap
                 logits = self.model(torch.tensor([tok]), BatchLayout.single(self.seq_id, 1, len(self.fed)),
                                     self.kv)[0]
                 self.fed.append(tok)
@@ -241,7 +263,7 @@ class DraftModelDrafter:
 
     def end(self) -> None:
         self.kv.free(self.seq_id)
-        self.fed = []
+        self.fed, self._snaps = [], {}
 
 
 @contextlib.contextmanager
@@ -264,8 +286,10 @@ class SelfSpecDrafter:
     Draft i (0-based) runs the target on one token at position n+i of the *shared* KV cache
     (n = verified length), so positions [n, n+k) hold restricted-routing K/V after drafting;
     the verify forward then writes positions [n, n+k] with the full model, overwriting every one
-    of them before anything reads them again. ``cache`` may be None (all experts resident:
-    the drafts equal the target's own tokens)."""
+    of them before anything reads them again. A target with recurrent state (engine.kv.state)
+    cannot be overwritten that way: its state at n is snapshotted before drafting and restored
+    after. ``cache`` may be None (all experts resident: the drafts equal the target's own
+    tokens)."""
 
     def __init__(self, model: CausalLM, cache=None, max_draft: int = 8,
                  sample_drafts: bool = True) -> None:
@@ -281,13 +305,17 @@ class SelfSpecDrafter:
         tok = history[-1]
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
-        with _resident_only(self.cache):
-            for i in range(k):
-                logits = self.model(torch.tensor([tok]), BatchLayout.single(ctx.seq_id, 1, n + i), ctx.kv)[0]
-                tok, q = ctx.choose(logits, drafts, self.sample_drafts)
-                drafts.append(tok)
-                if q is not None:
-                    qs.append(q)
+        snap = snapshot_state(ctx.kv, ctx.seq_id)  # None: no recurrent state to roll back
+        try:
+            with _resident_only(self.cache):
+                for i in range(k):
+                    logits = self.model(torch.tensor([tok]), BatchLayout.single(ctx.seq_id, 1, n + i), ctx.kv)[0]
+                    tok, q = ctx.choose(logits, drafts, self.sample_drafts)
+                    drafts.append(tok)
+                    if q is not None:
+                        qs.append(q)
+        finally:
+            restore_state(ctx.kv, ctx.seq_id, snap)
         return drafts, (qs if qs else None)
 
     def end(self) -> None:

@@ -45,11 +45,11 @@ def init_ray(config: DeployConfig | None = None, *, address: str | None = None,
     binds. A process already connected is left as it is."""
     from services.ray_env import apply_client_env
 
-    # token mode (a local cluster gets a token), per-account temp dir, loopback binds
-    apply_client_env(create_token=not (address or (config and config.address)))
     ray = _ray()
     if ray.is_initialized():
         return False
+    # token mode (a local cluster gets a token), per-account temp dir, loopback binds
+    apply_client_env(create_token=not (address or (config and config.address)))
     ns = config.namespace if config else namespace
     address = address or (config.address if config else None)
     if address:

@@ -138,7 +138,7 @@ class ExpertCache(ExpertProvider):
                 f"{self.slot_bytes} bytes; one token needs top_k={top_k}: give at least "
                 f"{top_k * self.slot_bytes} bytes")
         self.slots = torch.empty(self.num_slots, self.slot_bytes, dtype=torch.uint8, device=self.device)
-        policy = make_policy(config.policy)
+        policy = make_policy(config.policy, num_experts=store.config.moe.num_experts, top_k=top_k)
         # which key each slot holds, pins, loads in flight, the policy: under self.lock
         self.table = SlotTable(self.num_slots, PinnedPolicy(policy, config.pinned) if config.pinned else policy)
         self.views: dict[int, QuantizedExpert] = {}

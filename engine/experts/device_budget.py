@@ -27,7 +27,9 @@ GiB = 2**30
 
 
 def _fmt(n: int) -> str:
-    return f"{n / GiB:.3f} GiB"
+    from engine.units import format_bytes
+
+    return f"{format_bytes(n)} ({n} B)"
 
 
 class DeviceBudget:
@@ -36,6 +38,8 @@ class DeviceBudget:
             raise ConfigError(f"device budget must be a positive number of bytes, got {budget!r}")
         self.budget = budget
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # the allocator calls want an index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.charges: dict[str, int] = {}
         self.context = 0  # bytes the process holds on the device outside the allocator
         if self.device.type == "cuda":

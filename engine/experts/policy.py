@@ -426,15 +426,19 @@ def make_policy(
     next_use: Sequence[int] | None = None,
     half_life: float | None = 4096.0,
     pinned: Iterable[Key] = (),
+    num_experts: int | None = None,
+    top_k: int | None = None,
 ) -> EvictionPolicy:
-    """Build a policy by name: ``lru``, ``lfu``, ``lfu-pure`` (no aging), ``belady``; a
-    ``pinned+`` prefix or a non-empty ``pinned`` wraps it in :class:`PinnedPolicy`."""
+    """Build a policy by name: ``lru``, ``lfu``, ``lfu-pure`` (no aging), ``sweep``, ``belady``;
+    a ``pinned+`` prefix or a non-empty ``pinned`` wraps it in :class:`PinnedPolicy`.
+    ``num_experts`` and ``top_k`` (per layer) size ``sweep``'s half-life (see
+    :func:`engine.experts.policy_sweep.half_life_for`)."""
     base = name[len("pinned+"):] if name.startswith("pinned+") else name
     factories: dict[str, Callable[[], EvictionPolicy]] = {
         "lru": LRUPolicy,
         "lfu": lambda: LFUPolicy(half_life=half_life),
         "lfu-pure": lambda: LFUPolicy(half_life=None),
-        "sweep": _sweep,
+        "sweep": lambda: _sweep(num_experts, top_k),
         "belady": lambda: _belady(future, next_use),
     }
     if base not in factories:
@@ -447,10 +451,10 @@ def make_policy(
     return policy
 
 
-def _sweep() -> EvictionPolicy:
-    from engine.experts.policy_sweep import SweepPolicy  # it subclasses EvictionPolicy
+def _sweep(num_experts: int | None, top_k: int | None) -> EvictionPolicy:
+    from engine.experts.policy_sweep import SweepPolicy, half_life_for  # it subclasses EvictionPolicy
 
-    return SweepPolicy()
+    return SweepPolicy(half_life_for(num_experts, top_k))
 
 
 def _belady(future: Sequence[Key] | None, next_use: Sequence[int] | None) -> BeladyPolicy:

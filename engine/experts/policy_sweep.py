@@ -16,11 +16,17 @@ Belady's farthest-next-use rule:
   with a half-life of ``half_life`` visits (tokens); a short half-life follows the
   token-to-token locality of routing, a long one its skew. With the use at visit ``v_i`` the
   estimate at visit ``v`` is ``a * sum_i 2 ** ((v_i - v) / h)``, ``a = 1 - 2 ** (-1 / h)``.
+  With ``recency`` (default) an expert the layer picked at its latest visit is estimated at
+  least at the measured reuse rate (the share of a visit's picks the layer's next visit makes
+  again, pooled over layers, updated once per sweep): token-to-token locality, which LRU
+  exploits when the cache holds about one token's working set.
 
 Within one layer the ranking by ``p`` does not change while no key of that layer is used (all
 of them decay by the same factor), so each layer keeps a lazy-deletion min-heap of its keys by
-``S = log2(sum_i 2 ** (v_i / h))``; a victim is found by looking at the least likely evictable
-key of each layer, O(L log n). Scores of evicted keys are kept (an expert coming back brings
+``S = log2(sum_i 2 ** (v_i / h))`` (its latest picks, at most a record's worth, are looked at
+one by one); the layers' best victims sit on one heap by absolute expected next use, so an
+eviction costs O(log L + K) amortised. :meth:`SweepPolicy.reference_victim` is the rule by
+brute force, for tests. Scores of evicted keys are kept (an expert coming back brings
 its history), as in :class:`~engine.experts.policy.LFUPolicy` with ``keep_history``.
 
 Only the past is used: the policy sees the order of keys it is told about (``on_hit`` and
@@ -40,18 +46,46 @@ from collections.abc import Collection
 
 from engine.experts.policy import EvictionPolicy, Key, _first_eligible
 
-__all__ = ["SweepPolicy", "DEFAULT_HALF_LIFE"]
+__all__ = ["SweepPolicy", "DEFAULT_HALF_LIFE", "half_life_for"]
+
+
+class _Either:
+    """Membership in either of two containers, no copy."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a, b) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, key) -> bool:
+        return key in self.a or key in self.b
 
 DEFAULT_HALF_LIFE = 4.0
+
+
+def half_life_for(num_experts: int | None, top_k: int | None) -> float:
+    """Half-life in visits: ``2 * num_experts / top_k``, the visits in which an average expert
+    is picked twice (4 for 12 experts top-6, where it was tuned; ~100 for 512 experts top-10,
+    where a short memory of rare picks is noise). DEFAULT_HALF_LIFE when either is unknown."""
+    if not num_experts or not top_k:
+        return DEFAULT_HALF_LIFE
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise ValueError(f"half_life_for: need 1 <= top_k <= num_experts, got {top_k} of {num_experts}")
+    return max(1.0, 2.0 * num_experts / top_k)
 
 
 class SweepPolicy(EvictionPolicy):
     """Farthest expected next use under a cyclic layer sweep; see the module docstring."""
 
-    def __init__(self, half_life: float = DEFAULT_HALF_LIFE) -> None:
+    def __init__(self, half_life: float = DEFAULT_HALF_LIFE, recency: bool = True) -> None:
         if not (isinstance(half_life, (int, float)) and math.isfinite(half_life) and half_life > 0):
             raise ValueError(f"SweepPolicy half_life must be a positive number of visits, got {half_life!r}")
         self.half_life = float(half_life)
+        self.recency = recency
+        self._last_keys: dict = {}  # layer -> keys used at its latest visit
+        self._prev_keys: dict = {}  # layer -> keys used at the visit before
+        self._reuse = [0, 0]  # picks of a visit that the layer's previous visit also made, picks
+        self._reuse_rate = 0.5  # their ratio, updated once per sweep
         self.name = "sweep"
         self._alpha = 1.0 - 2.0 ** (-1.0 / self.half_life)
         self._layers: list = []  # sweep order: distinct layers seen, ascending
@@ -80,17 +114,28 @@ class SweepPolicy(EvictionPolicy):
             self._rebuild = True  # the sweep grew: every layer's distance changed
             self._visit[layer] = 0
             self._heaps[layer] = []
+            self._last_keys[layer] = set()
+            self._prev_keys[layer] = set()
         if layer != self._current or (key in self._in_visit and len(self._layers) == 1):
             previous = self._current
             self._visit[layer] += 1
             self._visits_started += 1
             self._current = layer
+            prev, last = self._prev_keys[layer], self._last_keys[layer]
+            if prev and last:  # how many of the visit before last's picks the last visit made again
+                self._reuse[0] += len(prev & last)
+                self._reuse[1] += len(last)
+            self._prev_keys[layer], self._last_keys[layer] = last, set()
+            if self._visits_started % len(self._layers) == 0 and self._reuse[1]:
+                self._reuse_rate = self._reuse[0] / self._reuse[1]
+                self._rebuild = True  # every recent key's estimate changed
             if previous is not None and previous != layer:
                 key0 = self._candidate(previous, self._tracked, ())
                 if key0 is not None:
                     self._push_layer(previous, key0)
             self._in_visit = set()
         self._in_visit.add(key)
+        self._last_keys[layer].add(key)
         return self._visit[layer]
 
     def _use(self, key: Key) -> None:
@@ -141,8 +186,11 @@ class SweepPolicy(EvictionPolicy):
         s = self._score.get(key)
         if s is None:
             return 0.0
-        v = self._visit[self._layer_of(key)]
-        return min(1.0, self._alpha * 2.0 ** (s - v / self.half_life))
+        layer = self._layer_of(key)
+        p = min(1.0, self._alpha * 2.0 ** (s - self._visit[layer] / self.half_life))
+        if self.recency and key in self._last_keys[layer]:  # picked at the layer's latest visit
+            p = max(p, self._reuse_rate)
+        return p
 
     def distance(self, layer) -> int:
         """Records until ``layer`` is visited again (1 .. L; L for the layer visited last)."""
@@ -169,14 +217,28 @@ class SweepPolicy(EvictionPolicy):
     def _candidate(self, layer, resident, protected):
         """The least likely evictable key of ``layer`` (lazy heap), or None."""
         heap = self._heaps[layer]
+        recent = self._last_keys[layer] if self.recency else ()
         if heap:  # fast path: the top is valid
             s, seq, key = heap[0]
             if (key in self._tracked and self._version.get(key) == seq and key not in protected
-                    and key in resident):
-                return key
-        return _first_eligible(heap, lambda e: e[2],
-                               lambda e: e[2] not in self._tracked or self._version.get(e[2]) != e[1],
-                               protected, resident)
+                    and key in resident and key not in recent):
+                best = key
+            else:
+                best = None
+        else:
+            best = None
+        if best is None:
+            best = _first_eligible(heap, lambda e: e[2],
+                                   lambda e: e[2] not in self._tracked or self._version.get(e[2]) != e[1],
+                                   _Either(protected, recent) if recent else protected, resident)
+        if recent:  # the layer's latest picks rank by max(estimate, reuse rate): look at each
+            p_best = self.probability(best) if best is not None else math.inf
+            for key in recent:
+                if key in self._tracked and key not in protected and key in resident:
+                    p = self.probability(key)
+                    if p < p_best:
+                        best, p_best = key, p
+        return best
 
     def _pick(self, resident: Collection[Key], protected: Collection[Key], now):
         # Other layers' keys: on a regular sweep the absolute record index of a layer's next

@@ -197,7 +197,8 @@ def simulate(
         base = name[len("pinned+"):] if name.startswith("pinned+") else name
         hl = half_life if half_life is not None else 32.0 * L * trace.top_k
         nu = next_use_indices(keys) if base == "belady" else None
-        factory = lambda: make_policy(base, future=keys, next_use=nu, half_life=hl)  # noqa: E731
+        factory = lambda: make_policy(base, future=keys, next_use=nu, half_life=hl,  # noqa: E731
+                                      num_experts=E, top_k=trace.top_k)
         label = name
     pools = len(caps)
     policies: list[EvictionPolicy] = []

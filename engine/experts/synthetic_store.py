@@ -263,6 +263,7 @@ class TraceRouting:
         self.ids = torch.tensor(trace.experts.astype("int64")).reshape(T, trace.num_layers, trace.top_k)
         self.ordinal = {layer: i for i, layer in enumerate(self.layers)}
         self.pos = 0
+        self._on_device = self.ids  # the ids where the model runs (moved once, not per layer)
 
     def install(self, model) -> None:
         import torch.nn.functional as F
@@ -281,7 +282,9 @@ class TraceRouting:
                 if self.pos > self.ids.shape[0]:
                     raise ValueError(f"routing trace has {self.ids.shape[0]} tokens; the run needs more")
                 probs = F.softmax(F.linear(x, gate.weight).float(), dim=-1)  # the router's compute
-                ids = self.ids[start:self.pos, ordinal].to(x.device)
+                if self._on_device.device != x.device:
+                    self._on_device = self.ids.to(x.device)
+                ids = self._on_device[start:self.pos, ordinal]
                 w = torch.gather(probs, 1, ids)
                 return Routing(w / w.sum(dim=-1, keepdim=True), ids)
             return route

@@ -13,7 +13,14 @@ only valid at one position: a forward that starts a sequence at context 0 (a new
 recompute after preemption) zeroes its slot, and any other forward must start exactly where the
 slot's state stands (``tokens``); anything else (e.g. a speculative rollback without
 ``restore``) raises :class:`RecurrentStateError` instead of computing from a wrong state.
-``snapshot``/``restore`` copy one sequence's state out and back (checkpoint per draft position).
+``snapshot``/``restore`` copy one sequence's state out and back (self-speculation drafts on the
+shared cache between them; a recurrent draft model rolls its own state back with them).
+
+Speculative verification: a forward that feeds a sequence ``[last, d_1 .. d_k]`` and asks for
+the logits of every one of those rows (the engine's ``rows``) is a verify row. The DeltaNet layers
+run it token by token in the recurrent (decode) form and keep the state after each position in a
+per-sequence checkpoint (``checkpoint``); after acceptance the engine calls ``keep(seq_id, n)``
+and the state at position n is copied back into the slot: rejected drafts cost no recompute.
 
 :class:`HybridKVCache` is what the serving engine holds for such a model: a PagedKVCache for the
 attention layers only (their compact indices 0..La-1) plus a RecurrentState whose slots are
@@ -62,6 +69,9 @@ def slot_bytes(cfg: ModelConfig) -> int:
     return layers * (conv[0] * conv[1] + mat[0] * mat[1] * mat[2]) * 4
 
 
+MAX_CHECKPOINTS = 65  # per-position checkpoints of one verify forward: 1 + the most drafts (64)
+
+
 class RecurrentState:
     """Slots of per-sequence state. ``num_slots`` None: grow on demand (single-sequence callers
     such as engine.generate); a number: a fixed pool, CapacityError when it is empty."""
@@ -79,6 +89,9 @@ class RecurrentState:
         self._free = list(range(self.capacity))
         self.slot: dict[int, int] = {}
         self.tokens: dict[int, int] = {}
+        # seq_id -> (first position, conv [Ll, n, C, K-1], matrix [Ll, n, Nv, Dk, Dv]): the state
+        # after each of the n tokens of the sequence's last verify forward
+        self._checkpoints: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
 
     def _alloc(self, n: int) -> None:
         old_c, old_m = self.conv, self.matrix
@@ -124,13 +137,19 @@ class RecurrentState:
     def free(self, seq_id: int) -> None:
         s = self.slot.pop(seq_id, None)
         self.tokens.pop(seq_id, None)
+        self._checkpoints.pop(seq_id, None)
         if s is not None:
             self._free.append(s)
 
     # ---- the forward -----------------------------------------------------------------------
-    def begin(self, layout: BatchLayout) -> None:
-        """Position every sequence of ``layout`` at its context length (see the module doc)."""
-        for seq_id, ctx in zip(layout.seq_ids, layout.context_lens):
+    def begin(self, layout: BatchLayout, verify: frozenset[int] = frozenset()) -> None:
+        """Position every sequence of ``layout`` at its context length (see the module doc);
+        the sequences in ``verify`` get a checkpoint per new token (see ``keep``)."""
+        for seq_id, ctx, n in zip(layout.seq_ids, layout.context_lens, layout.query_lens):
+            self._checkpoints.pop(seq_id, None)  # a new forward: older checkpoints are void
+            if seq_id in verify and n > MAX_CHECKPOINTS:
+                raise RecurrentStateError(f"sequence {seq_id}: a verify forward of {n} tokens; at "
+                                          f"most {MAX_CHECKPOINTS} per-position checkpoints are kept")
             if ctx == 0:
                 s = self.acquire(seq_id)
                 self.conv[:, s].zero_()
@@ -142,6 +161,11 @@ class RecurrentState:
                     f"sequence {seq_id}: a forward from position {ctx}, but its recurrent state "
                     + ("does not exist" if have is None else f"stands at position {have}")
                     + "; recompute from 0 or restore a snapshot taken there")
+        for seq_id, ctx, n in zip(layout.seq_ids, layout.context_lens, layout.query_lens):
+            if seq_id in verify:
+                self._checkpoints[seq_id] = (
+                    ctx, torch.empty(self.num_layers, n, *self.conv_shape, device=self.device),
+                    torch.empty(self.num_layers, n, *self.matrix_shape, device=self.device))
 
     def advance(self, layout: BatchLayout) -> None:
         for seq_id, ctx, n in zip(layout.seq_ids, layout.context_lens, layout.query_lens):
@@ -153,10 +177,38 @@ class RecurrentState:
         return self.conv[layer, s], self.matrix[layer, s]
 
     # ---- checkpoints -----------------------------------------------------------------------
+    def checkpoint(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-position state buffers (conv [n, C, K-1], matrix [n, Nv, Dk, Dv]) of one DeltaNet
+        layer for a verify row of this forward, or None: not a verify row. The layer writes the
+        state after its token i into row i."""
+        ck = self._checkpoints.get(seq_id)
+        return None if ck is None else (ck[1][layer], ck[2][layer])
+
+    @torch.inference_mode()  # the slots may be inference tensors (made inside a forward)
+    def keep(self, seq_id: int, n_tokens: int) -> None:
+        """After speculative acceptance: the sequence stands at ``n_tokens`` (its last verify
+        forward's first position < n_tokens <= where the state stands); the state there comes
+        back from the checkpoint (no recompute). The checkpoints are dropped (kept on error)."""
+        have = self.tokens.get(seq_id)
+        ck = self._checkpoints.get(seq_id)
+        if have == n_tokens:
+            self._checkpoints.pop(seq_id, None)
+            return
+        if ck is None or not ck[0] < n_tokens <= have:
+            span = "none kept" if ck is None else f"positions {ck[0] + 1}..{have} kept"
+            raise RecurrentStateError(f"sequence {seq_id}: keep({n_tokens}) but its state stands at "
+                                      f"{have} ({span}); only a verify forward's positions can be kept")
+        del self._checkpoints[seq_id]
+        s, i = self.slot[seq_id], n_tokens - ck[0] - 1
+        self.conv[:, s].copy_(ck[1][:, i])
+        self.matrix[:, s].copy_(ck[2][:, i])
+        self.tokens[seq_id] = n_tokens
+
     def snapshot(self, seq_id: int) -> StateSnapshot:
         s = self._slot_of(seq_id)
         return StateSnapshot(self.conv[:, s].clone(), self.matrix[:, s].clone(), self.tokens[seq_id])
 
+    @torch.inference_mode()  # the slots may be inference tensors (made inside a forward)
     def restore(self, seq_id: int, snap: StateSnapshot) -> None:
         s = self._slot_of(seq_id)
         self.conv[:, s].copy_(snap.conv)
@@ -245,6 +297,18 @@ class HybridKVCache(KVCache):
     def recurrent_state(self) -> RecurrentState:
         return self.state
 
+    # ---- speculative rollback (engine.runner.Engine, engine.speculative) --------------------
+    def keep(self, seq_id: int, n_tokens: int) -> None:
+        """After acceptance: the sequence continues from ``n_tokens``. The paged KV beyond is
+        stale and overwritten later; the recurrent state comes back from its checkpoint."""
+        self.state.keep(seq_id, n_tokens)
+
+    def snapshot(self, seq_id: int) -> StateSnapshot:
+        return self.state.snapshot(seq_id)
+
+    def restore(self, seq_id: int, snap: StateSnapshot) -> None:
+        self.state.restore(seq_id, snap)
+
     def metrics(self) -> HybridKVMetrics:
         m = self.paged.metrics()
         st = self.state
@@ -273,6 +337,29 @@ def recurrent_state_for(kv: KVCache, cfg: ModelConfig) -> RecurrentState:
 
 
 _SIDE: "weakref.WeakKeyDictionary[KVCache, RecurrentState]" = weakref.WeakKeyDictionary()
+
+
+def snapshot_state(kv: KVCache, seq_id: int) -> StateSnapshot | None:
+    """The recurrent state ``seq_id`` has over ``kv`` (a HybridKVCache's, or the side state of
+    any other cache), copied; None when there is none (a model without recurrent state, or a
+    sequence that has not started): nothing needs restoring then."""
+    own = getattr(kv, "recurrent_state", None)
+    state = own() if callable(own) else _SIDE.get(kv)
+    if state is None or seq_id not in state.slot:
+        return None
+    return state.snapshot(seq_id)
+
+
+def restore_state(kv: KVCache, seq_id: int, snap: StateSnapshot | None) -> None:
+    """Put back what :func:`snapshot_state` took (None: nothing to do)."""
+    if snap is None:
+        return
+    own = getattr(kv, "recurrent_state", None)
+    state = own() if callable(own) else _SIDE.get(kv)
+    if state is None:
+        raise RecurrentStateError(f"sequence {seq_id}: a snapshot to restore but no recurrent state")
+    state.acquire(seq_id)
+    state.restore(seq_id, snap)
 
 
 def kv_cache_from_budget(cfg: ModelConfig, budget_bytes: int, block_size: int = 16,

@@ -123,19 +123,36 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :].float().contiguous()
         out = torch.empty(t, self.nv, self.dv, dtype=torch.float32, device=x.device)
         for seq_id, start, n in zip(layout.seq_ids, layout.offsets, layout.query_lens):
-            sl = slice(start, start + n)
             window, matrix = state.layer_state(self.state_layer, seq_id)
-            if n == 1:  # decode: the fused native step where it runs (engine/csrc/deltanet.cpp)
-                o = decode_step(window, weight, mixed[start], matrix, g[start].contiguous(),
-                                beta[start].contiguous(), self.nk, self.dk, self.dv)
-                if o is not None:
-                    out[start] = o
-                    continue
-            conv = causal_conv(mixed[sl], window, weight)
-            qs, ks, vs = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            qs = l2norm(qs.reshape(n, self.nk, self.dk)).repeat_interleave(r, dim=1) * self.dk ** -0.5
-            ks = l2norm(ks.reshape(n, self.nk, self.dk)).repeat_interleave(r, dim=1)
-            rule = recurrent_delta_rule if n == 1 else chunked_delta_rule
-            out[sl] = rule(qs, ks, vs.reshape(n, self.nv, self.dv), g[sl], beta[sl], matrix)
+            ck = state.checkpoint(self.state_layer, seq_id)
+            if n == 1 or ck is not None:
+                # decode, or a speculative verify row: token by token in the decode form (the
+                # numbers of plain decoding), keeping the state after each for a rollback
+                for i in range(start, start + n):
+                    out[i] = self._token(mixed[i], window, weight, matrix, g[i], beta[i])
+                    if ck is not None:
+                        ck[0][i - start].copy_(window)
+                        ck[1][i - start].copy_(matrix)
+                continue
+            out[start:start + n] = self._tokens(mixed[start:start + n], window, weight, matrix,
+                                                g[start:start + n], beta[start:start + n])
         y = self.norm(out.to(x.dtype), z.reshape(t, self.nv, self.dv))
         return self.out_proj(y.reshape(t, self.value_dim))
+
+    def _token(self, x, window, weight, matrix, g, beta) -> torch.Tensor:
+        """One token [C] -> o [Nv, Dv]: the fused native step where it runs
+        (engine/csrc/deltanet.cpp), else the torch reference; window and matrix advance."""
+        o = decode_step(window, weight, x, matrix, g.contiguous(), beta.contiguous(), self.nk, self.dk, self.dv)
+        if o is not None:
+            return o
+        return self._tokens(x[None], window, weight, matrix, g[None], beta[None])[0]
+
+    def _tokens(self, x, window, weight, matrix, g, beta) -> torch.Tensor:
+        """n tokens [n, C] of one sequence -> o [n, Nv, Dv] (torch; the chunked rule for n > 1)."""
+        n, r = x.shape[0], self.nv // self.nk
+        conv = causal_conv(x, window, weight)
+        qs, ks, vs = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        qs = l2norm(qs.reshape(n, self.nk, self.dk)).repeat_interleave(r, dim=1) * self.dk ** -0.5
+        ks = l2norm(ks.reshape(n, self.nk, self.dk)).repeat_interleave(r, dim=1)
+        rule = recurrent_delta_rule if n == 1 else chunked_delta_rule
+        return rule(qs, ks, vs.reshape(n, self.nv, self.dv), g, beta, matrix)

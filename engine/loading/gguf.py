@@ -448,6 +448,7 @@ class _Entry:
     shape: tuple[int, ...]  # canonical logical shape
     expert: int | None = None  # index into a stacked [E, out, in] tensor
     unpermute_heads: int = 0  # >0: undo llama.cpp's q/k row permutation with this many heads
+    load: object = None  # ArchSpec.gguf_split: load(source) builds the tensor (e.g. from two)
 
 
 class GGUFSource(TensorSource):
@@ -461,7 +462,9 @@ class GGUFSource(TensorSource):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = str(Path(path))
-        self._file = GGUFFile(self.path)
+        from engine.loading.gguf_split import open_gguf
+
+        self._file = open_gguf(self.path)  # one file, or every shard of a split model
         try:
             self.metadata: dict[str, Any] = self._file.metadata
             self.tensor_infos: dict[str, GGUFTensorInfo] = self._file.tensors
@@ -541,8 +544,17 @@ class GGUFSource(TensorSource):
     def _build_entries(self) -> None:
         cfg = self.config
         permuted = self.metadata.get("general.architecture") in _PERMUTED_ARCHS
+        from engine.models.registry import get_spec
+
+        own_split = get_spec(cfg.arch).gguf_split
         for gname, t in self.tensor_infos.items():
             shape = t.shape
+            own = own_split(gname, shape, cfg) if own_split is not None else None
+            if own is not None:  # names of an architecture with its own layers
+                for canonical, cshape, expert, *load in own:
+                    self._add(canonical, _Entry(gname, tuple(cshape), expert=expert,
+                                                load=load[0] if load else None))
+                continue
             if gname in _GLOBAL_NAMES:
                 self._add(_GLOBAL_NAMES[gname], _Entry(gname, shape))
                 continue
@@ -600,6 +612,8 @@ class GGUFSource(TensorSource):
 
     def get(self, name: str) -> torch.Tensor:
         e = self._entries[name]  # KeyError for unknown names, as the ABC specifies
+        if e.load is not None:
+            return e.load(self)
         t = self.tensor_infos[e.gguf_name]
         if e.expert is None:
             start, stop = 0, t.n_bytes
@@ -637,6 +651,33 @@ class GGUFSource(TensorSource):
         if e.unpermute_heads:
             rows = _unpermute_rope_rows(torch.from_numpy(rows), e.unpermute_heads).numpy()
         return rows, t.type
+
+    def stored_tensor(self, gguf_name: str) -> torch.Tensor:
+        """A tensor by its GGUF name, decoded to float (for ArchSpec.gguf_split loaders that
+        build one canonical tensor from several stored ones)."""
+        t = self.tensor_infos[gguf_name]
+        raw = self._file.raw(gguf_name)
+        try:
+            return self._decode(raw, t.type, t.n_elements, gguf_name).reshape(t.shape)
+        finally:
+            del raw
+
+    def get_quantized(self, name: str, fmt) -> object | None:
+        """``name`` as a QuantizedTensor in ``fmt`` without re-quantizing, when it is stored in
+        that format (GGML MXFP4 -> the ``mxfp4`` store format: the same values; the nibbles are
+        reordered from ggml's j | j+16 pairs to 2j | 2j+1), else None."""
+        e = self._entries[name]
+        if fmt.name != "mxfp4" or self.tensor_infos[e.gguf_name].type.name != "mxfp4" or len(e.shape) != 2:
+            return None
+        from engine.quant.formats import QuantizedTensor
+
+        rows, _ = self.raw(name)  # uint8 [out, in/32 * 17]
+        out, inp = e.shape
+        blocks = torch.from_numpy(rows).reshape(out, inp // 32, 17)
+        qs = blocks[:, :, 1:]
+        codes = torch.cat([qs & 0xF, qs >> 4], dim=-1)  # [out, G, 32] in weight order
+        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(out, inp // 2).contiguous()
+        return QuantizedTensor(fmt, (out, inp), {"codes": packed, "scales": blocks[:, :, 0].contiguous()})
 
     def _decode(self, raw: np.ndarray, gtype: GGMLType, n: int, name: str) -> torch.Tensor:
         if gtype.name == "f32":

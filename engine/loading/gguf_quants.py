@@ -230,6 +230,18 @@ def _deq_q3_k(blocks: np.ndarray) -> np.ndarray:
 
 
 # type id -> blocks uint8[nb, type_size] -> float32[nb, block_size]
+# E2M1 values by 4-bit code (OCP MX): 0-7 positive, 8-15 their negatives.
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                 dtype=np.float32)
+
+
+def _deq_mxfp4(blocks: np.ndarray) -> np.ndarray:
+    # {u8 e (E8M0); u8 qs[16]}: y[j] = E2M1[lo(qs[j])] * 2^(e-127), y[j+16] = E2M1[hi(qs[j])] * 2^(e-127)
+    # (ggml writes E2M1 doubled times 2^(e-128): the same values)
+    e = blocks[:, 0:1].astype(np.int32) - 127
+    return np.ldexp(_E2M1[_nibbles(blocks[:, 1:17]).reshape(-1, 32)], e)
+
+
 DEQUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     0: _deq_f32,
     1: _deq_f16,
@@ -244,6 +256,7 @@ DEQUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     12: _deq_q4_k,
     13: _deq_q5_k,
     14: _deq_q6_k,
+    39: _deq_mxfp4,
 }
 
 # Blocks per vectorised call: bounds the temporaries (a few x 1 KiB per k-quant block) while

@@ -262,6 +262,99 @@ def _scale_of(get, stored: str) -> torch.Tensor:
         raise ModelFormatError(stored, "FP8 weight without its weight_scale_inv tensor") from None
 
 
+# ------------------------------------------------------------------------------------- GGUF
+# llama.cpp's converter (arch "deepseek2"): MLA written as MQA (head_count_kv 1, key_length
+# R + r), kv_b split into attn_k_b [Nh, R, dn] (transposed) and attn_v_b [Nh, dv, R] (older files:
+# one attn_kv_b), the selection bias as exp_probs_b.bias, experts stacked, shared experts *_shexp,
+# interleaved RoPE as in the released weights; YaRN's mscale_all_dim as yarn_log_multiplier / 0.1.
+
+_GGUF_RE = re.compile(r"^blk\.(\d+)\.(attn_q_a|attn_q_a_norm|attn_q_b|attn_kv_a_mqa|attn_kv_a_norm|"
+                      r"attn_kv_b|attn_k_b|attn_v_b|exp_probs_b)\.(weight|bias)$")
+_GGUF_NAMES = {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+               "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+               "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj"}
+
+
+def gguf_split(gname: str, shape: tuple[int, ...], config: ModelConfig):
+    m = _GGUF_RE.match(gname)
+    if m is None:
+        return None
+    layer, comp, kind = m.group(1), m.group(2), m.group(3)
+    p = f"model.layers.{layer}."
+    if comp == "exp_probs_b":
+        return [(p + "mlp.gate.e_score_correction_bias", shape, None)]
+    if comp == "attn_v_b":
+        return []  # read with attn_k_b
+    if comp == "attn_k_b":
+        a, nh = config.arch_params, config.num_heads
+        k_name, v_name = gname, f"blk.{layer}.attn_v_b.weight"
+
+        def kv_b(source) -> torch.Tensor:
+            k = source.stored_tensor(k_name)  # [Nh, R, dn]
+            v = source.stored_tensor(v_name)  # [Nh, dv, R]
+            if tuple(k.shape) != (nh, a.kv_lora_rank, a.qk_nope_head_dim) or \
+                    tuple(v.shape) != (nh, a.v_head_dim, a.kv_lora_rank):
+                raise ModelFormatError(k_name, f"attn_k_b {list(k.shape)} / attn_v_b {list(v.shape)} do not "
+                                               f"match {nh} heads of MLA rank {a.kv_lora_rank}")
+            return torch.cat([k.transpose(1, 2), v], dim=1).reshape(-1, a.kv_lora_rank)
+        rows = nh * (a.qk_nope_head_dim + a.v_head_dim)
+        return [(p + "self_attn.kv_b_proj.weight", (rows, a.kv_lora_rank), None, kv_b)]
+    return [(p + f"{_GGUF_NAMES[comp]}.{kind}", shape, None)]
+
+
+def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
+    from engine.config import RopeConfig
+
+    def get(key: str, default: Any = None) -> Any:
+        v = meta.get(f"deepseek2.{key}", default)
+        if v is None:
+            raise ModelFormatError(source, f"missing GGUF metadata key 'deepseek2.{key}'")
+        return v
+
+    layers, hidden, heads = int(get("block_count")), int(get("embedding_length")), int(get("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
+    rank, rope_dim = int(get("attention.kv_lora_rank")), int(get("rope.dimension_count"))
+    qk = int(get("attention.key_length_mla"))
+    if int(get("attention.key_length", rank + rope_dim)) != rank + rope_dim:
+        raise ModelFormatError(source, "deepseek2.attention.key_length must be kv_lora_rank + rope dims (MLA)")
+    if int(get("expert_gating_func", 2)) != 2:
+        raise ModelFormatError(source, "only sigmoid expert gating (expert_gating_func 2) is supported")
+    params = DeepseekV3Params(
+        q_lora_rank=int(get("attention.q_lora_rank", 0)), kv_lora_rank=rank, qk_nope_head_dim=qk - rope_dim,
+        qk_rope_head_dim=rope_dim, v_head_dim=int(get("attention.value_length_mla")),
+        n_group=int(get("expert_group_count", 1)), topk_group=int(get("expert_group_used_count", 1)),
+        routed_scaling_factor=float(get("expert_weights_scale", 1.0)), rope_interleave=True)
+    scaling = get("rope.scaling.type", "none")
+    mscale_all = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+    rope = RopeConfig(theta=float(get("rope.freq_base", 10000.0)),
+                      type={"none": "default", "yarn": "yarn"}.get(scaling, scaling),
+                      factor=float(get("rope.scaling.factor", 1.0) or 1.0),
+                      original_max_position_embeddings=int(get("rope.scaling.original_context_length", 4096)),
+                      beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                      beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
+                      mscale=mscale_all or None, mscale_all_dim=mscale_all or None)
+    moe_inter = int(get("expert_feed_forward_length"))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = [int(meta[f"tokenizer.ggml.{k}"]) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if f"tokenizer.ggml.{k}" in meta]
+    return ModelConfig(
+        arch="deepseek_v3", vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")), num_layers=layers, num_heads=heads,
+        num_kv_heads=1, head_dim=latent_half(rank, rope_dim),
+        max_position_embeddings=int(get("context_length", 4096)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)), rope=rope,
+        tie_word_embeddings=bool(meta.get("_tied_embeddings", False)),
+        attention_bias=bool(meta.get("_attention_bias", False)),
+        moe=MoEConfig(num_experts=int(get("expert_count")), top_k=int(get("expert_used_count")),
+                      expert_intermediate_size=moe_inter, norm_topk_prob=bool(get("expert_weights_norm", False)),
+                      shared_expert_intermediate_size=int(get("expert_shared_count", 0)) * moe_inter,
+                      mlp_only_layers=tuple(range(min(int(get("leading_dense_block_count", 0)), layers)))),
+        bos_token_id=None if bos is None else int(bos), eos_token_ids=tuple(dict.fromkeys(eos)),
+        arch_params=params,
+    )
+
+
 # ----------------------------------------------------------------------------------- layers
 
 class DeepseekMoE(SparseMoE):
@@ -342,4 +435,6 @@ SPEC = ArchSpec(
     params_from_dict=params_from_dict,
     model_class=lambda: DeepseekV3ForCausalLM,
     hf_split=hf_split,
+    config_from_gguf=config_from_gguf,
+    gguf_split=gguf_split,
 )

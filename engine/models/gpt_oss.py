@@ -317,6 +317,69 @@ class GptOssForCausalLM(CausalLM):
         return out + [(self, "lm_head")]
 
 
+
+
+# ------------------------------------------------------------------------------------- GGUF
+# llama.cpp's converter (arch "gpt-oss"): the generic names plus attention sinks, a post-attention
+# norm named post_attention_norm, stacked experts ffn_{gate,up,down}_exps (gate and up already
+# de-interleaved; MXFP4 as GGML type 39) with their biases as ffn_*_exps.bias [E, I|H].
+
+_GGUF_RE = re.compile(r"^blk\.(\d+)\.(attn_sinks\.weight|post_attention_norm\.weight|"
+                      r"ffn_(gate|up|down)_exps\.bias)$")
+
+
+def gguf_split(gname: str, shape: tuple[int, ...], config: ModelConfig):
+    m = _GGUF_RE.match(gname)
+    if m is None:
+        return None
+    p = f"model.layers.{m.group(1)}."
+    if m.group(2) == "attn_sinks.weight":
+        return [(p + "self_attn.sinks", shape, None)]
+    if m.group(2) == "post_attention_norm.weight":
+        return [(p + "post_attention_layernorm.weight", shape, None)]
+    return [(p + f"mlp.{m.group(3)}_proj_bias", shape, None)]
+
+
+def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
+    def get(key: str, default: Any = None) -> Any:
+        v = meta.get(f"gpt-oss.{key}", default)
+        if v is None:
+            raise ModelFormatError(source, f"missing GGUF metadata key 'gpt-oss.{key}'")
+        return v
+
+    layers, hidden, heads = int(get("block_count")), int(get("embedding_length")), int(get("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
+    scaling = get("rope.scaling.type", "none")
+    from engine.config import RopeConfig
+
+    rope = RopeConfig(theta=float(get("rope.freq_base", 150000.0)),
+                      type={"none": "default", "yarn": "yarn"}.get(scaling, scaling),
+                      factor=float(get("rope.scaling.factor", 1.0) or 1.0),
+                      original_max_position_embeddings=int(get("rope.scaling.original_context_length", 4096)),
+                      beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                      beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
+                      truncate=False)  # gpt-oss's YaRN does not round the correction range
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = [int(meta[f"tokenizer.ggml.{k}"]) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if f"tokenizer.ggml.{k}" in meta]
+    return ModelConfig(
+        arch="gpt_oss", vocab_size=vocab, hidden_size=hidden, intermediate_size=0, num_layers=layers,
+        num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(get("context_length", 131072)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)), rope=rope,
+        tie_word_embeddings=bool(meta.get("_tied_embeddings", False)), attention_bias=True,
+        moe=MoEConfig(num_experts=int(get("expert_count")), top_k=int(get("expert_used_count")),
+                      expert_intermediate_size=int(get("expert_feed_forward_length")), norm_topk_prob=True),
+        bos_token_id=None if bos is None else int(bos), eos_token_ids=tuple(dict.fromkeys(eos)),
+        # llama.cpp: sliding-window attention on every other layer, starting with layer 0
+        arch_params=GptOssParams(sliding_window=int(get("attention.sliding_window", 128)),
+                                 layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                                   for i in range(layers))),
+    )
+
+
 SPEC = ArchSpec(
     key="gpt_oss",
     hf_architectures=("GptOssForCausalLM",),
@@ -326,4 +389,6 @@ SPEC = ArchSpec(
     params_from_dict=params_from_dict,
     model_class=lambda: GptOssForCausalLM,
     hf_split=hf_split,
+    config_from_gguf=config_from_gguf,
+    gguf_split=gguf_split,
 )

@@ -82,11 +82,13 @@ class Qwen3NextForCausalLM(CausalLM):
     def forward(self, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
                 all_logits: bool = False, rows: list[int] | None = None) -> torch.Tensor:
         """As CausalLM.forward; the DeltaNet layers read and advance each sequence's recurrent
-        state (engine.kv.state), which must stand at the sequence's context length."""
+        state (engine.kv.state), which must stand at the sequence's context length. A sequence
+        of several tokens whose every row is in ``rows`` is a speculative verify row: its state
+        is kept after each position, for ``kv.keep`` after acceptance."""
         device = self.model.embed_tokens.weight.device
         tokens = tokens.to(device)
         state = recurrent_state_for(kv, self.config)
-        state.begin(layout)  # raises before anything is computed from a wrong state
+        state.begin(layout, verify_rows(layout, rows))  # raises before computing from a wrong state
         with step_threads(tokens.shape[0], device):
             cos, sin = self.rotary.cos_sin(layout.positions().to(device))
             x = self.model.embed_tokens(tokens)
@@ -108,6 +110,17 @@ class Qwen3NextForCausalLM(CausalLM):
                 out += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
         out.append((self, "lm_head"))
         return out
+
+
+def verify_rows(layout: BatchLayout, rows: list[int] | None) -> frozenset[int]:
+    """The sequences of ``layout`` with more than one new token whose every row's logits are
+    asked for: speculative verification (engine.runner feeds [last, d_1..d_k] and samples
+    each row), whose state the caller may cut back to any of those positions."""
+    if not rows:
+        return frozenset()
+    wanted = set(rows)
+    return frozenset(seq for seq, start, n in zip(layout.seq_ids, layout.offsets, layout.query_lens)
+                     if n > 1 and all(r in wanted for r in range(start, start + n)))
 
 
 def expected_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:

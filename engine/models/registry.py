@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.errors import UnsupportedArchitectureError
 from engine.models import llama, mixtral, qwen2_moe, qwen3_moe
-from engine.models import deepseek_v3, gpt_oss
+from engine.models import deepseek_v3, gpt_oss, qwen3_next_gguf
 from engine.models.spec import ArchSpec
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -21,7 +21,9 @@ def _qwen3_next_class():
 
 
 ARCHITECTURES["qwen3_next"] = ArchSpec(key="qwen3_next", hf_architectures=("Qwen3NextForCausalLM",),
-                                       gguf_arch="qwen3next", model_class=_qwen3_next_class)
+                                       gguf_arch="qwen3next", model_class=_qwen3_next_class,
+                                       config_from_gguf=qwen3_next_gguf.config_from_gguf,
+                                       gguf_split=qwen3_next_gguf.gguf_split)
 
 
 def get_spec(arch: str) -> ArchSpec:

@@ -26,6 +26,10 @@ class ArchSpec:
     params_from_dict: Callable[[Any], Any] | None = None
     model_class: Callable[[], type] | None = None
     hf_split: Callable[..., Any] | None = None
+    # GGUF: config_from_gguf(metadata, source) -> ModelConfig; gguf_split(gguf name, shape,
+    # config) -> [(canonical, shape, expert index or None)] for names the generic map lacks.
+    config_from_gguf: Callable[..., Any] | None = None
+    gguf_split: Callable[..., Any] | None = None
     _compiled: list = field(default_factory=list, compare=False, repr=False)
 
     def canonical_name(self, hf_name: str) -> str:

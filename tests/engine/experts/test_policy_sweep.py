@@ -181,3 +181,31 @@ def test_default_policy_is_sweep():
     assert CacheConfig(device_budget=1).policy == "sweep"
     assert make_policy("sweep").name == "sweep"
     assert make_policy("sweep", pinned={(0, 0)}).name == "pinned+sweep"
+
+
+def test_recent_picks_rank_by_the_reuse_rate():
+    """Every visit repeats the previous one's picks: the measured reuse rate is 1, so the
+    latest picks are certain although their moving average (half-life 8) is still small."""
+    for recency in (True, False):
+        p = SweepPolicy(half_life=8.0, recency=recency)
+        res: set = set()
+        for _ in range(4):
+            visit(p, 0, [0, 1], res)
+            visit(p, 1, [2], res)
+        ema = p._alpha * sum(2.0 ** (-k / 8.0) for k in range(4))
+        assert p.probability((1, 2)) == pytest.approx(1.0 if recency else ema)
+        visit(p, 0, [3], res)  # layer 0 moves on: 0 and 1 are no longer its latest picks
+        assert p.probability((0, 0)) < p.probability((0, 3)) or not recency
+
+
+def test_half_life_scales_with_experts_per_pick():
+    from engine.experts.policy_sweep import DEFAULT_HALF_LIFE, half_life_for
+
+    assert half_life_for(12, 6) == 4.0 == DEFAULT_HALF_LIFE  # the tuned demo shape
+    assert half_life_for(512, 10) == pytest.approx(102.4)
+    assert half_life_for(None, 6) == DEFAULT_HALF_LIFE
+    assert half_life_for(8, 8) == 2.0 and half_life_for(2, 2) == 2.0
+    with pytest.raises(ValueError):
+        half_life_for(4, 8)
+    assert make_policy("sweep", num_experts=512, top_k=10).half_life == pytest.approx(102.4)
+    assert make_policy("sweep").half_life == DEFAULT_HALF_LIFE

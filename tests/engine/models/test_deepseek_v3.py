@@ -95,6 +95,7 @@ def test_mla_absorbed_equals_expanded(tmp_path):
     assert not torch.equal(absorbed, expanded)  # really two computations
 
 
+@torch.no_grad()
 def test_routing_groups_and_correction_bias():
     """The router against a direct loop: groups scored by their two best biased scores, only
     topk_group groups eligible, weights from the unbiased sigmoid, normalised and scaled."""
@@ -257,3 +258,94 @@ def test_generate_command_gives_the_greedy_tokens_of_transformers(tmp_path):
     want = tok.decode(ids + gen)[len(tok.decode(ids)):]  # the continuation, decoded in context
     assert r.stdout.rstrip("\n") == want
     assert "generated" in r.stderr
+
+
+# ------------------------------------------------------------------ GGUF (llama.cpp's layout)
+
+def write_deepseek_gguf(ref, path, split_kv_b: bool = True, split_max_tensors: int = 0):
+    """The tiny model as llama.cpp's converter writes deepseek2 (names from gguf-py's own tensor
+    map for MODEL_ARCH.DEEPSEEK2; MLA as MQA; kv_b split into k_b (transposed) and v_b unless
+    ``split_kv_b`` is False, as older files have it; experts stacked)."""
+    import gguf
+
+    c = ref.config
+    w = gguf.GGUFWriter(path, "deepseek2", split_max_tensors=split_max_tensors)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_vocab_size(c.vocab_size)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(1)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    if c.q_lora_rank:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+    w.add_value_length(c.kv_lora_rank)
+    w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    w.add_value_length_mla(c.v_head_dim)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    if c.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_expert_group_count(c.n_group)
+    w.add_expert_group_used_count(c.topk_group)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    rp = c.rope_parameters
+    if rp.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, c.num_hidden_layers)
+
+    def put(hf_name, t):
+        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), t.detach().float().numpy())
+
+    nh, dn, dv = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
+    for name, t in ref.state_dict().items():
+        if name.endswith("e_score_correction_bias"):
+            put(name.replace("e_score_correction_bias", "e_score_correction.bias"), t)
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            i = c.moe_intermediate_size
+            put(name.replace("gate_up_proj", "gate_proj.weight"), t[:, :i])
+            put(name.replace("gate_up_proj", "up_proj.weight"), t[:, i:])
+        elif name.endswith("mlp.experts.down_proj"):
+            put(name + ".weight", t)
+        elif name.endswith("kv_b_proj.weight") and split_kv_b:
+            k_b, v_b = t.view(nh, dn + dv, -1).split([dn, dv], dim=1)
+            put(name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2))
+            put(name.replace("kv_b_proj", "v_b_proj"), v_b)
+        else:
+            put(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("case", [dict(), dict(split_kv_b=False, split_max_tensors=9, q_lora_rank=None,
+                                                 rope_parameters=YARN)])
+def test_gguf_matches_transformers(tmp_path, case):
+    case = dict(case)
+    split_kv_b, split = case.pop("split_kv_b", True), case.pop("split_max_tensors", 0)
+    ref = make_deepseek(tmp_path / "hf", seed=8, **case)
+    write_deepseek_gguf(ref, tmp_path / "m.gguf", split_kv_b, split)
+    first = tmp_path / sorted(p.name for p in tmp_path.glob("*.gguf"))[0]
+    files = open_model_files(first)
+    assert files.config.arch == "deepseek_v3" and files.config.arch_params == open_model_files(tmp_path / "hf").config.arch_params
+    prompt = torch.randint(3, 96, (13,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(prompt[None]).logits[0]
+    model = build_model(files.config, files.source)
+    c = files.config
+    got = model(prompt, BatchLayout.single(0, len(prompt), 0),
+                ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim), all_logits=True)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

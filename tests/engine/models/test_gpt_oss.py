@@ -312,3 +312,116 @@ def test_info_on_the_published_gpt_oss_120b_config(tmp_path):
     assert r.exit_code == 0, r.output
     assert "gpt_oss" in r.output and "active per token 5.1" in r.output and "total 116.8" in r.output
     assert "kv cache      73.73KB per context token" in r.output  # 36 x 2 x 8 x 64 x 2 bytes
+
+
+# ------------------------------------------------------------------ GGUF (llama.cpp's layout)
+
+def write_gpt_oss_gguf(ref, path, split_max_tensors: int = 0):
+    """The tiny model as llama.cpp's converter writes gpt-oss (names from gguf-py's own tensor map
+    for MODEL_ARCH.GPT_OSS; experts stacked, gate/up de-interleaved, MXFP4 = GGML type 39 quantized
+    by gguf-py); returns the HF state dict holding the MXFP4-dequantized expert weights."""
+    import gguf
+    import numpy as np
+
+    c = ref.config
+    w = gguf.GGUFWriter(path, "gpt-oss", split_max_tensors=split_max_tensors)
+    w.add_block_count(c.num_hidden_layers)
+    # a tiny sentencepiece-style vocabulary (the converter writes the model's own tokenizer)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"\u2581t{i}" for i in range(3, c.vocab_size)])
+    w.add_token_scores([0.0] * 3 + [-float(i) for i in range(3, c.vocab_size)])
+    w.add_token_types([2, 3, 3] + [1] * (c.vocab_size - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    w.add_sliding_window(c.sliding_window)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(c.rope_parameters["factor"])
+    w.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, c.num_hidden_layers)
+    sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+    def put(hf_name, t):
+        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), t.float().numpy())
+
+    def put_mxfp4(hf_name, t):  # t [E, out, in] -> GGML MXFP4 blocks, and what they decode to
+        q = gguf.quants.quantize(t.float().numpy(), gguf.GGMLQuantizationType.MXFP4)
+        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight",)), q,
+                     raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.MXFP4)))
+
+    for name, t in sd.items():
+        if ".mlp.experts." in name:
+            continue
+        put(name + (".weight" if name.endswith("sinks") else ""), t)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        gu, gub = sd[p + "gate_up_proj"].transpose(1, 2), sd[p + "gate_up_proj_bias"]  # [E, 2I, H]
+        gate = put_mxfp4(p + "gate_proj.weight", gu[:, 0::2])
+        up = put_mxfp4(p + "up_proj.weight", gu[:, 1::2])
+        down = put_mxfp4(p + "down_proj.weight", sd[p + "down_proj"].transpose(1, 2))
+        put(p + "gate_proj.bias", gub[:, 0::2])
+        put(p + "up_proj.bias", gub[:, 1::2])
+        put(p + "down_proj.bias", sd[p + "down_proj_bias"])
+        fused = torch.empty_like(gu)
+        fused[:, 0::2], fused[:, 1::2] = gate, up
+        sd[p + "gate_up_proj"], sd[p + "down_proj"] = fused.transpose(1, 2), down.transpose(1, 2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sd
+
+
+@pytest.mark.parametrize("split", [0, 7])
+def test_gguf_with_mxfp4_experts_matches_transformers(tmp_path, split):
+    ref = make_gpt_oss(tmp_path / "hf", seed=4, rope_parameters={**YARN, "factor": 32.0,
+                                                                 "original_max_position_embeddings": 4096})
+    sd = write_gpt_oss_gguf(ref, tmp_path / "m.gguf", split_max_tensors=split)
+    ref.load_state_dict(sd)
+    shards = sorted(p.name for p in tmp_path.glob("*.gguf"))
+    first = tmp_path / shards[0]
+    assert (len(shards) > 2) == bool(split) and (not split or first.name.endswith("-00001-of-%05d.gguf" % len(shards)))
+    files = open_model_files(first)
+    c = files.config
+    assert c.arch == "gpt_oss" and files.source.info("model.layers.1.mlp.experts.3.up_proj.weight").dtype == "mxfp4"
+    ours = build_model(c, files.source)
+    prompt = torch.randint(3, c.vocab_size, (14,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(prompt[None]).logits[0]
+    got = ours(prompt, BatchLayout.single(0, len(prompt), 0),
+               ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim), all_logits=True)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_gguf_mxfp4_experts_go_into_an_mxfp4_store_unchanged(tmp_path):
+    from engine.experts.runtime import load_from_store
+    from engine.quant.formats import QuantFormat
+    from engine.quant.reference import dequantize
+    from engine.store.writer import convert
+
+    ref = make_gpt_oss(tmp_path / "hf", seed=6)
+    write_gpt_oss_gguf(ref, tmp_path / "m.gguf")
+    convert(tmp_path / "m.gguf", tmp_path / "store", fmt=QuantFormat("mxfp4", 32), progress=False)
+    files = open_model_files(tmp_path / "m.gguf")
+    model = build_model(files.config, files.source)
+    sampling = SamplingConfig(max_tokens=16, ignore_eos=True)
+    want = [t for t, _, _ in generate_ids(model, PROMPT, sampling)]
+    with load_from_store(tmp_path / "store", prefetch_depth=0, dense="fp32") as sm:
+        assert [t for t, _, _ in generate_ids(sm.model, PROMPT, sampling)] == want
+        e = sm.cache.acquire(0, [1])[1]
+        try:
+            assert torch.equal(dequantize(e.gate), files.source.get("model.layers.0.mlp.experts.1.gate_proj.weight"))
+        finally:
+            sm.cache.release(0, [1])

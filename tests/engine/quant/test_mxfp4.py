@@ -95,3 +95,44 @@ def test_expert_blob_round_trip_keeps_the_bytes():
     for a, b in ((gate, g2), (up, u2), (down, d2)):
         assert isinstance(b, QuantizedTensor) and b.fmt == MXFP4
         assert torch.equal(a.parts["codes"], b.parts["codes"]) and torch.equal(a.parts["scales"], b.parts["scales"])
+
+
+def test_ggml_mxfp4_dequantizer_equals_gguf_py():
+    """GGML type 39 ({e8m0; 16 bytes: weight j low nibble, j + 16 high}) against llama.cpp's
+    gguf-py, exponents 0-249 (the subnormal 2^-127 included)."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf")
+    from engine.loading.gguf_quants import dequantize as ggml_dequantize
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(300, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(300) % 250  # exponents 0..249 (6 * 2^(e-127) is finite in float32)
+    want = gguf.quants.dequantize(blocks.reshape(-1), gguf.GGMLQuantizationType.MXFP4).reshape(-1)
+    got = ggml_dequantize(blocks, 39, 300 * 32)
+    assert np.isfinite(want).all() and np.array_equal(got, want)
+
+
+def test_split_gguf_with_a_missing_shard_is_refused(tmp_path):
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf")
+    from engine.errors import ModelFormatError
+    from engine.loading.gguf_split import open_gguf
+
+    w = gguf.GGUFWriter(tmp_path / "m.gguf", "llama", split_max_tensors=1)
+    for i in range(3):
+        w.add_tensor(f"t{i}", np.zeros((2, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    first = tmp_path / "m-00001-of-00003.gguf"
+    f = open_gguf(first)
+    assert sorted(f.tensors) == ["t0", "t1", "t2"] and f.raw("t2").size == 2 * 32 * 4
+    f.close()
+    with pytest.raises(ModelFormatError, match="first shard"):
+        open_gguf(tmp_path / "m-00002-of-00003.gguf")
+    (tmp_path / "m-00003-of-00003.gguf").unlink()
+    with pytest.raises(ModelFormatError, match="shard 3 of 3 is missing"):
+        open_gguf(first)

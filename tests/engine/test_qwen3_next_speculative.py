@@ -1,0 +1,187 @@
+"""Speculative decoding on Qwen3-Next: every mode greedy-identical to plain decoding, with the
+recurrent state rolled back from per-position checkpoints (never re-prefilled).
+
+A verify forward feeds [last, d_1..d_k] and samples every row; the DeltaNet layers run it token
+by token in the decode form and keep the state after each position, and the engine's
+``kv.keep(seq_id, n)`` puts back the one at the accepted length. Self-speculation snapshots the
+target's state around its draft forwards; a draft model with recurrent state (a layer-skip
+Qwen3-Next) restores its own snapshots on rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.errors import MoestreamError
+from engine.generate import Request, generate_ids
+from engine.kv.base import BatchLayout
+from engine.kv.state import HybridKVCache, RecurrentStateError
+from engine.layers.sampler import SamplingConfig
+from engine.loading import open_model_files
+from engine.models.load import build_model
+from engine.runner import Engine
+from engine.scheduler import SchedulerConfig
+from engine.speculative import SpeculativeConfig, layer_skip_draft
+from tests.engine.models.qwen3_next_tiny import make_qwen3_next
+
+# full_attention_interval 2: layers [DeltaNet, attention, DeltaNet, attention], so the 2-layer
+# layer-skip draft model has both kinds (its own recurrent state and KV)
+SHAPE = dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+             linear_key_head_dim=16, linear_value_head_dim=16, shared_expert_intermediate_size=32,
+             full_attention_interval=2)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_next_spec")
+    make_qwen3_next(path, seed=11, **SHAPE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(hf_dir):
+    files = open_model_files(hf_dir)
+    return build_model(files.config, files.source)
+
+
+def requests(vocab: int = 96) -> list[Request]:
+    """8 prompts of different lengths (two longer than a DeltaNet chunk) with repeats in them, so
+    prompt lookup finds matches; the last one never speculates."""
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for i, n in enumerate((3, 8, 13, 21, 30, 47, 70, 90)):
+        motif = torch.randint(3, vocab, (3 + i,), generator=gen).tolist()
+        prompt = (motif * (n // len(motif) + 1))[:n]
+        out.append(Request(prompt, SamplingConfig(max_tokens=30 + 3 * i, ignore_eos=True,
+                                                  speculative=False if i == 7 else None)))
+    return out
+
+
+def hybrid(model, blocks: int = 256, slots: int = 8) -> HybridKVCache:
+    return HybridKVCache(model.config, blocks, slots, 8, torch.float32)
+
+
+def check_speculation(engine: Engine, reqs: list[Request], want: list[list[int]], preempt: bool = False):
+    results = engine.generate(reqs)
+    assert [r.output_ids for r in results] == want
+    m = engine.metrics()
+    drafted = sum(r.spec.drafted for r in results if r.spec is not None)
+    accepted = sum(r.spec.accepted for r in results if r.spec is not None)
+    assert results[-1].spec is None
+    assert (m.draft_tokens, m.accepted_draft_tokens) == (drafted, accepted)
+    rejected = drafted - accepted
+    assert accepted > 0 and rejected > 0, (drafted, accepted)  # both paths of the rollback ran
+    if not preempt:
+        # the rollback rolls back: tokens fed = prompt + emitted (the last one never fed) + the
+        # rejected drafts; nothing recomputed
+        assert m.preemptions == 0 and m.recomputed_tokens == 0
+        assert m.computed_tokens == sum(len(r.prompt_ids) + len(r.output_ids) - 1 for r in results) + rejected
+    kv = engine.kv
+    assert (m.kv.blocks_used, m.kv.state_slots_used, m.kv.bytes_used) == (0, 0, 0)
+    assert kv.state._checkpoints == {} and kv.state.tokens == {}
+    return m
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    reqs = requests()
+    return reqs, [[t for t, _, _ in generate_ids(model, r.prompt_ids, r.sampling)] for r in reqs]
+
+
+def test_verify_checkpoints_are_the_plain_decoding_states(model):
+    """The state after each verify position equals (bit for bit) the state plain decoding
+    reaches there, the verify logits equal the decode logits, and keep puts one back."""
+    cfg = model.config
+    prompt = torch.randint(3, 96, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    feed = [17, 40, 41, 5, 88]  # [last, d_1..d_4]
+    plain_kv, verify_kv = hybrid(model), hybrid(model)
+    for kv in (plain_kv, verify_kv):
+        model(torch.tensor(prompt), BatchLayout.single(0, 70, 0), kv)
+    plain_states, plain_logits = [], []
+    for i, t in enumerate(feed):
+        plain_logits.append(model(torch.tensor([t]), BatchLayout.single(0, 1, 70 + i), plain_kv)[0])
+        plain_states.append(plain_kv.snapshot(0))
+    st = verify_kv.state
+    logits = model(torch.tensor(feed), BatchLayout.single(0, 5, 70), verify_kv, rows=list(range(5)))
+    assert logits.shape == (5, cfg.vocab_size)
+    torch.testing.assert_close(logits, torch.stack(plain_logits), rtol=1e-4, atol=1e-4)
+    base, conv, matrix = st._checkpoints[0]
+    assert base == 70 and conv.shape[1] == matrix.shape[1] == 5
+    for i, snap in enumerate(plain_states):  # (the projections see 5 rows, not 1: not bitwise)
+        torch.testing.assert_close(conv[:, i], snap.conv, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(matrix[:, i], snap.matrix, rtol=1e-5, atol=1e-6)
+    assert st.tokens[0] == 75
+    verify_kv.keep(0, 72)  # accepted d_1: continue from position 72
+    assert st.tokens[0] == 72 and st._checkpoints == {}
+    now = verify_kv.snapshot(0)
+    assert torch.equal(now.conv, conv[:, 1]) and torch.equal(now.matrix, matrix[:, 1])
+    torch.testing.assert_close(now.matrix, plain_states[1].matrix, rtol=1e-5, atol=1e-6)
+    assert float((now.matrix - plain_states[4].matrix).abs().max()) > 1e-2  # the drafts had moved it
+    # and decoding continues from there as plain decoding did
+    again = model(torch.tensor([feed[2]]), BatchLayout.single(0, 1, 72), verify_kv)[0]
+    torch.testing.assert_close(again, plain_logits[2], rtol=1e-4, atol=1e-4)
+
+
+def test_keep_needs_a_verify_forward(model):
+    kv = hybrid(model)
+    prompt = list(range(3, 23))
+    model(torch.tensor(prompt), BatchLayout.single(0, 20, 0), kv)
+    kv.keep(0, 20)  # where it stands: nothing to do
+    with pytest.raises(RecurrentStateError, match="only a verify forward"):
+        kv.keep(0, 18)
+    # a prefill chunk asks for its last row only: no checkpoints, so no rollback into it
+    model(torch.tensor(prompt[:5]), BatchLayout.single(0, 5, 20), kv, rows=[4])
+    with pytest.raises(RecurrentStateError, match="none kept"):
+        kv.keep(0, 22)
+    model(torch.tensor(prompt[:3]), BatchLayout.single(0, 3, 25), kv, rows=[0, 1, 2])
+    with pytest.raises(RecurrentStateError, match="positions 26..28 kept"):
+        kv.keep(0, 25)  # before the verify forward's first token
+    assert isinstance(RecurrentStateError("x"), MoestreamError)
+    kv.keep(0, 26)
+    assert kv.state.tokens[0] == 26
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_speculation_is_greedy_identical(model, plain, mode):
+    reqs, want = plain
+    draft = layer_skip_draft(model, 2) if mode == "draft" else None  # recurrent state of its own
+    engine = Engine(model, kv=hybrid(model), config=SchedulerConfig(max_num_batched_tokens=512),
+                    speculative=SpeculativeConfig(mode, max_draft=4, draft_model=draft))
+    check_speculation(engine, reqs, want)
+
+
+def test_speculation_survives_preemption_and_chunked_prefill(model, plain):
+    reqs, want = plain
+    engine = Engine(model, kv=hybrid(model, blocks=40, slots=4),
+                    config=SchedulerConfig(max_num_batched_tokens=24),
+                    speculative=SpeculativeConfig("ngram", max_draft=4))
+    m = check_speculation(engine, reqs, want, preempt=True)
+    assert m.preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def store(hf_dir, tmp_path_factory):
+    from engine.quant.formats import QuantFormat
+    from engine.store import convert
+
+    out = tmp_path_factory.mktemp("qwen3_next_spec_store") / "store"
+    convert(hf_dir, out, fmt=QuantFormat("int4", 32), progress=False)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["ngram", "self", "draft"])
+def test_int4_store_speculation_is_greedy_identical_with_a_minimal_cache(store, mode):
+    from engine.experts.runtime import load_from_store, store_expert_bytes
+
+    reqs = requests()
+    budget = store_expert_bytes(store) // 4  # 8 of 32 experts: misses every step, and
+    # self-speculation's resident-only routing differs from the full routing (rejections)
+    with load_from_store(store, prefetch_depth=0) as full:
+        with load_from_store(store, device_budget=budget, prefetch_depth=1) as small:
+            want = [Engine(small.model, kv=hybrid(small.model)).generate([r])[0].output_ids for r in reqs]
+            cfg = SpeculativeConfig(mode, max_draft=4, cache=small.cache,
+                                    draft_model=layer_skip_draft(full.model, 2) if mode == "draft" else None)
+            engine = Engine(small.model, kv=hybrid(small.model),
+                            config=SchedulerConfig(max_num_batched_tokens=512), speculative=cfg)
+            check_speculation(engine, reqs, want)
+            assert small.cache.metrics.total().misses > 0 and small.cache.pins == {}
