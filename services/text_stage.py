@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from engine.harmony import REASONING_CHANNELS, HarmonyStreamParser, HarmonyTokens
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -58,3 +59,86 @@ class TextStage:
             self.stopped = self.by_string = True
             return text
         return text + self.stops.flush()
+
+    # ---- the text in parts (answer, reasoning): one part for plain models ---------------------
+    def feed_parts(self, token_ids: Sequence[int]) -> tuple[int, str, str]:
+        """As :meth:`feed`, with the reasoning text apart: (tokens, answer text, reasoning text)."""
+        n, text = self.feed(token_ids)
+        return n, text, ""
+
+    def finish_parts(self) -> tuple[str, str]:
+        return self.finish(), ""
+
+
+class HarmonyTextStage(TextStage):
+    """The text stage of a model that writes gpt-oss's harmony format (engine.harmony): the
+    analysis channel becomes reasoning, every other channel the answer, control tokens are never
+    text. Messages of one part are joined by a newline. Stop strings are matched in each part on
+    its own; a match in either ends the request (text after it is not returned), and the other
+    part's withheld text, which came before the match, is released. Stop tokens (<|return|>,
+    <|call|> and the model's end-of-sequence ids) end it as for any model."""
+
+    PARTS = ("content", "reasoning")
+
+    def __init__(self, tokenizer, tokens: HarmonyTokens, stop: Iterable[str] = (),
+                 stop_ids: Iterable[int] = ()) -> None:
+        super().__init__(None, (), stop, stop_ids)
+        self.parser = HarmonyStreamParser(tokenizer, tokens)
+        self.harmony_stops = tokens.stop_ids
+        stops = list(stop)
+        self.matchers = {part: StopStringMatcher(stops) for part in self.PARTS}
+        self._last_index: dict[str, int | None] = {part: None for part in self.PARTS}
+
+    def _route(self, deltas) -> tuple[dict[str, str], bool]:
+        """Deltas -> text per part (joined, cut at stop strings); whether a stop string hit."""
+        out = {part: "" for part in self.PARTS}
+        for d in deltas:
+            part = "reasoning" if d.channel in REASONING_CHANNELS else "content"
+            text = d.text
+            if self._last_index[part] is not None and self._last_index[part] != d.index:
+                text = "\n" + text  # a new message in a part that already has text
+            self._last_index[part] = d.index
+            piece, stopped = self.matchers[part].feed(text)
+            out[part] += piece
+            if stopped:
+                other = "reasoning" if part == "content" else "content"
+                out[other] += self.matchers[other].flush()
+                return out, True
+        return out, False
+
+    def feed_parts(self, token_ids: Sequence[int]) -> tuple[int, str, str]:
+        if self.stopped:
+            return 0, "", ""
+        content, reasoning = "", ""
+        for i, t in enumerate(token_ids):
+            t = int(t)
+            is_stop = t in self.stop_ids  # the engine stops here too
+            parts, stopped = {}, False
+            if not is_stop or t in self.harmony_stops:  # <|return|>/<|call|> close the message
+                parts, stopped = self._route(self.parser.push(t))
+            content += parts.get("content", "")
+            reasoning += parts.get("reasoning", "")
+            if stopped or is_stop:
+                self.stopped, self.by_string = True, stopped
+                self.tokens += i + 1
+                return i + 1, content, reasoning
+        self.tokens += len(token_ids)
+        return len(token_ids), content, reasoning
+
+    def finish_parts(self) -> tuple[str, str]:
+        if self.by_string:
+            return "", ""
+        parts, stopped = self._route(self.parser.finish())
+        if stopped:
+            self.stopped = self.by_string = True
+            return parts["content"], parts["reasoning"]
+        return (parts["content"] + self.matchers["content"].flush(),
+                parts["reasoning"] + self.matchers["reasoning"].flush())
+
+    def feed(self, token_ids: Sequence[int]) -> tuple[int, str]:
+        """The answer only (use :meth:`feed_parts` for the reasoning)."""
+        n, content, _ = self.feed_parts(token_ids)
+        return n, content
+
+    def finish(self) -> str:
+        return self.finish_parts()[0]

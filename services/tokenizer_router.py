@@ -37,7 +37,8 @@ from protocol import (
     encode,
 )
 from protocol.codec import DEFAULT_MAX_FRAME_BYTES
-from services.text_stage import TextStage
+from protocol.messages import MAX_STOP_TOKEN_IDS
+from services.text_stage import HarmonyTextStage, TextStage
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +74,20 @@ class TokenizerRouter:
                     tokenizer = None  # token-id requests only
         self.tokenizer = tokenizer
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", ()))
+        arch = None
         if self.config.store is not None:
             from engine.store.reader import ExpertStore
 
             with ExpertStore(self.config.store) as store:
                 self.eos_ids |= set(store.config.eos_token_ids)
+                arch = store.config.arch
+        # gpt-oss writes harmony (engine.harmony): chat answers are split into reasoning and
+        # answer, and <|return|> / <|call|> end every request as end-of-sequence tokens do
+        from engine.harmony import harmony_tokens_for
+
+        self.harmony = harmony_tokens_for(arch, tokenizer)
+        if self.harmony is not None:
+            self.eos_ids |= self.harmony.stop_ids
         if decode_handle is None:
             import ray
 
@@ -192,18 +202,24 @@ class TokenizerRouter:
         try:
             try:
                 prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+                engine_stop_ids = self._engine_stop_ids(req)
             except Exception as e:
                 finished = True
                 self.counts["invalid"] += 1
                 yield encode(ErrorReply.from_exception(e, rid))
                 return
             # the engine computes tokens; text and stop strings are made here (text_stage)
-            stage = TextStage(self.tokenizer, prompt_ids, req.sampling.stop,
-                              set(req.sampling.stop_token_ids) | self.eos_ids)
+            stop_ids = set(req.sampling.stop_token_ids) | self.eos_ids
+            if self.harmony is not None and req.messages is not None:
+                stage = HarmonyTextStage(self.tokenizer, self.harmony, req.sampling.stop, stop_ids)
+            else:
+                stage = TextStage(self.tokenizer, prompt_ids, req.sampling.stop, stop_ids)
             got_ids: list[int] = []
             got_text: list[str] = []
+            got_reasoning: list[str] | None = [] if isinstance(stage, HarmonyTextStage) else None
             stop_sent = False
-            sampling = {**req.sampling.model_dump(), "stop": []}
+            sampling = {**req.sampling.model_dump(), "stop": [],
+                        "stop_token_ids": engine_stop_ids}
             stream = self.decode.generate.remote(rid, prompt_ids, sampling)
             while True:
                 remaining = deadline - time.monotonic()
@@ -229,7 +245,7 @@ class TokenizerRouter:
                 if isinstance(msg, TERMINAL):
                     finished = True
                 if isinstance(msg, TokenChunk):
-                    chunk = self._text_chunk(msg, stage, got_ids, got_text)
+                    chunk = self._text_chunk(msg, stage, got_ids, got_text, got_reasoning)
                     if stage.by_string and not stop_sent:
                         stop_sent = True
                         self.decode.abort.remote(rid)  # a stop string: no more tokens for it
@@ -237,10 +253,13 @@ class TokenizerRouter:
                         continue
                     frames = encode(chunk)
                 elif isinstance(msg, GenerateResult):
-                    tail = stage.finish()
-                    if tail and req.stream:
-                        yield encode(TokenChunk(request_id=rid, token_ids=[], text=tail))
-                    frames = encode(self._text_result(msg, stage, got_ids, "".join(got_text) + tail))
+                    tail, tail_r = stage.finish_parts()
+                    reasoning = None if got_reasoning is None else "".join(got_reasoning) + tail_r
+                    if (tail or tail_r) and req.stream:
+                        yield encode(TokenChunk(request_id=rid, token_ids=[], text=tail,
+                                                reasoning=tail_r if got_reasoning is not None else None))
+                    frames = encode(self._text_result(msg, stage, got_ids, "".join(got_text) + tail,
+                                                      reasoning))
                 if isinstance(msg, ErrorReply):
                     self.counts["errors"] += 1
                     yield frames
@@ -260,17 +279,33 @@ class TokenizerRouter:
             if not finished:  # our consumer went away mid-stream
                 self.decode.abort.remote(rid)
 
+    def _engine_stop_ids(self, req: GenerateRequest) -> list[int]:
+        """The request's stop token ids, plus harmony's <|return|>/<|call|> for gpt-oss (so the
+        engine stops there even when the checkpoint's generation_config does not list them)."""
+        ids = list(req.sampling.stop_token_ids)
+        if self.harmony is not None:
+            ids = list(dict.fromkeys(ids + sorted(self.harmony.stop_ids)))
+            if len(ids) > MAX_STOP_TOKEN_IDS:
+                raise RequestValidationError(
+                    f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS - len(self.harmony.stop_ids)} for "
+                    f"this model (its harmony format adds <|return|> and <|call|>), got "
+                    f"{len(req.sampling.stop_token_ids)}")
+        return ids
+
     @staticmethod
     def _text_chunk(msg: TokenChunk, stage: TextStage, got_ids: list[int],
-                    got_text: list[str]) -> TokenChunk | None:
+                    got_text: list[str], got_reasoning: list[str] | None = None) -> TokenChunk | None:
         """The engine's chunk with its text, cut after a stop string or stop token (None: the
-        client gets none of it)."""
-        n, text = stage.feed(msg.token_ids)
-        if n == 0 and not text:
+        client gets none of it). ``got_reasoning`` (harmony models' chats): reasoning apart."""
+        n, text, reasoning = stage.feed_parts(msg.token_ids)
+        if n == 0 and not text and not reasoning:
             return None
         got_ids += msg.token_ids[:n]
         got_text.append(text)
         cut = {"token_ids": msg.token_ids[:n], "text": text}
+        if got_reasoning is not None:
+            got_reasoning.append(reasoning)
+            cut["reasoning"] = reasoning
         if msg.logprobs is not None:
             cut["logprobs"] = msg.logprobs[:n]
         if getattr(msg, "top_logprobs", None) is not None:
@@ -278,12 +313,13 @@ class TokenizerRouter:
         return msg.model_copy(update=cut)
 
     @staticmethod
-    def _text_result(msg: GenerateResult, stage: TextStage, got_ids: list[int], text: str) -> GenerateResult:
+    def _text_result(msg: GenerateResult, stage: TextStage, got_ids: list[int], text: str,
+                     reasoning: str | None = None) -> GenerateResult:
         """The engine's result with the client's text and tokens: a stop string the router found
         makes it "stop" (the engine saw an abort); usage counts the tokens the client received."""
         reason = "stop" if stage.by_string else msg.finish_reason
         usage = msg.usage.model_copy(update={"completion_tokens": len(got_ids)})
-        return msg.model_copy(update={"text": text, "token_ids": list(got_ids),
+        return msg.model_copy(update={"text": text, "token_ids": list(got_ids), "reasoning": reasoning,
                                       "finish_reason": reason, "usage": usage})
 
     def _full(self) -> str | None:

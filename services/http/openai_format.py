@@ -5,6 +5,11 @@ Streaming (both endpoints): one id for every chunk; chat's first chunk carries
 the last choice chunk; with ``stream_options.include_usage`` every chunk has ``"usage": null``
 and one more chunk with ``"choices": []`` carries the usage; then ``data: [DONE]``.
 
+Reasoning (models whose output has reasoning channels: gpt-oss's harmony format): chat answers
+carry the analysis channel as ``message.reasoning_content`` (streaming: ``delta.reasoning_content``,
+in chunks of their own or beside ``content``), vLLM's field name; ``content`` is the answer
+only. Other models' answers have no such field.
+
 Usage: ``prompt_tokens``, ``completion_tokens`` (the tokens the client was sent),
 ``total_tokens``; when the request ran speculative decoding, also
 ``"speculative": {"draft_tokens": N, "accepted_tokens": M}``.
@@ -101,14 +106,19 @@ class Formatter:
                 "system_fingerprint": None}
 
     def chunk(self, text: str = "", *, role: bool = False, finish: str | None = None,
-              logprobs: dict[str, Any] | None = None, final: bool = False) -> bytes:
+              logprobs: dict[str, Any] | None = None, final: bool = False,
+              reasoning: str | None = None) -> bytes:
         out = self._head(self.chunk_object)
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta = {"role": "assistant", "content": ""}
+            elif reasoning and not text:
+                delta = {"reasoning_content": reasoning}
             elif text or not final:
                 delta = {"content": text}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -127,9 +137,10 @@ class Formatter:
         out = self._head(self.object)
         reason = FINISH[result.finish_reason]
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text,
-                                              "refusal": None},
-                      "logprobs": logprobs, "finish_reason": reason}
+            message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
+            if result.reasoning is not None:  # a model with reasoning channels
+                message["reasoning_content"] = result.reasoning
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": reason}
         out["choices"] = [choice]

@@ -177,6 +177,9 @@ class ChatMessageIn(_Body):
     tool_call_id: str | None = None
     function_call: Any = None
     refusal: str | None = None
+    # a reasoning model's earlier answer sent back as it came (vLLM's field); not rendered: chat
+    # templates of reasoning models drop earlier turns' reasoning
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):

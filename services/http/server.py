@@ -378,8 +378,8 @@ class HttpService:
                             completion_logprobs(msg, texts, offset)
                     sent += len(msg.token_ids)
                     offset += len(msg.text)
-                    if msg.text or lp is not None:
-                        await resp.write(fmt.chunk(msg.text, logprobs=lp))
+                    if msg.text or lp is not None or msg.reasoning:
+                        await resp.write(fmt.chunk(msg.text, logprobs=lp, reasoning=msg.reasoning))
                 elif isinstance(msg, ErrorReply):
                     errored = True
                     await resp.write(sse(self._refusal(msg).body()))

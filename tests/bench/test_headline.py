@@ -20,7 +20,8 @@ def test_small_shape_runs_on_cpu_and_prints_every_figure(tmp_path, capsys):
     out = tmp_path / "small.json"
     t = time.perf_counter()
     assert headline.main(["--shape", "small", "--device", "cpu", "--json", str(out)]) == 0
-    assert time.perf_counter() - t < 120
+    # about 10 s alone on the 2-core dev machine; the limit leaves room for a loaded CI machine
+    assert time.perf_counter() - t < 240
     text = capsys.readouterr().out
     for figure in ("decode tok/s", "device expert hit rate", "expert bytes per token from RAM",
                    "expert bytes per token from disk", "host-to-device GB/s", "stall fraction",

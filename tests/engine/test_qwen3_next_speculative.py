@@ -185,3 +185,39 @@ def test_int4_store_speculation_is_greedy_identical_with_a_minimal_cache(store, 
                             config=SchedulerConfig(max_num_batched_tokens=512), speculative=cfg)
             check_speculation(engine, reqs, want)
             assert small.cache.metrics.total().misses > 0 and small.cache.pins == {}
+
+
+def test_recurrent_draft_model_rolls_back_its_own_state(model):
+    """DraftModelDrafter over a layer-skip Qwen3-Next: after drafts beyond the history, a
+    history that keeps some of them and diverges restores the draft's state snapshot there (or,
+    diverging before any snapshot, prefills again); its next drafts equal a fresh drafter's."""
+    from engine.kv.base import ContiguousKVCache
+    from engine.layers.sampler import SamplerState
+    from engine.speculative import DraftContext, DraftModelDrafter
+
+    draft = layer_skip_draft(model, 2)
+    ctx = DraftContext(ContiguousKVCache(1, 1, 1), 0, SamplerState(SamplingConfig()), model.config.vocab_size)
+    history = torch.randint(3, 96, (30,), generator=torch.Generator().manual_seed(8)).tolist()
+
+    def fresh(h: list[int]) -> list[int]:
+        d = DraftModelDrafter(draft, max_draft=4)
+        d.begin(h, ctx)
+        return d.propose(h, 4, ctx)[0]
+
+    d = DraftModelDrafter(draft, max_draft=4)
+    d.begin(history, ctx)
+    drafts = d.propose(history, 4, ctx)[0]
+    assert len(d.fed) == 33 and sorted(d._snaps) == [30, 31, 32]  # d_1..d_3 fed, state kept before each
+    fed = []
+
+    def counting(tokens, layout, kv):
+        fed.append(tokens.numel())
+        return draft(tokens, layout, kv)
+
+    d.model = counting
+    kept = history + drafts[:2] + [(drafts[2] + 1) % 96]  # d_1, d_2 accepted, then a correction
+    assert d.propose(kept, 4, ctx)[0] == fresh(kept)
+    assert fed == [1, 1, 1, 1]  # the correction, then 3 drafts: the state came back from position 32
+    assert d.fed == kept + d.fed[33:] and len(d.fed) == 36
+    earlier = history[:20] + [(history[20] + 1) % 96]  # diverges before any snapshot: prefill again
+    assert d.propose(earlier, 4, ctx)[0] == fresh(earlier)

@@ -32,6 +32,8 @@ def _stopped_cleanly(s: Serve, pids: list[int], sig: int, group: bool) -> float:
     rc, took = s.signal_and_wait(sig, group=group, timeout_s=STOP_LIMIT_S + 30)
     assert rc == 0, s.log()
     assert took < STOP_LIMIT_S, f"serve took {took:.1f} s to stop"
+    print(f"[lifecycle] {signal.Signals(sig).name}{' to the group' if group else ''}: "
+          f"serve stopped in {took:.1f} s")
     assert "stopped: actors, shared memory and the local cluster" in s.log()
     deadline = time.monotonic() + 10
     while any(alive(p) for p in pids) and time.monotonic() < deadline:

@@ -1,0 +1,292 @@
+"""gpt-oss's reasoning through the OpenAI API: chat answers carry the analysis channel as
+``reasoning_content`` and the final channel as ``content`` (streaming: ``delta.*``), usage
+unchanged, ``<|return|>``/``<|call|>`` end the request in the engine, completions stay plain text.
+
+The router (services.tokenizer_router) reads a real int4 store of a tiny random gpt-oss with the
+harmony test tokenizer; the decode actor is replaced by a scripted one (a random model does not
+write harmony), so the exact split is checked through the real router, the real HTTP server
+(services.http) and the official openai client, in one process. The last test serves the real
+store on the session's Ray cluster (its own namespace) and checks the answer against the
+in-process engine's greedy tokens parsed by the reference parser."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+
+import pytest
+
+from engine.harmony import HarmonyTokens, split_reference
+from protocol import GenerateResult, TokenChunk, Usage, encode
+from tests.services.test_harmony import ANALYSIS, FINAL, SCRIPT
+
+openai = pytest.importorskip("openai")
+MODEL = "tiny-gpt-oss"
+MESSAGES = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What is the capital of France?"}]
+TOOL_CALL = ("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+             "{\"location\": \"Paris\"}<|call|>")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_store(tmp_path_factory):
+    from engine.quant.formats import QuantFormat
+    from engine.store import convert
+    from tests.engine.models.test_gpt_oss import make_gpt_oss
+    from tests.services.harmony_tiny import make_harmony_tokenizer
+
+    d = tmp_path_factory.mktemp("gpt_oss_harmony")
+    n = make_harmony_tokenizer(d / "hf")
+    # <|return|> (6) is the end-of-sequence id, <|endoftext|> (0) the padding, as in gpt-oss
+    make_gpt_oss(d / "hf", seed=11, vocab_size=n, eos_token_id=6, pad_token_id=0, bos_token_id=None)
+    convert(d / "hf", d / "store", fmt=QuantFormat("int4", 32), progress=False)
+    return d / "store"
+
+
+# --------------------------------------------------------------------------- in-process wiring
+
+
+class _Gen:
+    """A Ray streaming generator's shape: each item an awaitable (an ObjectRef's stand-in)."""
+
+    def __init__(self, agen) -> None:
+        self.agen = agen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.agen.__anext__()
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(item)
+        return fut
+
+
+class Handle:
+    """An actor handle's shape over a local object: ``h.method.remote(...)``."""
+
+    def __init__(self, obj) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name):
+        fn = getattr(self._obj, name)
+
+        class _M:
+            @staticmethod
+            def remote(*a, **k):
+                r = fn(*a, **k)
+                return _Gen(r) if inspect.isasyncgen(r) else asyncio.ensure_future(r)
+
+        return _M
+
+
+class ScriptedDecode:
+    """The decode actor's interface, writing a script's tokens 3 per chunk. Like the engine it
+    stops after a token in ``sampling["stop_token_ids"]`` or its own end-of-sequence ids (here
+    only <|return|>, as the tokenizer's eos), else at max_tokens or the script's end."""
+
+    def __init__(self, eos: set[int]) -> None:
+        self.eos = eos
+        self.script: list[int] = []
+        self.calls: list[tuple[list[int], dict]] = []
+        self.aborted: list[str] = []
+
+    async def generate(self, rid, prompt_ids, sampling):
+        self.calls.append((list(prompt_ids), dict(sampling)))
+        stops = set(sampling["stop_token_ids"]) | self.eos
+        out, reason = [], "length"
+        for t in self.script[:sampling["max_tokens"]]:
+            out.append(t)
+            if t in stops:
+                reason = "stop"
+                break
+        for k in range(0, len(out), 3):
+            await asyncio.sleep(0)
+            yield encode(TokenChunk(request_id=rid, token_ids=out[k:k + 3], text=""))
+        usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(out),
+                      prefill_tokens_per_s=1.0, decode_tokens_per_s=1.0)
+        yield encode(GenerateResult(request_id=rid, text="", token_ids=out, finish_reason=reason,
+                                    usage=usage))
+
+    async def abort(self, rid):
+        self.aborted.append(rid)
+
+    async def check_health(self):
+        return None
+
+
+@pytest.fixture(scope="module")
+def served(gpt_oss_store):
+    """(base url, tokenizer, scripted decode): router + HTTP server on a private event loop."""
+    from services.config import DeployConfig
+    from services.http.server import HttpService, HttpSettings
+    from services.tokenizer_router import TokenizerRouter
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def build():
+        cfg = DeployConfig(store=gpt_oss_store, namespace="harmony-inproc")
+        dec = ScriptedDecode(eos=set())
+        router = TokenizerRouter(cfg.model_dump_json(), decode_handle=Handle(dec))
+        dec.eos = set(router.tokenizer.eos_token_ids)
+        http = HttpService(HttpSettings(host="127.0.0.1", port=0, model_name=MODEL).model_dump_json(),
+                           router=Handle(router), decode=Handle(dec), autostart=False)
+        host, port = await http.start()
+        return router, dec, http, f"http://{host}:{port}"
+
+    router, dec, http, url = asyncio.run_coroutine_threadsafe(build(), loop).result(120)
+    yield url, router, dec
+    asyncio.run_coroutine_threadsafe(http.close(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _script(router, text: str, junk: str = " and then more text") -> list[int]:
+    tok = router.tokenizer
+    return tok.encode(text, add_special_tokens=False) + tok.encode(junk, add_special_tokens=False)
+
+
+def test_router_knows_gpt_oss_writes_harmony(served):
+    _, router, dec = served
+    assert router.harmony == HarmonyTokens.from_tokenizer(router.tokenizer)
+    # the tokenizer's own end-of-sequence is <|return|> only: <|call|> comes from the format
+    assert router.tokenizer.eos_token_ids == {router.harmony.ret}
+    assert router.harmony.stop_ids <= router.eos_ids
+
+
+def test_chat_returns_reasoning_apart(served, client):
+    _, router, dec = served
+    tok, T = router.tokenizer, router.harmony
+    dec.script = _script(router, SCRIPT)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0)
+    prompt, sampling = dec.calls[-1]
+    assert prompt == tok.apply_chat_template(MESSAGES)  # rendered by the harmony template
+    assert set(sampling["stop_token_ids"]) >= {T.ret, T.call}
+    msg = r.choices[0].message
+    assert (msg.content, msg.model_extra["reasoning_content"]) == (FINAL, ANALYSIS)
+    assert r.choices[0].finish_reason == "stop"
+    n = dec.script.index(T.ret) + 1  # the tokens the model wrote, control tokens included
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(prompt), n, len(prompt) + n)
+
+
+def test_streamed_chat_sends_reasoning_deltas_first(served, client):
+    _, router, dec = served
+    dec.script = _script(router, SCRIPT)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    kinds, content, reasoning = [], "", ""
+    for c in chunks[1:]:
+        if not c.choices:
+            continue
+        d = c.choices[0].delta
+        r = (d.model_extra or {}).get("reasoning_content")
+        if r:
+            reasoning += r
+            kinds.append("r")
+        if d.content:
+            content += d.content
+            kinds.append("c")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (content, reasoning) == (FINAL, ANALYSIS)
+    assert kinds == sorted(kinds, reverse=True) and kinds.count("r") > 3  # streamed, in order
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == dec.script.index(router.harmony.ret) + 1
+
+
+def test_call_ends_the_request_in_the_engine(served, client):
+    _, router, dec = served
+    T = router.harmony
+    dec.script = _script(router, TOOL_CALL)
+    assert T.call not in dec.eos  # only the router's stop ids can stop the scripted engine there
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == dec.script.index(T.call) + 1
+    assert r.choices[0].message.content == "{\"location\": \"Paris\"}"
+    assert r.choices[0].message.model_extra["reasoning_content"] == ""
+
+
+def test_stop_string_and_max_tokens_mid_reasoning(served, client):
+    _, router, dec = served
+    tok, T = router.tokenizer, router.harmony
+    dec.script = _script(router, SCRIPT)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200, stop=["naïve"])
+    assert (r.choices[0].message.content, r.choices[0].message.model_extra["reasoning_content"]) == (
+        "Paris, ", ANALYSIS)
+    assert r.choices[0].finish_reason == "stop"
+    # cut inside the reasoning by max_tokens: reasoning so far, no answer
+    k = dec.script.index(T.end) - 4
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=k)
+    want = split_reference(tok, T, dec.script[:k])
+    assert want.reasoning and not want.content
+    assert (r.choices[0].message.content, r.choices[0].message.model_extra["reasoning_content"]) == (
+        "", want.reasoning)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == k
+
+
+def test_completions_stay_plain_text(served, client):
+    _, router, dec = served
+    tok, T = router.tokenizer, router.harmony
+    dec.script = _script(router, SCRIPT)
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=200)
+    n = dec.script.index(T.ret)
+    assert r.choices[0].text == tok.decode(dec.script[:n])  # control tokens skipped, no split
+    assert "reasoning_content" not in (r.choices[0].model_extra or {})
+    assert r.usage.completion_tokens == n + 1  # <|return|> stopped it, as end-of-sequence
+
+
+# --------------------------------------------------------------------------- the real pipeline
+
+
+@pytest.mark.ray
+def test_served_gpt_oss_store_answers_as_the_reference_parse(ray_cluster, gpt_oss_store):
+    """A real deployment of the tiny gpt-oss store: the chat answer, streamed and not, equals
+    the in-process engine's greedy tokens for the harmony-rendered prompt, split by the
+    reference parser (a random model's output mostly does not follow the format; whatever it
+    writes must come back split as the reference says)."""
+    from engine.experts.runtime import load_from_store
+    from engine.generate import Request
+    from engine.layers.sampler import SamplingConfig
+    from engine.runner import Engine
+    from services.app import deploy
+    from services.config import DeployConfig
+    from services.http.server import HttpSettings
+
+    max_tokens = 40
+    with load_from_store(gpt_oss_store, dense="bf16") as sm:
+        T = HarmonyTokens.from_tokenizer(sm.tokenizer)
+        prompt = sm.tokenizer.apply_chat_template(MESSAGES)
+        engine = Engine.for_requests(sm.model, sm.tokenizer, len(prompt) + max_tokens)
+        raw = engine.generate([Request(prompt, SamplingConfig(max_tokens=max_tokens,
+                                                              stop_token_ids=tuple(T.stop_ids)))])[0]
+        want = split_reference(sm.tokenizer, T, raw.output_ids)
+    app = deploy(DeployConfig(store=gpt_oss_store, namespace="moestream-harmony-test", loaders=1,
+                              kv_budget="4MiB", prefetch_depth=0, dense_format="bf16",
+                              request_timeout_s=120))
+    try:
+        host, port = app.start_http(HttpSettings(host="127.0.0.1", port=0,
+                                                 namespace="moestream-harmony-test", model_name=MODEL))
+        c = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=max_tokens, temperature=0)
+        msg = r.choices[0].message
+        assert (msg.content, msg.model_extra["reasoning_content"]) == (want.content, want.reasoning)
+        assert r.usage.completion_tokens == len(raw.output_ids)
+        content = reasoning = ""
+        for ch in c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=max_tokens,
+                                            temperature=0, stream=True):
+            if ch.choices:
+                content += ch.choices[0].delta.content or ""
+                reasoning += (ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+        assert (content, reasoning) == (want.content, want.reasoning)
+        assert want.content or want.reasoning  # the model wrote something that came back
+    finally:
+        app.shutdown()
