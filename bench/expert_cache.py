@@ -174,8 +174,8 @@ DENSE_BYTES = {"fp32": 4, "bf16": 2, "int8": 8.25 / 8}  # per dense weight (int8
 def run_budget(store: Path, frac: float, ram_budget: int, prompt: list[int], tokens: int, recorder=None,
                replay=None, device: str = "cpu", dense: str = "int8"):
     from engine.experts.runtime import load_from_store, store_expert_bytes
-    from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
+    from engine.runner import stream_request
 
     total = store_expert_bytes(store)
     # Replayed routing is not what the routers would predict, so prefetch is off for it.
@@ -189,7 +189,7 @@ def run_budget(store: Path, frac: float, ram_budget: int, prompt: list[int], tok
     try:
         t = time.perf_counter()
         stats = None
-        for _, _, stats in generate_ids(sm.model, prompt, SamplingConfig(max_tokens=tokens, ignore_eos=True)):
+        for _, stats in stream_request(sm.model, prompt, SamplingConfig(max_tokens=tokens, ignore_eos=True)):
             pass
         wall = time.perf_counter() - t
         m = sm.cache.metrics

@@ -139,9 +139,9 @@ def launches_per_token(device: torch.device, smoke: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from engine.experts.runtime import load_from_store
-    from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
     from engine.quant.formats import QuantFormat
+    from engine.runner import stream_request
     from engine.store import convert
 
     layers, hidden, inter, experts = (2, 128, 64, 8) if smoke else (8, 1024, 512, 64)
@@ -156,7 +156,7 @@ def launches_per_token(device: torch.device, smoke: bool) -> None:
         sm = load_from_store(Path(tmp) / "store", device=device.type, dense="bf16", prefetch_depth=0)
         try:
             prompt, steps = list(range(3, 19)), 4 if smoke else 8
-            gen = generate_ids(sm.model, prompt, SamplingConfig(max_tokens=steps + 3, ignore_eos=True))
+            gen = stream_request(sm.model, prompt, SamplingConfig(max_tokens=steps + 3, ignore_eos=True))
             next(gen), next(gen)  # prefill and one step: experts resident, kernels compiled
             act = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             with profile(activities=act) as prof:

@@ -122,12 +122,12 @@ class CallCounter:
 def decode(model, first: int, tokens: int):
     """Generate ``tokens`` tokens from a one-token prompt (every step is one token's decode).
     Returns the GenerationStats and each step's seconds (the one-token prefill included)."""
-    from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
+    from engine.runner import stream_request
 
     stats, times = None, []
     t = time.perf_counter()
-    for _, _, stats in generate_ids(model, [first], SamplingConfig(max_tokens=tokens, ignore_eos=True)):
+    for _, stats in stream_request(model, [first], SamplingConfig(max_tokens=tokens, ignore_eos=True)):
         now = time.perf_counter()
         times.append(now - t)
         t = now

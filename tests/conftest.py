@@ -11,6 +11,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray's single-node mode, before anything imports ray: the test clusters bind every socket
+# (GCS, raylet, workers, agents, metrics) to 127.0.0.1 instead of the host's address
+# (services/ray_env.py; tests/services/test_serve_lifecycle.py audits a deployment's sockets).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Without CUDA the fused Triton kernels are tested in Triton's interpreter, which must be chosen
 # before anything (transformers does) imports triton.
 import torch  # noqa: E402

@@ -39,7 +39,7 @@ def gpt_oss_store(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpt_oss_harmony")
     n = make_harmony_tokenizer(d / "hf")
     # <|return|> (6) is the end-of-sequence id, <|endoftext|> (0) the padding, as in gpt-oss
-    make_gpt_oss(d / "hf", seed=11, vocab_size=n, eos_token_id=6, pad_token_id=0, bos_token_id=None)
+    make_gpt_oss(d / "hf", seed=15, vocab_size=n, eos_token_id=6, pad_token_id=0, bos_token_id=None)
     convert(d / "hf", d / "store", fmt=QuantFormat("int4", 32), progress=False)
     return d / "store"
 
@@ -280,6 +280,11 @@ def test_served_gpt_oss_store_answers_as_the_reference_parse(ray_cluster, gpt_os
         msg = r.choices[0].message
         assert (msg.content, msg.model_extra["reasoning_content"]) == (want.content, want.reasoning)
         assert r.usage.completion_tokens == len(raw.output_ids)
+        # this checkpoint (seed 15) writes 3 tokens outside the format, then <|call|>: the
+        # engine must stop there although only the harmony format (not the tokenizer's
+        # end-of-sequence ids, see test_router_knows_gpt_oss_writes_harmony) makes it a stop
+        assert raw.output_ids[-1] == T.call and len(raw.output_ids) < max_tokens
+        assert r.choices[0].finish_reason == "stop"
         content = reasoning = ""
         for ch in c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=max_tokens,
                                             temperature=0, stream=True):
@@ -287,6 +292,6 @@ def test_served_gpt_oss_store_answers_as_the_reference_parse(ray_cluster, gpt_os
                 content += ch.choices[0].delta.content or ""
                 reasoning += (ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
         assert (content, reasoning) == (want.content, want.reasoning)
-        assert want.content or want.reasoning  # the model wrote something that came back
+        assert want.content == sm.tokenizer.decode(raw.output_ids[:-1]) != ""  # not lost
     finally:
         app.shutdown()
