@@ -239,8 +239,8 @@ class HarmonyStreamParser:
         return out
 
     def _end_header(self) -> list[HarmonyDelta]:
-        """The output ends while a header is pending: text outside the format if nothing in the
-        output followed it (see module doc), else dropped."""
+        """The output ends while a header is pending: it is text outside the format when no
+        message was opened and it holds no control token (see module doc), else dropped."""
         if self._header and not self.messages and not any(t in self._names for t in self._header):
             return self._go_raw() + self._close(self.done)
         self._header = []

@@ -59,7 +59,7 @@ from torch import nn
 from engine.errors import ConfigError
 from engine.kv.base import BatchLayout, ContiguousKVCache, KVCache
 from engine.kv.state import StateSnapshot, restore_state, snapshot_state
-from engine.layers.sampler import SamplerState, distribution, sample
+from engine.layers.sampler import SamplerState, SamplingConfig, distribution, sample
 from engine.models.base import CausalLM
 
 __all__ = [

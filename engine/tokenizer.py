@@ -54,13 +54,14 @@ def _check_text(text: Any, what: str = "text to encode") -> None:
                 f"{e.start})") from None
 
 
-def _load_hf(blame: Path, kwargs: dict[str, Any], what: str = "the tokenizer") -> Any:
-    """transformers' AutoTokenizer, offline and without remote code; its failures become one
-    ModelFormatError naming ``blame`` (the message excerpt is bounded: it may quote the file)."""
+def _load_hf(blame: Path, kwargs: dict[str, Any], what: str = "the tokenizer", cls: Any = None) -> Any:
+    """transformers' AutoTokenizer (or ``cls``), offline and without remote code; its failures
+    become one ModelFormatError naming ``blame`` (the message excerpt is bounded: it may quote
+    the file)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(**kwargs, local_files_only=True, trust_remote_code=False)
+        return (cls or AutoTokenizer).from_pretrained(**kwargs, local_files_only=True, trust_remote_code=False)
     except _LOAD_ERRORS as e:
         problem = f"cannot load {what} ({type(e).__name__}): {quote(str(e), 120)}"
     except BaseException as e:  # a Rust panic in tokenizers (pyo3 PanicException)
@@ -131,8 +132,18 @@ class Tokenizer:
         file = Path(path)
         if not file.is_file():
             raise TokenizerNotFoundError(f"no GGUF file {file.name} in {file.parent}")
-        tok = _load_hf(file, dict(pretrained_model_name_or_path=str(file.parent), gguf_file=file.name),
-                       what="a tokenizer from the GGUF metadata")
+        kw = dict(pretrained_model_name_or_path=str(file.parent), gguf_file=file.name)
+        try:
+            tok = _load_hf(file, kw, what="a tokenizer from the GGUF metadata")
+        except ModelFormatError as first:
+            # AutoTokenizer parses the model config first and refuses architectures transformers
+            # lacks (qwen3next); the fast tokenizer itself is built from tokenizer.ggml.* alone
+            from transformers import PreTrainedTokenizerFast
+
+            try:
+                tok = _load_hf(file, kw, what="a tokenizer from the GGUF metadata", cls=PreTrainedTokenizerFast)
+            except ModelFormatError:
+                raise first from None
         return cls(tok, source=str(file))
 
     # ---- basic API -------------------------------------------------------------------------
@@ -177,8 +188,9 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def render_chat_template(self, messages: list[dict]) -> str:
-        """The chat prompt as text, ending with the assistant's generation prompt."""
+    def render_chat_template(self, messages: list[dict], **template_vars: Any) -> str:
+        """The chat prompt as text, ending with the assistant's generation prompt.
+        ``template_vars`` (e.g. ``reasoning_effort``) are variables the template may read."""
         if not self.has_chat_template:
             raise RequestValidationError(
                 f"the tokenizer of {self.source or 'this model'} has no chat template; "
@@ -186,12 +198,13 @@ class Tokenizer:
             )
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise RequestValidationError("messages must be a list of {'role': ..., 'content': ...} objects")
-        return self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **template_vars)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], **template_vars: Any) -> list[int]:
         """Token ids of the rendered chat prompt. The template writes any BOS itself, so the
         text is encoded without adding special tokens (as transformers does)."""
-        return self.encode(self.render_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.render_chat_template(messages, **template_vars), add_special_tokens=False)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size})"

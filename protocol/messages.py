@@ -281,6 +281,12 @@ class GenerateRequest(WireMessage):
         description=f"Pre-tokenized prompt, 1..{MAX_PROMPT_TOKENS} non-negative ids; the "
         "engine rejects ids outside the vocabulary.",
     )
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None,
+        description="With messages: passed to the chat template as `reasoning_effort` (gpt-oss's "
+        "template writes it into the system message; templates that do not use it ignore it). "
+        "None: the template's default.",
+    )
     sampling: SamplingParams = Field(
         default_factory=SamplingParams, description="Sampling parameters."
     )

@@ -6,9 +6,10 @@
            --forward frames (stream) or only the result (stream=False)--> caller
 
 Every failure becomes an ErrorReply (protocol.errors maps engine and Ray exceptions by name);
-nothing a client sends can take the actor down. Text is detokenized inside the decode engine
-(its IncrementalDetokenizer + StopStringMatcher), because stop strings must end generation where
-tokens are produced; this actor forwards it.
+nothing a client sends can take the actor down. The decode engine computes tokens only; this
+actor makes the text (services/text_stage.py: detokenizer, stop strings, harmony channels for
+gpt-oss), aborts a request in the engine once a stop string ends it and bills the tokens the
+client received.
 
 Two ways out, same frames:
   * ``submit_frames`` / ``generate``: async generators (Ray streaming generators) for drivers;
@@ -364,7 +365,8 @@ class TokenizerRouter:
             raise RequestValidationError("this model's store has no tokenizer; send "
                                          "prompt_token_ids instead of text")
         if req.messages is not None:
-            return self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+            extra = {} if req.reasoning_effort is None else {"reasoning_effort": req.reasoning_effort}
+            return self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages], **extra)
         return self.tokenizer.encode(req.prompt)
 
     # ---- health and figures ------------------------------------------------------------------

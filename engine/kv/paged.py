@@ -184,7 +184,7 @@ class PagedKVCache(KVCache):
 
     # ---- data path -------------------------------------------------------------------------
     def store_and_load(self, layer, seq_id, start, k, v):
-        n, end = k.shape[0], start + k.shape[0]
+        end = start + k.shape[0]
         if self._missing(seq_id, end):
             self.allocate(seq_id, end)
         table = self.tables[seq_id]

@@ -196,7 +196,7 @@ class ChatCompletionRequest(_Sampling):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # to the chat template
     modalities: list[str] | None = None
 
     def _messages(self) -> list[ChatMessage]:
@@ -253,7 +253,7 @@ class ChatCompletionRequest(_Sampling):
         sampling = self._sampling(self.max_completion_tokens or self.max_tokens,
                                   DEFAULT_CHAT_MAX_TOKENS, logprobs)
         return GenerateRequest(request_id=request_id, messages=self._messages(), sampling=sampling,
-                               stream=bool(self.stream))
+                               stream=bool(self.stream), reasoning_effort=self.reasoning_effort)
 
 
 class CompletionRequest(_Sampling):

@@ -169,16 +169,30 @@ def store(hf_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("mode", ["ngram", "self", "draft"])
-def test_int4_store_speculation_is_greedy_identical_with_a_minimal_cache(store, mode):
-    from engine.experts.runtime import load_from_store, store_expert_bytes
+def _small_budget(store) -> int:
+    from engine.experts.runtime import store_expert_bytes
 
-    reqs = requests()
-    budget = store_expert_bytes(store) // 4  # 8 of 32 experts: misses every step, and
-    # self-speculation's resident-only routing differs from the full routing (rejections)
+    # 8 of 32 experts: misses every step, and self-speculation's resident-only routing differs
+    # from the full routing (rejections)
+    return store_expert_bytes(store) // 4
+
+
+@pytest.fixture(scope="module")
+def store_plain(store):
+    """Each request alone, plain decoding, on the store with the small cache."""
+    from engine.experts.runtime import load_from_store
+
+    with load_from_store(store, device_budget=_small_budget(store), prefetch_depth=1) as small:
+        return [Engine(small.model, kv=hybrid(small.model)).generate([r])[0].output_ids for r in requests()]
+
+
+@pytest.mark.parametrize("mode", ["ngram", "self", "draft"])
+def test_int4_store_speculation_is_greedy_identical_with_a_minimal_cache(store, store_plain, mode):
+    from engine.experts.runtime import load_from_store
+
+    reqs, want = requests(), store_plain
     with load_from_store(store, prefetch_depth=0) as full:
-        with load_from_store(store, device_budget=budget, prefetch_depth=1) as small:
-            want = [Engine(small.model, kv=hybrid(small.model)).generate([r])[0].output_ids for r in reqs]
+        with load_from_store(store, device_budget=_small_budget(store), prefetch_depth=1) as small:
             cfg = SpeculativeConfig(mode, max_draft=4, cache=small.cache,
                                     draft_model=layer_skip_draft(full.model, 2) if mode == "draft" else None)
             engine = Engine(small.model, kv=hybrid(small.model),

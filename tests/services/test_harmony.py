@@ -86,19 +86,20 @@ def test_harmony_template_renders_through_our_tokenizer(tok, T):
     tail = [T.start] + ids_of(tok, "assistant")  # the generation prompt
     assert ids.count(T.channel) == 1 and ids[-len(tail):] == tail
     assert tok.decode(ids, skip_special_tokens=False) == text
+    # the reasoning effort is a template variable (the API's reasoning_effort)
+    assert "\nReasoning: low\n" in tok.render_chat_template(msgs, reasoning_effort="low")
     # without a system turn there is no developer message
     assert "developer" not in tok.render_chat_template([{"role": "user", "content": "Hi"}])
 
 
-def test_harmony_tokens_only_for_gpt_oss_with_the_control_tokens(tok, T, store_path):
-    from engine.store import ExpertStore
+def test_harmony_tokens_only_for_gpt_oss_with_the_control_tokens(tok, T, tmp_path):
+    from tests.services.conftest import _add_tokenizer
 
     assert harmony_tokens_for("gpt_oss", tok) == T
     assert T.stop_ids == {T.ret, T.call}
     assert harmony_tokens_for("qwen3_moe", tok) is None  # other models: plain text
-    with ExpertStore(store_path) as s:  # the services' word-level tokenizer has no control tokens
-        plain = s.tokenizer()
-    assert harmony_tokens_for("gpt_oss", plain) is None
+    _add_tokenizer(tmp_path, 96)  # the services' word-level tokenizer: no control tokens
+    assert harmony_tokens_for("gpt_oss", Tokenizer.from_hf_dir(tmp_path)) is None
 
 
 # --------------------------------------------------------------------------- the parser
@@ -273,7 +274,7 @@ def test_stop_strings_and_stop_tokens(tok, T):
     assert (n, content) == (ids2.index(T.call) + 1, "Paris.") and stage.stopped
 
 
-def test_plain_stage_parts_are_unchanged(store_path):
+def test_plain_stage_parts_are_unchanged():
     """Other models: the text stage's parts are its text and no reasoning."""
     stage = TextStage(None, [1, 2], (), stop_ids={9})
     assert stage.feed_parts([4, 9, 5]) == (2, "", "")

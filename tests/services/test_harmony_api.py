@@ -203,6 +203,32 @@ def test_streamed_chat_sends_reasoning_deltas_first(served, client):
     assert chunks[-1].usage.completion_tokens == dec.script.index(router.harmony.ret) + 1
 
 
+def test_reasoning_effort_reaches_the_template(served, client):
+    _, router, dec = served
+    tok = router.tokenizer
+    dec.script = _script(router, SCRIPT)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, reasoning_effort="high")
+    prompt = dec.calls[-1][0]
+    assert prompt == tok.apply_chat_template(MESSAGES, reasoning_effort="high")
+    assert "Reasoning: high" in tok.decode(prompt) and prompt != tok.apply_chat_template(MESSAGES)
+    n = len(dec.calls)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                       reasoning_effort="extreme")
+    assert ei.value.body["param"] == "reasoning_effort" and len(dec.calls) == n
+
+
+def test_an_answer_sent_back_with_its_reasoning_is_accepted(served, client):
+    """Clients send earlier answers back as they came; the reasoning is not rendered."""
+    _, router, dec = served
+    dec.script = _script(router, SCRIPT)
+    history = [*MESSAGES, {"role": "assistant", "content": FINAL, "reasoning_content": ANALYSIS},
+               {"role": "user", "content": "And of Japan?"}]
+    client.chat.completions.create(model=MODEL, messages=history, max_tokens=8)
+    plain = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in history]
+    assert dec.calls[-1][0] == router.tokenizer.apply_chat_template(plain)
+
+
 def test_call_ends_the_request_in_the_engine(served, client):
     _, router, dec = served
     T = router.harmony
@@ -263,7 +289,8 @@ def test_served_gpt_oss_store_answers_as_the_reference_parse(ray_cluster, gpt_os
 
     max_tokens = 40
     with load_from_store(gpt_oss_store, dense="bf16") as sm:
-        T = HarmonyTokens.from_tokenizer(sm.tokenizer)
+        tok = sm.tokenizer
+        T = HarmonyTokens.from_tokenizer(tok)
         prompt = sm.tokenizer.apply_chat_template(MESSAGES)
         engine = Engine.for_requests(sm.model, sm.tokenizer, len(prompt) + max_tokens)
         raw = engine.generate([Request(prompt, SamplingConfig(max_tokens=max_tokens,
@@ -292,6 +319,6 @@ def test_served_gpt_oss_store_answers_as_the_reference_parse(ray_cluster, gpt_os
                 content += ch.choices[0].delta.content or ""
                 reasoning += (ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
         assert (content, reasoning) == (want.content, want.reasoning)
-        assert want.content == sm.tokenizer.decode(raw.output_ids[:-1]) != ""  # not lost
+        assert want.content == tok.decode(raw.output_ids[:-1]) != ""  # not lost
     finally:
         app.shutdown()

@@ -183,3 +183,24 @@ def test_llama_cpp_runs_the_converted_gguf_as_moestream_does(converted):
     # measured: max |difference| 3.7e-4 with logits up to 2.3 (llama.cpp's own kernels and order)
     assert np.abs(theirs - ours).max() < 5e-3 * np.abs(ours).max()
     assert (theirs.argmax(-1) == ours.argmax(-1)).mean() > 0.95
+
+
+def test_generate_from_the_gguf_equals_generate_from_the_checkpoint(converted):
+    """`moestream generate --model x.gguf`: the tokenizer comes from the GGUF's tokenizer.ggml.*
+    keys (transformers' AutoTokenizer refuses the qwen3next architecture; the fast tokenizer is
+    built directly) and the text equals the HF checkpoint directory's."""
+    from click.testing import CliRunner
+
+    from engine.loading import load_model
+    from services.cli import main
+
+    _, hf_dir, gguf_path = converted
+    _, tok, _ = load_model(gguf_path)
+    _, hf_tok, _ = load_model(hf_dir)
+    text = "Hello there, tell me about recurrent state 123"
+    assert tok.encode(text) == hf_tok.encode(text) and tok.eos_token_ids == hf_tok.eos_token_ids
+    args = ["generate", "--dense", "fp32", "--max-tokens", "12", text]
+    a = CliRunner().invoke(main, ["generate", "--model", str(gguf_path), *args[1:]])
+    b = CliRunner().invoke(main, ["generate", "--model", str(hf_dir), *args[1:]])
+    assert a.exit_code == 0 and b.exit_code == 0, (a.output, b.output)
+    assert a.stdout == b.stdout and len(a.stdout.strip()) > 0
