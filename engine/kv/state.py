@@ -147,9 +147,6 @@ class RecurrentState:
         the sequences in ``verify`` get a checkpoint per new token (see ``keep``)."""
         for seq_id, ctx, n in zip(layout.seq_ids, layout.context_lens, layout.query_lens):
             self._checkpoints.pop(seq_id, None)  # a new forward: older checkpoints are void
-            if seq_id in verify and n > MAX_CHECKPOINTS:
-                raise RecurrentStateError(f"sequence {seq_id}: a verify forward of {n} tokens; at "
-                                          f"most {MAX_CHECKPOINTS} per-position checkpoints are kept")
             if ctx == 0:
                 s = self.acquire(seq_id)
                 self.conv[:, s].zero_()
@@ -162,7 +159,7 @@ class RecurrentState:
                     + ("does not exist" if have is None else f"stands at position {have}")
                     + "; recompute from 0 or restore a snapshot taken there")
         for seq_id, ctx, n in zip(layout.seq_ids, layout.context_lens, layout.query_lens):
-            if seq_id in verify:
+            if seq_id in verify and n <= MAX_CHECKPOINTS:  # longer: no rollback into it (keep raises)
                 self._checkpoints[seq_id] = (
                     ctx, torch.empty(self.num_layers, n, *self.conv_shape, device=self.device),
                     torch.empty(self.num_layers, n, *self.matrix_shape, device=self.device))

@@ -115,7 +115,9 @@ class Qwen3NextForCausalLM(CausalLM):
 def verify_rows(layout: BatchLayout, rows: list[int] | None) -> frozenset[int]:
     """The sequences of ``layout`` with more than one new token whose every row's logits are
     asked for: speculative verification (engine.runner feeds [last, d_1..d_k] and samples
-    each row), whose state the caller may cut back to any of those positions."""
+    each row), whose state the caller may cut back to any of those positions. (All rows of a
+    longer span, e.g. a prompt's logprobs, are computed but not checkpointed: see
+    engine.kv.state.MAX_CHECKPOINTS.)"""
     if not rows:
         return frozenset()
     wanted = set(rows)

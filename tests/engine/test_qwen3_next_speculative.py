@@ -235,3 +235,20 @@ def test_recurrent_draft_model_rolls_back_its_own_state(model):
     assert d.fed == kept + d.fed[33:] and len(d.fed) == 36
     earlier = history[:20] + [(history[20] + 1) % 96]  # diverges before any snapshot: prefill again
     assert d.propose(earlier, 4, ctx)[0] == fresh(earlier)
+
+
+def test_all_rows_of_a_long_span_are_computed_without_checkpoints(model):
+    """Every row of a span longer than a verify row can hold (e.g. prompt logprobs): the logits
+    come back and nothing is checkpointed; a rollback into it is refused."""
+    from engine.kv.state import MAX_CHECKPOINTS
+
+    kv = hybrid(model)
+    n = MAX_CHECKPOINTS + 5
+    prompt = torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(3))
+    logits = model(prompt, BatchLayout.single(0, n, 0), kv, rows=list(range(n)))
+    assert logits.shape == (n, model.config.vocab_size) and kv.state._checkpoints == {}
+    with pytest.raises(RecurrentStateError, match="none kept"):
+        kv.keep(0, n - 1)
+    short = model(prompt[:MAX_CHECKPOINTS], BatchLayout.single(1, MAX_CHECKPOINTS, 0), kv,
+                  rows=list(range(MAX_CHECKPOINTS)))
+    assert short.shape[0] == MAX_CHECKPOINTS and kv.state._checkpoints[1][1].shape[1] == MAX_CHECKPOINTS

@@ -343,6 +343,38 @@ def test_speculative_batch_of_8_through_http_is_greedy_identical(app, aclient, r
     assert s["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("mode", ["self", "draft"])
+def test_every_server_speculative_mode_through_http(ray_cluster, deploy_config, store_path, reference, mode):
+    """A deployment per remaining server mode (`--speculative self`, `draft:PATH`), 8 concurrent
+    HTTP requests: each gives the in-process engine's plain greedy text alone, with drafts."""
+    from services.app import deploy
+    from services.http.server import HttpSettings
+
+    spec = f"draft:{store_path.parent / 'hf'}" if mode == "draft" else mode
+    cfg = deploy_config.model_copy(update={"namespace": f"moestream-spec-{mode}", "speculative": spec,
+                                           "loaders": 1})
+    app = deploy(cfg)
+    try:
+        host, port = app.start_http(HttpSettings(port=0, namespace=cfg.namespace, model_name=MODEL))
+        prompts = [([9 + i, 21, 30, 9 + i, 21, 30, 45] * 3)[: 8 + 2 * i] for i in range(8)]
+
+        async def one(i):
+            c = openai.AsyncOpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0,
+                                   timeout=120)
+            r = await c.completions.create(model=MODEL, prompt=prompts[i], max_tokens=12, temperature=0)
+            return r.choices[0].text, r.usage.model_extra.get("speculative")
+
+        async def all_():
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+        results = asyncio.run(all_())
+        assert [t for t, _ in results] == [reference.text(p, 12) for p in prompts]
+        assert sum(s["draft_tokens"] for _, s in results) > 0
+        assert sum(s["accepted_tokens"] for _, s in results) > 0
+    finally:
+        app.shutdown()
+
+
 # --------------------------------------------------------------------------- refusals
 
 
