@@ -39,11 +39,11 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def time_ours(model, prompt: list[int], new: int) -> tuple[float, float]:
-    from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
+    from engine.runner import stream_request
 
     stats = None
-    for _, _, stats in generate_ids(model, prompt, SamplingConfig(max_tokens=new, ignore_eos=True)):
+    for _, stats in stream_request(model, prompt, SamplingConfig(max_tokens=new, ignore_eos=True)):
         pass
     return stats.prefill_tps, stats.decode_tps
 

@@ -195,8 +195,7 @@ class Engine:
             if drafts:
                 # the K/V of rejected drafts is stale: resume after the last accepted one
                 seq.num_computed_tokens = ctx + n - len(drafts) + accepted
-                if hasattr(self.kv, "keep"):  # a cache with recurrent state rolls it back too
-                    self.kv.keep(seq.seq_id, seq.num_computed_tokens)
+                self.kv.keep(seq.seq_id, seq.num_computed_tokens)  # recurrent state rolls back too
                 self._drafted += len(drafts)
                 self._accepted += accepted
             if spec is not None and spec.started and n - len(drafts) == 1:  # a decode row

@@ -60,6 +60,12 @@ class KVCache(ABC):
     def free(self, seq_id: int) -> None:
         """Drop everything cached for ``seq_id``."""
 
+    def keep(self, seq_id: int, n_tokens: int) -> None:
+        """After speculative verification: ``seq_id`` continues from ``n_tokens`` (rejected
+        drafts lie beyond). Positional K/V needs nothing (stale entries are overwritten before
+        they are read); a cache with recurrent state restores the state at ``n_tokens``
+        (engine.kv.state.HybridKVCache)."""
+
     def native_view(self, layout: BatchLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For the fused step (engine.step): make room for every sequence of ``layout`` (its context
         plus its new tokens) and return (storage [L, 2, NB, BS, Nkv, D], block tables int32
