@@ -8,6 +8,8 @@ Routed experts are not parameters: they come through each SparseMoE's ExpertProv
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -27,12 +29,17 @@ def last_rows(layout: BatchLayout) -> list[int]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). Architectures pass
+    their own attention / MLP modules (gpt-oss's sinks attention, DeepSeek's MLA); the default
+    is standard attention and a SparseMoE or dense SwiGLU by the config."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = attn if attn is not None else Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = (
+        self.mlp: nn.Module = mlp if mlp is not None else (
             SparseMoE(cfg, layer) if cfg.is_moe_layer(layer)
             else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         )
@@ -42,19 +49,22 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+LayerFactory = Callable[[ModelConfig, int], nn.Module]
+
+
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: LayerFactory = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: LayerFactory = DecoderLayer) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Decoder(cfg)
+        self.model = Decoder(cfg, layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions=min(cfg.max_position_embeddings, 4096))
 

@@ -31,11 +31,10 @@ from engine.errors import ModelFormatError
 from engine.layers.mla import MLAttention, latent_half
 from engine.layers.mlp import SwiGLU
 from engine.layers.moe import SparseMoE
-from engine.layers.norm import RMSNorm
 from engine.layers.rope import Rotary
 from engine.layers.routing import GroupLimitedSigmoidRouter
 from engine.loading.source import expert_name
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, DecoderLayer
 from engine.models.gpt_oss import _int
 from engine.models.spec import ArchSpec
 
@@ -367,38 +366,19 @@ class DeepseekMoE(SparseMoE):
                                               p.topk_group, m.norm_topk_prob, p.routed_scaling_factor)
 
 
-class DeepseekLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
-        p = cfg.arch_params
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg.hidden_size, cfg.num_heads, p.q_lora_rank, p.kv_lora_rank,
-                                     p.qk_nope_head_dim, p.qk_rope_head_dim, p.v_head_dim,
-                                     cfg.attention_bias, p.softmax_scale(cfg), p.rope_interleave, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = (DeepseekMoE(cfg, layer) if cfg.is_moe_layer(layer)
-                               else SwiGLU(cfg.hidden_size, cfg.intermediate_size))
-
-    def forward(self, x, cos, sin, layout, kv):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class _Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+def deepseek_layer(cfg: ModelConfig, layer: int) -> DecoderLayer:
+    """MLA, and DeepSeek's MoE on sparse layers (the first first_k_dense_replace are dense)."""
+    p = cfg.arch_params
+    attn = MLAttention(cfg.hidden_size, cfg.num_heads, p.q_lora_rank, p.kv_lora_rank,
+                       p.qk_nope_head_dim, p.qk_rope_head_dim, p.v_head_dim,
+                       cfg.attention_bias, p.softmax_scale(cfg), p.rope_interleave, layer)
+    mlp = DeepseekMoE(cfg, layer) if cfg.is_moe_layer(layer) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+    return DecoderLayer(cfg, layer, attn=attn, mlp=mlp)
 
 
 class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = _Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = None  # built by the setter below
+        super().__init__(cfg, deepseek_layer)
 
     # RoPE turns only the qk_rope_head_dim decoupled dims (config.head_dim is the cached latent
     # half): whatever table engine.models.load assigns after building on the meta device, the

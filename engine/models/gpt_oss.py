@@ -30,12 +30,10 @@ from torch import nn
 from engine.config import ModelConfig, MoEConfig, _number, _rope_from_hf, token_ids
 from engine.errors import ModelFormatError
 from engine.layers.moe import Expert, SparseMoE
-from engine.layers.norm import RMSNorm
-from engine.layers.rope import Rotary
 from engine.layers.routing import BiasedSoftmaxRouter
 from engine.layers.sinks_attention import SinkAttention
 from engine.loading.source import expert_name
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, DecoderLayer
 from engine.models.spec import ArchSpec
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -278,35 +276,17 @@ class GptOssMoE(SparseMoE):
         return expert_linear(clamped_swiglu(g, u, self.alpha, self.limit), expert.down) + self.down_proj_bias[e]
 
 
-class GptOssLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SinkAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                       layer, cfg.arch_params.window(layer))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GptOssMoE(cfg, layer)
-
-    def forward(self, x, cos, sin, layout, kv):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class _Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GptOssLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+def gpt_oss_layer(cfg: ModelConfig, layer: int) -> DecoderLayer:
+    """Sinks attention (windowed on alternate layers) and the biased, clamped-SwiGLU MoE."""
+    return DecoderLayer(cfg, layer,
+                        attn=SinkAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                           layer, cfg.arch_params.window(layer)),
+                        mlp=GptOssMoE(cfg, layer))
 
 
 class GptOssForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = _Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions=min(cfg.max_position_embeddings, 4096))
+        super().__init__(cfg, gpt_oss_layer)
 
     def native_step(self):
         return None  # sinks, windows and expert biases: the torch layers
