@@ -106,6 +106,7 @@ def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: 
         result = stream_to(client.generate(messages=[{"role": "user", "content": question}],
                                            sampling={"max_tokens": max_tokens, "temperature": 0.0}), out)
         out.write("\n")
+        out.flush()  # before the figures line on stderr
         u = result.usage
         figures = dict(text=result.text, prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                        decode_tps=u.decode_tokens_per_s, prefill_tps=u.prefill_tokens_per_s,
