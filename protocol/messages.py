@@ -34,6 +34,7 @@ PROTOCOL_VERSION = 1
 MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_NEW_TOKENS = 1_000_000
+DEFAULT_MAX_TOKENS = 256  # when a request gives no max_tokens
 MAX_TOKEN_ID = 2**31 - 1  # the engine checks ids against the vocabulary; this keeps int32 safe
 MAX_CHAT_MESSAGES = 256
 MAX_N = 8
@@ -195,12 +196,13 @@ class SamplingParams(StrictModel):
         description="Random seed for this request (0..2^63-1); the same seed gives the same "
         "tokens alone or in a batch. None draws one.",
     )
-    max_tokens: int = Field(
-        256,
+    max_tokens: int | None = Field(
+        None,
         ge=1,
         le=MAX_NEW_TOKENS,
-        description=f"Most tokens to generate, 1..{MAX_NEW_TOKENS}; the engine also rejects "
-        "prompt + max_tokens beyond the model's context.",
+        description=f"Most tokens to generate, 1..{MAX_NEW_TOKENS}; the engine rejects prompt + "
+        f"max_tokens beyond the model's context. None: {DEFAULT_MAX_TOKENS}, lowered by the router "
+        "to what the context leaves after the prompt.",
     )
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
         default_factory=list,

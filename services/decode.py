@@ -29,6 +29,7 @@ import torch
 from engine.errors import MoestreamError
 from engine.layers.sampler import SamplingConfig
 from protocol import ErrorReply, GenerateResult, HealthReply, SamplingParams, TokenChunk, Usage, encode
+from protocol.messages import DEFAULT_MAX_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class EngineDeadError(MoestreamError):
 def sampling_config(p: SamplingParams | dict) -> SamplingConfig:
     """Wire sampling parameters -> the engine's SamplingConfig (validated again there)."""
     p = p if isinstance(p, SamplingParams) else SamplingParams.model_validate(p)
-    return SamplingConfig(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
+    return SamplingConfig(max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS, temperature=p.temperature, top_k=p.top_k,
                           top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
                           presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                           seed=p.seed, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),

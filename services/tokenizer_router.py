@@ -38,7 +38,7 @@ from protocol import (
     encode,
 )
 from protocol.codec import DEFAULT_MAX_FRAME_BYTES
-from protocol.messages import MAX_STOP_TOKEN_IDS
+from protocol.messages import DEFAULT_MAX_TOKENS, MAX_STOP_TOKEN_IDS
 from services.text_stage import HarmonyTextStage, TextStage
 
 log = logging.getLogger(__name__)
@@ -76,12 +76,14 @@ class TokenizerRouter:
         self.tokenizer = tokenizer
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", ()))
         arch = None
+        self.context: int | None = None  # the model's context, in tokens
         if self.config.store is not None:
             from engine.store.reader import ExpertStore
 
             with ExpertStore(self.config.store) as store:
                 self.eos_ids |= set(store.config.eos_token_ids)
                 arch = store.config.arch
+                self.context = store.config.max_position_embeddings
         # gpt-oss writes harmony (engine.harmony): chat answers are split into reasoning and
         # answer, and <|return|> / <|call|> end every request as end-of-sequence tokens do
         from engine.harmony import harmony_tokens_for
@@ -221,6 +223,9 @@ class TokenizerRouter:
             stop_sent = False
             sampling = {**req.sampling.model_dump(), "stop": [],
                         "stop_token_ids": engine_stop_ids}
+            if sampling["max_tokens"] is None:  # the default never runs past the context
+                room = self.context - len(prompt_ids) if self.context is not None else DEFAULT_MAX_TOKENS
+                sampling["max_tokens"] = max(1, min(DEFAULT_MAX_TOKENS, room))
             stream = self.decode.generate.remote(rid, prompt_ids, sampling)
             while True:
                 remaining = deadline - time.monotonic()

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from protocol import ChatMessage, GenerateRequest, SamplingParams
 from protocol.messages import MAX_CHAT_MESSAGES, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_PROMPT_CHARS
 
-DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI: until the context ends; here a bound the engine checks
+# chat without max_tokens: OpenAI generates until the context ends; here the wire default (256),
+# lowered by the router to what the context leaves after the prompt
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -141,9 +142,12 @@ class _Sampling(_Body):
                               code="invalid_value")
         return stop
 
-    def _sampling(self, max_tokens: int | None, default_max: int, logprobs: int | None) -> SamplingParams:
-        kw: dict[str, Any] = {"max_tokens": max_tokens or default_max, "stop": self._stop_list(),
-                              "logprobs": logprobs}
+    def _sampling(self, max_tokens: int | None, default_max: int | None, logprobs: int | None) -> SamplingParams:
+        """``default_max`` None: the wire default (256), which the router lowers to what the
+        context leaves after the prompt."""
+        kw: dict[str, Any] = {"stop": self._stop_list(), "logprobs": logprobs}
+        if max_tokens or default_max:
+            kw["max_tokens"] = max_tokens or default_max
         for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                      "min_p", "repetition_penalty", "speculative", "num_speculative_tokens"):
             v = getattr(self, name)
@@ -251,7 +255,7 @@ class ChatCompletionRequest(_Sampling):
                               code="invalid_value")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         sampling = self._sampling(self.max_completion_tokens or self.max_tokens,
-                                  DEFAULT_CHAT_MAX_TOKENS, logprobs)
+                                  None, logprobs)
         return GenerateRequest(request_id=request_id, messages=self._messages(), sampling=sampling,
                                stream=bool(self.stream), reasoning_effort=self.reasoning_effort)
 

@@ -218,7 +218,6 @@ BAD_SAMPLING = [
     ("max_tokens", 1_000_001),
     ("max_tokens", "16"),
     ("max_tokens", 16.0),
-    ("max_tokens", None),
     ("stop", ["x"] * 100_000),
     ("stop", ["x"] * 17),
     ("stop", [""]),

@@ -375,6 +375,18 @@ def test_every_server_speculative_mode_through_http(ray_cluster, deploy_config, 
         app.shutdown()
 
 
+def test_chat_without_max_tokens_fits_the_context(client, reference):
+    """No max_tokens: the default never pushes prompt + output past the model's context (the
+    test model's is 256 tokens), it is lowered to what the context leaves."""
+    words = "the capital of france is paris " * 30
+    msgs = [{"role": "user", "content": words}]
+    n_prompt = len(chat_ids(reference, msgs))
+    assert n_prompt + 256 > 256  # the plain default would be refused
+    r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0)
+    assert r.usage.prompt_tokens == n_prompt
+    assert 1 <= r.usage.completion_tokens <= 256 - n_prompt
+
+
 # --------------------------------------------------------------------------- refusals
 
 
