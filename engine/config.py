@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from engine.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError, quote
 
@@ -202,6 +202,24 @@ class LinearAttentionConfig:
         """(conv window, delta-rule matrix) elements one layer keeps per sequence."""
         return (self.conv_dim * (self.conv_kernel - 1),
                 self.num_value_heads * self.key_head_dim * self.value_head_dim)
+
+
+REQUIRED: Any = ...  # gguf_keys: no default, the key must be there
+
+
+def gguf_keys(meta: Mapping[str, Any], prefix: str, source: object) -> Callable[..., Any]:
+    """``get(key, default=REQUIRED)``: the GGUF metadata value of ``{prefix}.{key}``, ``default``
+    when it is absent; a ModelFormatError naming the key when it is absent and required. One
+    reader for the generic parser and the architectures that parse their own keys."""
+
+    def get(key: str, default: Any = REQUIRED) -> Any:
+        full = f"{prefix}.{key}"
+        if full in meta:
+            return meta[full]
+        if default is REQUIRED:
+            raise ModelFormatError(source, f"missing GGUF metadata key {full!r}")
+        return default
+    return get
 
 
 @dataclass(frozen=True)
@@ -501,14 +519,7 @@ class ModelConfig:
         if arch == "llama" and int(meta.get("llama.expert_count", 0) or 0) > 0:
             arch = "mixtral"  # llama.cpp writes Mixtral as a llama with experts
 
-        def need(key: str) -> Any:
-            full = f"{garch}.{key}"
-            if full not in meta:
-                raise ModelFormatError(source, f"missing GGUF metadata key {full!r}")
-            return meta[full]
-
-        def get(key: str, default: Any) -> Any:
-            return meta.get(f"{garch}.{key}", default)
+        need = get = gguf_keys(meta, garch, source)
 
         try:
             hidden = int(need("embedding_length"))

@@ -284,6 +284,10 @@ class DecodeService:
 
             configure(native_threads=cfg.compute_threads or 0)
             self.sm.model.native_step()
+            if self.sm.store.config.linear_attn is not None:  # Qwen3-Next's DeltaNet decode kernel
+                from engine.layers.deltanet_native import extension
+
+                extension()
         model_cfg = self.sm.store.config
         self.kv = kv_cache_from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size, dtype=dtype,
                                        device=self.device, max_seqs=cfg.max_num_seqs)

@@ -143,7 +143,7 @@ class SyntheticExpertStore:
         return RAMExpertSource(self, pin_memory=pin_memory)
 
     def close(self) -> None:
-        pass
+        """Nothing to release (no files): the ExpertStore interface the cache calls on shutdown."""
 
 
 class RAMExpertSource(ExpertSource):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,11 @@ _ext: list = []  # [module or None] once tried
 def _build(flags: list[str]) -> Any:
     from torch.utils.cpp_extension import load
 
-    from engine.quant.kernels import _cpu_flags
+    from engine.quant.kernels import _cpu_flags, extension_dir
 
     h = hashlib.sha256(SOURCE.read_bytes())
     h.update(" ".join([torch.__version__, *flags, _cpu_flags()]).encode())
-    root = Path(os.environ.get("MOESTREAM_CACHE", Path.home() / ".cache" / "moestream"))
-    d = root / "torch_extensions" / f"moestream_deltanet_{h.hexdigest()[:12]}"
+    d = extension_dir(f"moestream_deltanet_{h.hexdigest()[:12]}")
     d.mkdir(parents=True, exist_ok=True)
     return load(name=d.name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(d))
 
@@ -56,7 +54,7 @@ def extension() -> Any:
 def enabled() -> bool:
     from engine.options import options
 
-    return bool(getattr(options(), "fused_step", True))
+    return options().fused_step
 
 
 def decode_step(window, weight, x, state, g, beta, nk: int, dk: int, dv: int) -> torch.Tensor | None:

@@ -87,27 +87,34 @@ def iter_expected(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         if c.qk_norm:
             yield p + "self_attn.q_norm.weight", (D,)
             yield p + "self_attn.k_norm.weight", (D,)
-        if c.is_moe_layer(i):
-            m = c.moe
-            assert m is not None  # is_moe_layer is False without a MoE config
-            I = m.expert_intermediate_size
-            yield p + "mlp.gate.weight", (m.num_experts, H)
-            for j in range(m.num_experts):
-                yield expert_name(i, j, "gate_proj"), (I, H)
-                yield expert_name(i, j, "up_proj"), (I, H)
-                yield expert_name(i, j, "down_proj"), (H, I)
-            S = m.shared_expert_intermediate_size
-            if S:
-                yield p + "mlp.shared_expert.gate_proj.weight", (S, H)
-                yield p + "mlp.shared_expert.up_proj.weight", (S, H)
-                yield p + "mlp.shared_expert.down_proj.weight", (H, S)
-                if m.shared_expert_gate:
-                    yield p + "mlp.shared_expert_gate.weight", (1, H)
-        else:
-            I = c.intermediate_size
-            yield p + "mlp.gate_proj.weight", (I, H)
-            yield p + "mlp.up_proj.weight", (I, H)
-            yield p + "mlp.down_proj.weight", (H, I)
+        yield from mlp_tensors(c, i)
+
+
+def mlp_tensors(c: ModelConfig, i: int):
+    """(name, shape) of layer ``i``'s feed-forward part: the router, every routed expert and the
+    (gated) shared expert of a sparse layer, or a dense SwiGLU."""
+    p, H = f"model.layers.{i}.", c.hidden_size
+    if c.is_moe_layer(i):
+        m = c.moe
+        assert m is not None  # is_moe_layer is False without a MoE config
+        I = m.expert_intermediate_size
+        yield p + "mlp.gate.weight", (m.num_experts, H)
+        for j in range(m.num_experts):
+            yield expert_name(i, j, "gate_proj"), (I, H)
+            yield expert_name(i, j, "up_proj"), (I, H)
+            yield expert_name(i, j, "down_proj"), (H, I)
+        S = m.shared_expert_intermediate_size
+        if S:
+            yield p + "mlp.shared_expert.gate_proj.weight", (S, H)
+            yield p + "mlp.shared_expert.up_proj.weight", (S, H)
+            yield p + "mlp.shared_expert.down_proj.weight", (H, S)
+            if m.shared_expert_gate:
+                yield p + "mlp.shared_expert_gate.weight", (1, H)
+    else:
+        I = c.intermediate_size
+        yield p + "mlp.gate_proj.weight", (I, H)
+        yield p + "mlp.up_proj.weight", (I, H)
+        yield p + "mlp.down_proj.weight", (H, I)
 
 
 def check_declared_counts(config: ModelConfig, source: TensorSource) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from engine.config import ModelConfig, MoEConfig, _number, _rope_from_hf, token_ids
+from engine.config import REQUIRED, ModelConfig, MoEConfig, _number, _rope_from_hf, gguf_keys, token_ids
 from engine.errors import ModelFormatError
 from engine.layers.mla import MLAttention, latent_half
 from engine.layers.mlp import SwiGLU
@@ -304,15 +304,11 @@ def gguf_split(gname: str, shape: tuple[int, ...], config: ModelConfig):
 def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
     from engine.config import RopeConfig
 
-    def get(key: str, default: Any = None) -> Any:
-        v = meta.get(f"deepseek2.{key}", default)
-        if v is None:
-            raise ModelFormatError(source, f"missing GGUF metadata key 'deepseek2.{key}'")
-        return v
+    get = gguf_keys(meta, "deepseek2", source)
 
     layers, hidden, heads = int(get("block_count")), int(get("embedding_length")), int(get("attention.head_count"))
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
+    vocab = int(get("vocab_size", len(tokens) if tokens is not None else REQUIRED))
     rank, rope_dim = int(get("attention.kv_lora_rank")), int(get("rope.dimension_count"))
     qk = int(get("attention.key_length_mla"))
     if int(get("attention.key_length", rank + rope_dim)) != rank + rope_dim:

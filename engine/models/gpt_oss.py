@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig, MoEConfig, _number, _rope_from_hf, token_ids
+from engine.config import REQUIRED, ModelConfig, MoEConfig, _number, _rope_from_hf, gguf_keys, token_ids
 from engine.errors import ModelFormatError
 from engine.layers.moe import Expert, SparseMoE
 from engine.layers.routing import BiasedSoftmaxRouter
@@ -321,15 +321,11 @@ def gguf_split(gname: str, shape: tuple[int, ...], config: ModelConfig):
 
 
 def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
-    def get(key: str, default: Any = None) -> Any:
-        v = meta.get(f"gpt-oss.{key}", default)
-        if v is None:
-            raise ModelFormatError(source, f"missing GGUF metadata key 'gpt-oss.{key}'")
-        return v
+    get = gguf_keys(meta, "gpt-oss", source)
 
     layers, hidden, heads = int(get("block_count")), int(get("embedding_length")), int(get("attention.head_count"))
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
+    vocab = int(get("vocab_size", len(tokens) if tokens is not None else REQUIRED))
     scaling = get("rope.scaling.type", "none")
     from engine.config import RopeConfig
 

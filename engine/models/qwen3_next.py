@@ -26,7 +26,6 @@ from engine.layers.gated_attention import GatedAttention
 from engine.layers.mlp import SwiGLU
 from engine.layers.moe import SparseMoE
 from engine.layers.rope import Rotary
-from engine.loading.source import expert_name
 from engine.models.base import CausalLM
 from engine.threads import step_threads
 
@@ -128,6 +127,8 @@ def verify_rows(layout: BatchLayout, rows: list[int] | None) -> frozenset[int]:
 def expected_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(canonical name, shape) of every tensor a Qwen3-Next config implies, in layer order
     (engine.loading.validate)."""
+    from engine.loading.validate import mlp_tensors
+
     la = c.linear_attn
     assert la is not None
     V, H, D = c.vocab_size, c.hidden_size, c.head_dim
@@ -162,26 +163,7 @@ def expected_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
                 yield a + "o_proj.bias", (H,)
             yield a + "q_norm.weight", (D,)
             yield a + "k_norm.weight", (D,)
-        if c.is_moe_layer(i):
-            m = c.moe
-            assert m is not None
-            I = m.expert_intermediate_size
-            yield p + "mlp.gate.weight", (m.num_experts, H)
-            for j in range(m.num_experts):
-                yield expert_name(i, j, "gate_proj"), (I, H)
-                yield expert_name(i, j, "up_proj"), (I, H)
-                yield expert_name(i, j, "down_proj"), (H, I)
-            S = m.shared_expert_intermediate_size
-            if S:
-                yield p + "mlp.shared_expert.gate_proj.weight", (S, H)
-                yield p + "mlp.shared_expert.up_proj.weight", (S, H)
-                yield p + "mlp.shared_expert.down_proj.weight", (H, S)
-                yield p + "mlp.shared_expert_gate.weight", (1, H)
-        else:
-            I = c.intermediate_size
-            yield p + "mlp.gate_proj.weight", (I, H)
-            yield p + "mlp.up_proj.weight", (I, H)
-            yield p + "mlp.down_proj.weight", (H, I)
+        yield from mlp_tensors(c, i)
 
 
 def info_lines(cfg: ModelConfig, human) -> list[str]:

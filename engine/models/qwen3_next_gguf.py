@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import REQUIRED, ModelConfig, gguf_keys
 from engine.errors import ModelFormatError
 
 _CENTRED = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -43,17 +43,13 @@ def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
     """The ModelConfig of a ``qwen3next`` GGUF: its keys as the config.json they came from, read
     by the one Qwen3-Next config parser (engine.config.ModelConfig.from_hf_dict)."""
 
-    def get(key: str, default: Any = ...) -> Any:
-        v = meta.get(f"qwen3next.{key}", default)
-        if v is ...:
-            raise ModelFormatError(source, f"missing GGUF metadata key 'qwen3next.{key}'")
-        return v
+    get = gguf_keys(meta, "qwen3next", source)
 
     layers, heads = int(get("block_count")), int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", hidden // heads))
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = get("vocab_size", len(tokens) if tokens is not None else ...)
+    vocab = get("vocab_size", len(tokens) if tokens is not None else REQUIRED)
     nk, nv = int(get("ssm.group_count")), int(get("ssm.time_step_rank"))
     inner = int(get("ssm.inner_size"))
     if nv < 1 or inner % nv:

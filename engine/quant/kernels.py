@@ -106,8 +106,15 @@ def _cache_dir(isa: str, flags: list[str]) -> Path:
     for f in [*_sources(isa), *(CSRC / n for n in HEADERS)]:
         h.update(f.read_bytes())
     h.update(" ".join([torch.__version__, *flags, _cpu_flags()]).encode())
+    return extension_dir(f"moestream_{isa}_{h.hexdigest()[:12]}")
+
+
+def extension_dir(name: str) -> Path:
+    """Where a native extension is built and cached: ``~/.cache/moestream/torch_extensions/NAME``
+    (``MOESTREAM_CACHE`` moves the root). Names carry a hash of the sources, torch's version, the
+    flags and the CPU, so a change builds anew beside the old."""
     root = Path(os.environ.get("MOESTREAM_CACHE", Path.home() / ".cache" / "moestream"))
-    return root / "torch_extensions" / f"moestream_{isa}_{h.hexdigest()[:12]}"
+    return root / "torch_extensions" / name
 
 
 @functools.lru_cache(maxsize=1)
