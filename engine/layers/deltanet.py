@@ -34,6 +34,15 @@ from engine.layers.deltanet_native import decode_step
 CHUNK = 64
 
 
+def _use_triton(device: torch.device) -> bool:
+    """The decode step runs as the Triton kernels (engine.layers.deltanet_triton) on CUDA."""
+    if device.type != "cuda":
+        return False
+    from engine.layers import deltanet_triton
+
+    return deltanet_triton.supports(device)
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -141,7 +150,13 @@ class GatedDeltaNet(nn.Module):
 
     def _token(self, x, window, weight, matrix, g, beta) -> torch.Tensor:
         """One token [C] -> o [Nv, Dv]: the fused native step where it runs
-        (engine/csrc/deltanet.cpp), else the torch reference; window and matrix advance."""
+        (engine/csrc/deltanet.cpp), the Triton step on CUDA (engine.layers.deltanet_triton), else
+        the torch reference; window and matrix advance."""
+        if _use_triton(x.device):
+            from engine.layers import deltanet_triton
+
+            return deltanet_triton.decode_step(window, weight, x.contiguous(), matrix, g.contiguous(),
+                                               beta.contiguous(), self.nk, self.dk, self.dv)
         o = decode_step(window, weight, x, matrix, g.contiguous(), beta.contiguous(), self.nk, self.dk, self.dv)
         if o is not None:
             return o
