@@ -228,14 +228,20 @@ class SparseMoE(nn.Module):
         routing = self.gate(x, provider.allowed_experts(self.layer))  # route
         for observe in self.observers:
             observe(self.layer, routing.ids)
+        return self.experts_and_shared(x, routing, provider)
+
+    def experts_and_shared(self, x: torch.Tensor, routing: Routing, provider: ExpertProvider) -> torch.Tensor:
+        """fetch + compute + combine of routed rows, plus the (gated) shared expert: [T, H]."""
         grouped = self._grouped_layout(provider, x)
         if grouped is not None:
             out = self._routed_grouped(x, routing, provider, grouped)
         else:
             out = self._routed_per_expert(x, routing, provider)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out
+        return out + self.shared(x) if self.shared_expert is not None else out
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output, times its sigmoid gate where it has one."""
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared

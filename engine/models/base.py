@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.cuda_graphs import mlp_residual, prepare as prepare_graphs
+from engine.cuda_graphs import reset as reset_graphs
 from engine.kv.base import BatchLayout, KVCache
 from engine.layers.attention import Attention
 from engine.layers.mlp import SwiGLU
@@ -46,7 +48,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, layout, kv):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return mlp_residual(self, x)  # x + mlp(norm(x)): per-layer graphs where they are on
 
 
 LayerFactory = Callable[[ModelConfig, int], nn.Module]
@@ -80,8 +82,10 @@ class CausalLM(nn.Module):
         return cached[1]
 
     def invalidate_native_step(self) -> None:
-        """Call after swapping modules (engine.quant.linear does)."""
+        """Call after swapping modules (engine.quant.linear does): the native step and any
+        captured CUDA graphs read the old ones."""
         self.__dict__.pop("_native", None)
+        reset_graphs(self)
 
     @property
     def moe_blocks(self) -> list[SparseMoE]:
@@ -100,7 +104,9 @@ class CausalLM(nn.Module):
             out = native.forward(self, tokens, layout, kv, all_logits, rows) if native is not None else None
             if out is not None:
                 return out
-            # the torch layers: the reference path
+            # the torch layers: the reference path (feed-forward halves through per-layer CUDA
+            # graphs on a GPU: engine.cuda_graphs)
+            prepare_graphs(self, device)
             positions = layout.positions().to(device)
             cos, sin = self.rotary.cos_sin(positions)
             x = self.model.embed_tokens(tokens)

@@ -26,6 +26,7 @@ from engine.layers.gated_attention import GatedAttention
 from engine.layers.mlp import SwiGLU
 from engine.layers.moe import SparseMoE
 from engine.layers.rope import Rotary
+from engine.cuda_graphs import mlp_residual, prepare as prepare_graphs
 from engine.models.base import CausalLM
 from engine.threads import step_threads
 
@@ -47,7 +48,7 @@ class HybridLayer(nn.Module):
         h = self.input_layernorm(x)
         h = self.linear_attn(h, layout, state) if self.linear else self.self_attn(h, cos, sin, layout, kv)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return mlp_residual(self, x)  # x + mlp(norm(x)): per-layer graphs where they are on
 
 
 class HybridDecoder(nn.Module):
@@ -91,6 +92,7 @@ class Qwen3NextForCausalLM(CausalLM):
         with step_threads(tokens.shape[0], device):
             cos, sin = self.rotary.cos_sin(layout.positions().to(device))
             x = self.model.embed_tokens(tokens)
+            prepare_graphs(self, device)
             for layer in self.model.layers:
                 x = layer(x, cos, sin, layout, kv, state)
             state.advance(layout)

@@ -1,0 +1,395 @@
+"""Per-layer CUDA graphs of a decoder layer's feed-forward half, for decode batch buckets.
+
+A decode step on a GPU is launch-bound: a sparse layer's MoE half is ~20 kernel launches
+(norm, router, softmax, top-k, renormalisation, slot-map gather, two grouped expert launches,
+the shared expert's linears and gate, adds) of a few microseconds of work each. Here the static
+part of it is captured once per (layer, bucket) and replayed as one graph launch. A whole-step
+graph is not the goal: it would replay only when every one of a step's ~480 expert lookups were
+resident, and attention over a variable-length paged KV is not static.
+
+A sparse layer's half is two graphs, split where the host must see the routing:
+
+    route    h = post_attention_layernorm(x);  weights, ids = router(h)          [B rows]
+    (host)   the expert cache acquires the distinct ids: misses are copied in (and the device
+             slot map updated) before the replay below; prefetch for the next layers starts
+    experts  pair = slot_map[layer][ids];  y = grouped_moe(h, weights, pair) (+ shared expert);
+             out = x + y
+
+The slot map is read by the replay, on the device, so a graph follows whatever slots the cache
+chose this step. A dense (SwiGLU) layer's half is one graph: out = x + mlp(norm(x)). Attention
+(and its norm) stays eager: it reads each sequence's context through the paged KV.
+
+Buckets: rows 1, 2, 4, ..., 64 and the speculative verify shapes n (k + 1) for draft lengths k;
+a step of ``rows`` rows uses the smallest bucket >= rows. Its inputs go into the bucket's static
+buffer with the padding rows copied from row 0 (one index_select), so padding routes to experts
+row 0 already uses: it never reads a slot the cache did not acquire, and it adds no expert. Rows
+never mix (norms, linears and the grouped kernels are per row), so a row's output does not
+depend on the padding. The result is a view of the graph's static output, valid until the same
+(layer, bucket) replays (the next step: the caller consumes it before).
+
+The eager layers are the reference, and run whenever a graph cannot: more rows than the largest
+bucket, restricted routing (self-speculative drafts), a provider without a slot pool, experts
+computed on the CPU, a step that needs more distinct experts than the cache can pin at once.
+
+Graphs come from a factory: :class:`CudaGraph` captures with ``torch.cuda.CUDAGraph`` (one memory
+pool shared by all graphs of a model: they replay one after another on one stream);
+:class:`RecordedGraph` is the CPU seam the tests use: it records the callable at capture and
+re-runs it at replay. The callables communicate only through static buffers and tensors bound
+at capture (the slot pool, the slot map row), never through Python values computed per step, so
+what the seam replays is what a CUDA graph would. On by default on CUDA (``cuda_graphs`` option,
+``MOESTREAM_CUDA_GRAPHS=0`` turns it off); off elsewhere unless :func:`enable` says otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from engine.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 64
+VERIFY_DRAFTS = (4, 8)  # draft lengths whose verify shapes n * (k + 1) get their own bucket
+
+
+def decode_buckets(max_rows: int = MAX_ROWS, drafts: Iterable[int] = VERIFY_DRAFTS) -> tuple[int, ...]:
+    """Row counts that get a graph: powers of two up to ``max_rows`` and, for each draft length k,
+    n * (k + 1) for n = 1, 2, 4, ... (a verify step of n sequences) up to ``max_rows``."""
+    if max_rows < 1:
+        raise ConfigError(f"max_rows must be >= 1, got {max_rows}")
+    out = {1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows}
+    for k in drafts:
+        if k < 1:
+            raise ConfigError(f"draft length must be >= 1, got {k}")
+        n = 1
+        while n * (k + 1) <= max_rows:
+            out.add(n * (k + 1))
+            n *= 2
+    return tuple(sorted(out))
+
+
+def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= rows, or None (more rows than the largest: run eager)."""
+    if rows < 1:
+        raise ConfigError(f"a step has at least one row, got {rows}")
+    for b in buckets:
+        if b >= rows:
+            return b
+    return None
+
+
+class Graph(Protocol):
+    def capture(self, fn: Callable[[], None]) -> None:
+        """Record ``fn`` (which reads and writes static buffers only); does not produce outputs."""
+
+    def replay(self) -> None: ...
+
+
+class RecordedGraph:
+    """The CPU seam: capture keeps the callable (after one warm-up call, as CUDA capture does),
+    replay re-runs it on whatever the static buffers hold."""
+
+    def __init__(self, pool: object = None) -> None:
+        self.fn: Callable[[], None] | None = None
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        fn()  # warm-up, like CudaGraph's (compiles kernels there)
+        self.fn = fn
+
+    def replay(self) -> None:
+        assert self.fn is not None, "replay before capture"
+        self.fn()
+
+
+class CudaGraph:
+    """``torch.cuda.CUDAGraph`` over a warm-up on a side stream (Triton compiles, cuBLAS picks
+    its workspace) and a capture into the model's shared memory pool."""
+
+    def __init__(self, pool: object = None) -> None:
+        self.pool = pool
+        self.graph = None
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            fn()
+        self.graph = g
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+@dataclass
+class GraphCounters:
+    captures: int = 0
+    replays: int = 0  # graph launches (a sparse layer's step: two)
+    eager: int = 0  # feed-forward halves that ran eager (no bucket, restricted routing, ...)
+    capture_failures: int = 0
+
+
+@dataclass
+class _Entry:
+    """Static buffers and graphs of one (layer, bucket, dtype)."""
+
+    x: torch.Tensor  # [B, H] the layer's input rows, padded
+    out: torch.Tensor  # [B, H]
+    h: torch.Tensor | None = None  # [B, H] normed (sparse layers)
+    weights: torch.Tensor | None = None  # [B, K] float32
+    ids: torch.Tensor | None = None  # [B, K] int64
+    graphs: dict[str, Graph] = field(default_factory=dict)
+    broken: bool = False  # a capture failed: this entry runs eager
+
+
+class LayerGraphs:
+    """The graphs of one decoder layer's feed-forward half (``layer.post_attention_layernorm``,
+    ``layer.mlp``), captured lazily per bucket on first use (when the step's experts are
+    resident, so the warm-up computes on real slots)."""
+
+    def __init__(self, layer: torch.nn.Module, owner: "GraphSet") -> None:
+        self.layer, self.owner = layer, owner
+        self.entries: dict[tuple[int, torch.dtype], _Entry] = {}
+
+    # ---- the step -------------------------------------------------------------------------
+    def run(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x + mlp(norm(x)) through the graphs, or None: the caller runs the eager layer."""
+        from engine.layers.mlp import SwiGLU
+        from engine.layers.moe import SparseMoE
+
+        rows = x.shape[0]
+        bucket = bucket_for(rows, self.owner.buckets) if rows else None
+        mlp = self.layer.mlp
+        out = None
+        if bucket is not None:
+            if isinstance(mlp, SparseMoE):
+                out = self._sparse(mlp, x, rows, bucket)
+            elif type(mlp) is SwiGLU:
+                out = self._dense(x, rows, bucket)
+        if out is None:
+            self.owner.counters.eager += 1
+        return out
+
+    def _entry(self, x: torch.Tensor, bucket: int, top_k: int | None) -> _Entry:
+        key = (bucket, x.dtype)
+        e = self.entries.get(key)
+        if e is None:
+            z = lambda *shape, dtype=x.dtype: torch.zeros(*shape, dtype=dtype, device=x.device)  # noqa: E731
+            h = x.shape[1]
+            e = _Entry(x=z(bucket, h), out=z(bucket, h))
+            if top_k is not None:
+                e.h, e.weights, e.ids = z(bucket, h), z(bucket, top_k, dtype=torch.float32), \
+                    z(bucket, top_k, dtype=torch.int64)
+            self.entries[key] = e
+        return e
+
+    def _stage(self, e: _Entry, x: torch.Tensor, rows: int) -> None:
+        """x into the static input; padding rows copy row 0."""
+        if rows == e.x.shape[0]:
+            e.x.copy_(x)
+        else:
+            torch.index_select(x, 0, self.owner.pad_index(e.x.shape[0], rows, x.device), out=e.x)
+
+    def _replay(self, e: _Entry, name: str, fn: Callable[[], None]) -> bool:
+        """Replay graph ``name`` of ``e``, capturing it from ``fn`` first; False: capture failed
+        (this entry runs eager from now on)."""
+        g = e.graphs.get(name)
+        if g is None:
+            g = self.owner.factory(self.owner.pool)
+            try:
+                g.capture(fn)
+            except Exception as err:  # an op that cannot be captured: eager for this entry
+                if self.owner.factory is RecordedGraph:
+                    raise
+                log.warning("CUDA graph capture of layer %s (%s) failed, running eager: %s: %s",
+                            getattr(self.layer.mlp, "layer", "?"), name, type(err).__name__, err)
+                e.broken = True
+                self.owner.counters.capture_failures += 1
+                return False
+            e.graphs[name] = g
+            self.owner.counters.captures += 1
+        g.replay()
+        self.owner.counters.replays += 1
+        return True
+
+    def _dense(self, x: torch.Tensor, rows: int, bucket: int) -> torch.Tensor | None:
+        e = self._entry(x, bucket, None)
+        if e.broken:
+            return None
+        norm, mlp = self.layer.post_attention_layernorm, self.layer.mlp
+
+        def block() -> None:
+            e.out.copy_(e.x + mlp(norm(e.x)))
+
+        self._stage(e, x, rows)
+        return e.out[:rows] if self._replay(e, "dense", block) else None
+
+    def _sparse(self, mlp, x: torch.Tensor, rows: int, bucket: int) -> torch.Tensor | None:
+        from engine.layers.moe import Routing, SparseMoE
+
+        provider, top_k = mlp.provider, getattr(mlp.gate, "top_k", None)
+        if type(mlp).forward is not SparseMoE.forward or top_k is None:
+            return None  # an architecture with its own MoE forward
+        if provider is None or provider.allowed_experts(mlp.layer) is not None:
+            return None  # no experts attached, or drafting on resident experts only
+        layout = mlp._grouped_layout(provider, x)
+        if layout is None:
+            return None  # no slot pool on this device, or a format the grouped kernels lack
+        e = self._entry(x, bucket, top_k)
+        if e.broken:
+            return None
+        norm = self.layer.post_attention_layernorm
+
+        def route() -> None:
+            h = norm(e.x)
+            r = mlp.gate(h)
+            e.h.copy_(h)
+            e.weights.copy_(r.weights)
+            e.ids.copy_(r.ids)
+
+        self._stage(e, x, rows)
+        if not self._replay(e, "route", route):
+            return None
+        h, ids = e.h[:rows], e.ids[:rows]
+        for observe in mlp.observers:
+            observe(mlp.layer, ids)
+        # every bucket row's experts (padding copies row 0: the same ones), so no replayed read
+        # of the slot map can name a slot this acquire did not pin
+        uniq = torch.unique(e.ids).tolist()
+        limit = provider.max_experts_per_acquire
+        if limit is not None and len(uniq) > limit:  # acquired in chunks: the eager combine
+            routing = Routing(e.weights[:rows].clone(), ids.clone())
+            return x + mlp.experts_and_shared(h.clone(), routing, provider)
+        experts = provider.acquire(mlp.layer, uniq)
+        try:
+            provider.observe_hidden(mlp.layer, h)
+            if any(getattr(experts[i], "on_cpu", False) for i in uniq):  # misses computed on the CPU
+                routing = Routing(e.weights[:rows], ids)
+                y = mlp._per_expert_part(h, routing, uniq, experts).to(x.dtype)
+                return x + (y + mlp.shared(h) if mlp.shared_expert is not None else y)
+            slot_row, pool = provider.slot_map[mlp.layer], provider.slots  # bound at capture
+
+            def combine() -> None:
+                from engine.quant.triton_moe import grouped_moe
+
+                pair = slot_row[e.ids].reshape(-1)
+                y = grouped_moe(e.h, e.weights, pair, pool, layout).to(e.x.dtype)
+                if mlp.shared_expert is not None:
+                    y = y + mlp.shared(e.h)
+                e.out.copy_(e.x + y)
+
+            if not self._replay(e, "experts", combine):
+                routing = Routing(e.weights[:rows], ids)
+                return x + mlp.experts_and_shared(h.clone(), routing, _Acquired(provider, experts))
+        finally:
+            provider.release(mlp.layer, uniq)
+        return e.out[:rows]
+
+
+class _Acquired:
+    """A provider view over experts already acquired (the eager fallback after a failed capture,
+    inside the acquire that pinned them): acquire returns them, release is the caller's."""
+
+    def __init__(self, provider, experts) -> None:
+        self.provider, self.experts = provider, experts
+        self.max_experts_per_acquire = None
+        self.slot_map, self.slots = getattr(provider, "slot_map", None), getattr(provider, "slots", None)
+
+    def acquire(self, layer, expert_ids):
+        return {i: self.experts[i] for i in expert_ids}
+
+    def release(self, layer, expert_ids) -> None:
+        pass
+
+    def observe_hidden(self, layer, hidden) -> None:
+        pass
+
+    def grouped_layout(self, layer, device):
+        return None  # per expert: the graph path failed on this layer
+
+
+class GraphSet:
+    """A model's per-layer graphs: the factory, the buckets, the shared pool and counters."""
+
+    def __init__(self, factory: Callable[[object], Graph], buckets: tuple[int, ...]) -> None:
+        self.factory, self.buckets = factory, buckets
+        self.pool = torch.cuda.graph_pool_handle() if factory is CudaGraph else None
+        self.counters = GraphCounters()
+        self._pad: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+    def pad_index(self, bucket: int, rows: int, device: torch.device) -> torch.Tensor:
+        """[bucket] int64 on ``device``: 0..rows-1, then 0 for every padding row."""
+        key = (bucket, rows, device)
+        t = self._pad.get(key)
+        if t is None:
+            idx = torch.arange(bucket)
+            idx[rows:] = 0
+            t = self._pad[key] = idx.to(device)
+        return t
+
+
+def _layers(model) -> list[torch.nn.Module]:
+    return [l for l in model.model.layers if hasattr(l, "post_attention_layernorm") and hasattr(l, "mlp")]
+
+
+def enable(model, factory: Callable[[object], Graph] | None = None,
+           buckets: tuple[int, ...] | None = None) -> GraphSet:
+    """Run ``model``'s feed-forward halves through per-layer graphs from ``factory`` (default
+    :class:`CudaGraph`) for ``buckets`` (default :func:`decode_buckets`), on any device (the
+    tests pass :class:`RecordedGraph` on the CPU). Replaces graphs captured before."""
+    gs = GraphSet(factory or CudaGraph, tuple(sorted(buckets or decode_buckets())))
+    for layer in _layers(model):
+        layer.__dict__["_layer_graphs"] = LayerGraphs(layer, gs)
+    model.__dict__["_graph_set"] = gs
+    return gs
+
+
+def disable(model) -> None:
+    """The eager layers only, whatever the device and option (drops captured graphs)."""
+    for layer in _layers(model):
+        layer.__dict__.pop("_layer_graphs", None)
+    model.__dict__["_graph_set"] = False
+
+
+def reset(model) -> None:
+    """Forget the graphs and the explicit choice: the next forward decides again (call after
+    swapping modules or weights: captured graphs read the old tensors)."""
+    for layer in _layers(model):
+        layer.__dict__.pop("_layer_graphs", None)
+    model.__dict__.pop("_graph_set", None)
+
+
+def prepare(model, device: torch.device) -> GraphSet | None:
+    """Called by the model's forward: the graphs in force (enable / disable win; otherwise on for
+    CUDA when the ``cuda_graphs`` option is on, and off elsewhere)."""
+    gs = model.__dict__.get("_graph_set")
+    if gs is None:
+        from engine.options import options
+
+        if device.type != "cuda" or not options().cuda_graphs:
+            return None
+        gs = enable(model)
+    return gs or None
+
+
+def graph_set(model) -> GraphSet | None:
+    """The model's GraphSet (counters), if graphs are on."""
+    return model.__dict__.get("_graph_set") or None
+
+
+def mlp_residual(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's second half, ``x + mlp(post_attention_layernorm(x))``: through its
+    graphs when they are on and can run, else eager (the reference)."""
+    graphs = layer.__dict__.get("_layer_graphs")
+    if graphs is not None:
+        out = graphs.run(x)
+        if out is not None:
+            return out
+    return x + layer.mlp(layer.post_attention_layernorm(x))
