@@ -11,12 +11,18 @@
    weight (what an engine keeping fp16/bf16 experts resident pays). GB/s counts the stored
    weight bytes; the roofline is those bytes at the device's memory bandwidth (measured here
    with a device-to-device copy).
-2. The CUDA tests (tests/gpu, and the kernel tests compiled instead of interpreted).
-3. Kernel launches per decoded token (torch profiler, CUDA activity) of a random Qwen3-MoE store
-   (8 layers, hidden 1024, 64 experts top-8) with every expert resident on the device: the count
-   the step contract's per-layer grouped launch and CUDA graphs are meant to cut (on CPU with
-   --smoke: dispatcher ops instead).
-4. With ``--e2e``: ``bench/expert_cache.py --device cuda`` on an 8-layer random Qwen3-MoE store
+2. The Triton Gated DeltaNet decode step (engine.layers.deltanet_triton) at Qwen3-Next's
+   layer shape (16 key / 32 value heads of 128) for 1 and 8 sequences: error against the torch
+   reference on the CPU, time beside the torch reference on the device.
+3. The CUDA tests (tests/gpu: per-layer CUDA graphs captured for real against eager, with the
+   cache moving experts between slots; the compiled DeltaNet step; the kernel tests compiled
+   instead of interpreted).
+4. Per-layer CUDA graphs (engine.cuda_graphs) on a random Qwen3-MoE store (8 layers, hidden
+   1024, 64 experts top-8, int4 experts, bf16 dense) with every expert resident: greedy tokens
+   and logits eager vs graphed (must agree), then per decoded token the host kernel launches
+   (CUDA launch and graph-launch API calls, torch profiler) and the kernels executed, and decode
+   tok/s, eager beside graphed (on CPU with --smoke: dispatcher ops, the CPU seam).
+5. With ``--e2e``: ``bench/expert_cache.py --device cuda`` on an 8-layer random Qwen3-MoE store
    (tok/s, hit rates and bytes per token at 25% and 100% device budgets; builds the store first).
 
 ``--headline`` instead runs the headline check (issue 15) and nothing else: first correctness,
@@ -40,7 +46,10 @@ pydantic, which the store manifest needs), carry pydantic's wheels: here, once, 
 pydantic-core==2.46.4 annotated-types typing-inspection`` (pydantic pins its core); then one
 ``run`` with ``carry=[".whl"]``: ``python3 -m pip install -q --no-index --no-deps --target
 /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. && PYTHONUNBUFFERED=1 python3
-bench/gpu_check.py --e2e``. (The download command was checked here.)
+bench/gpu_check.py --e2e``. (The download command was checked here.) The plain check (items
+1-4, no ``--e2e``) needs the same carry and install; it is sized to finish in about 3-5 minutes
+on the H200 (estimate, not yet measured: the Triton compiles dominate), so one call with
+``timeout_s`` 540 leaves room for one rerun of the 15 minutes a task is lent.
 """
 
 from __future__ import annotations
@@ -130,18 +139,67 @@ def kernel_table(device: torch.device, hidden: int, inter: int, iters: int) -> b
     return ok
 
 
-def launches_per_token(device: torch.device, smoke: bool) -> None:
-    """Build a small random Qwen3-MoE store, decode a few tokens with every expert resident, and
-    print kernel launches (CUDA) or dispatcher ops (CPU) per decoded token and per layer."""
+def deltanet_table(device: torch.device, smoke: bool, iters: int) -> bool:
+    """The Triton Gated DeltaNet decode step (engine.layers.deltanet_triton) for N sequences of
+    one layer: the largest error against the torch reference computed on the CPU, and the time
+    per call beside the torch reference on the device (one sequence at a time, as
+    GatedDeltaNet's torch path runs); GB/s counts the state read and written."""
+    from engine.layers.deltanet_triton import decode_rows, reference_step
+
+    nk, nv, dk, dv, kw = (2, 4, 16, 16, 4) if smoke else (16, 32, 128, 128, 4)  # Qwen3-Next 80B
+    run = timer(device)
+    print(f"Gated DeltaNet decode step, {nk} key / {nv} value heads, Dk {dk}, Dv {dv}, conv {kw}:")
+    print("| sequences | max err / bound | Triton µs | state GB/s | torch reference µs |")
+    print("|---|---|---|---|---|")
+    ok = True
+    g = torch.Generator().manual_seed(1)
+    c = 2 * nk * dk + nv * dv
+    for n in (1, 8):
+        window = torch.randn(n, c, kw - 1, generator=g)
+        state = torch.randn(n, nv, dk, dv, generator=g) * 0.3
+        weight = torch.randn(c, kw, generator=g) * 0.5
+        x = torch.randn(n, c, generator=g)
+        gd = -torch.rand(n, nv, generator=g) * 2
+        beta = torch.rand(n, nv, generator=g)
+        slots = torch.arange(n)
+        ref_w, ref_s = window.clone(), state.clone()
+        want = torch.stack([reference_step(ref_w[i], weight, x[i], ref_s[i], gd[i], beta[i], nk, dk, dv)
+                            for i in range(n)])
+        dev = [t.to(device) for t in (window, weight, x, state, gd, beta, slots)]
+        got = decode_rows(*dev[:6], dev[6], nk, dk, dv).cpu()
+        ratio = max(float(((got - want).abs() / (1e-4 * want.abs() + 1e-4)).max()),
+                    float(((dev[3].cpu() - ref_s).abs() / (1e-4 * ref_s.abs() + 1e-4)).max()))
+        ok &= ratio <= 1.0
+        fused = run(lambda: decode_rows(*dev[:6], dev[6], nk, dk, dv), iters)
+        torch_ref = run(lambda: [reference_step(dev[0][i], dev[1], dev[2][i], dev[3][i], dev[4][i], dev[5][i],
+                                                nk, dk, dv) for i in range(n)], max(3, iters // 5))
+        nbytes = 2 * state.numel() * 4
+        print(f"| {n} | {ratio:.2f} {'ok' if ratio <= 1 else 'FAIL'} | {fused * 1e6:.1f} | "
+              f"{nbytes / fused / 1e9:.0f} | {torch_ref * 1e6:.1f} |")
+    return ok
+
+
+LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+               "cudaGraphLaunch", "cuGraphLaunch")
+
+
+def decode_profile(device: torch.device, smoke: bool) -> bool:
+    """Build a small random Qwen3-MoE store, then decode with every expert resident, eager and
+    through the per-layer graphs (engine.cuda_graphs): the greedy tokens and logits must agree;
+    print host kernel launches (CUDA launch and graph-launch API calls) and kernels executed
+    per decoded token (torch profiler; on CPU with --smoke: dispatcher ops, the graphs through
+    the RecordedGraph seam), and decode tok/s of each."""
     import tempfile
 
     import transformers as T
     from torch.profiler import ProfilerActivity, profile
 
+    from engine import cuda_graphs as CG
     from engine.experts.runtime import load_from_store
+    from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
+    from engine.options import configure
     from engine.quant.formats import QuantFormat
-    from engine.runner import stream_request
     from engine.store import convert
 
     layers, hidden, inter, experts = (2, 128, 64, 8) if smoke else (8, 1024, 512, 64)
@@ -150,29 +208,74 @@ def launches_per_token(device: torch.device, smoke: bool) -> None:
                            num_experts_per_tok=min(8, experts // 2), moe_intermediate_size=inter,
                            intermediate_size=2 * inter, norm_topk_prob=True)
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        T.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp + "/hf")
-        convert(Path(tmp) / "hf", Path(tmp) / "store", fmt=QuantFormat("int4", 64), progress=False)
-        sm = load_from_store(Path(tmp) / "store", device=device.type, dense="bf16", prefetch_depth=0)
-        try:
-            prompt, steps = list(range(3, 19)), 4 if smoke else 8
-            gen = stream_request(sm.model, prompt, SamplingConfig(max_tokens=steps + 3, ignore_eos=True))
-            next(gen), next(gen)  # prefill and one step: experts resident, kernels compiled
-            act = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            with profile(activities=act) as prof:
-                for _ in range(steps):
+    prompt, steps, timed = list(range(3, 19)), (4 if smoke else 8), (4 if smoke else 64)
+    cuda = device.type == "cuda"
+    prev = configure(fused_step=False) if not cuda else None  # CPU: the torch layers, like CUDA
+    rows, ok, tokens = [], True, {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            T.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp + "/hf")
+            convert(Path(tmp) / "hf", Path(tmp) / "store", fmt=QuantFormat("int4", 64), progress=False)
+            for mode in ("eager", "graphs"):
+                sm = load_from_store(Path(tmp) / "store", device=device.type, dense="bf16", prefetch_depth=0)
+                try:
+                    sm.cache.grouped = True  # CUDA: already; CPU: the same launches, interpreted
+                    if mode == "graphs":
+                        CG.enable(sm.model, CG.CudaGraph if cuda else CG.RecordedGraph)
+                    else:
+                        CG.disable(sm.model)
+                    sampling = SamplingConfig(max_tokens=timed + 1, ignore_eos=True)
+                    out = [(t, l.float().cpu()) for t, l, _ in generate_ids(sm.model, prompt, sampling)]
+                    tokens[mode] = out  # also the warm-up: experts resident, graphs captured
+                    gen = generate_ids(sm.model, prompt, SamplingConfig(max_tokens=steps + 2, ignore_eos=True))
                     next(gen)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-            events = prof.events()
-            gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-            kind = "kernel launches" if device.type == "cuda" else "dispatcher ops"
-            n = len(gpu) if device.type == "cuda" else len(events)
-            print(f"{kind} per decoded token: {n / steps:.0f} ({n / steps / layers:.1f} per layer), "
-                  f"{layers} layers, top-{cfg.num_experts_per_tok} of {experts} experts, bf16 dense, "
-                  f"every expert resident")
-        finally:
-            sm.close()
+                    act = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                    with profile(activities=act) as prof:
+                        for _ in range(steps):
+                            next(gen)
+                        if cuda:
+                            torch.cuda.synchronize()
+                    gen.close()
+                    events = prof.events()
+                    if cuda:
+                        launches = sum(1 for e in events if e.name in LAUNCH_APIS)
+                        kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+                    else:
+                        launches = kernels = len(events)
+                    gen = generate_ids(sm.model, prompt, sampling)
+                    next(gen)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(timed):
+                        next(gen)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    tps = timed / (time.perf_counter() - t0)
+                    gen.close()
+                    gs = CG.graph_set(sm.model)
+                    note = (f"{gs.counters.captures} graphs captured, {gs.counters.capture_failures} failed"
+                            if gs else "")
+                    ok &= not gs or gs.counters.capture_failures == 0
+                    rows.append((mode, launches / steps, kernels / steps, tps, note))
+                finally:
+                    sm.close()
+    finally:
+        if prev is not None:
+            configure(prev)
+    same = [a for a, _ in tokens["eager"]] == [b for b, _ in tokens["graphs"]]
+    worst = max(float((a - b).abs().max() / a.abs().max()) for (_, a), (_, b) in zip(tokens["eager"], tokens["graphs"]))
+    ok &= same and worst <= 1e-2
+    print(f"per-layer graphs vs eager: {len(tokens['eager'])} greedy tokens {'identical' if same else 'DIFFER'}, "
+          f"max |logit diff| / max |logit| = {worst:.1e} {'ok' if same and worst <= 1e-2 else 'FAIL'}")
+    what = "host launches" if cuda else "dispatcher ops"
+    print(f"decode of a random Qwen3-MoE store: {layers} layers, hidden {hidden}, top-{cfg.num_experts_per_tok} "
+          f"of {experts} experts (int4 g64), bf16 dense, every expert resident, batch 1")
+    print(f"| mode | {what} per token (per layer) | kernels executed per token | decode tok/s | |")
+    print("|---|---|---|---|---|")
+    for mode, launches, kernels, tps, note in rows:
+        print(f"| {mode} | {launches:.0f} ({launches / layers:.1f}) | {kernels:.0f} | {tps:.1f} | {note} |")
+    return ok
 
 
 def headline_correctness(device: torch.device) -> bool:
@@ -277,9 +380,10 @@ def main() -> int:
     name = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter)"
     print(f"torch {torch.__version__}, triton {triton.__version__}, {name}")
     ok = kernel_table(device, args.hidden, args.inter, args.iters)
+    ok &= deltanet_table(device, args.smoke, args.iters)
     if not args.no_tests:
         files = ["tests/gpu", "tests/engine/quant/test_triton_kernels.py",
-                 "tests/engine/experts/test_cache.py"]
+                 "tests/engine/experts/test_cache.py", "tests/engine/test_cuda_graphs.py"]
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
                            cwd=ROOT, capture_output=True, text=True)
         tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-500:]
@@ -287,7 +391,7 @@ def main() -> int:
         if r.returncode:
             print(r.stdout[-3000:])
         ok &= r.returncode == 0
-    launches_per_token(device, args.smoke)
+    ok &= decode_profile(device, args.smoke)
     if args.e2e:
         cmd = [sys.executable, "bench/expert_cache.py", "--device", device.type, "--layers", "8",
                "--tokens", "32", "--budgets", "0.25,1.0"]

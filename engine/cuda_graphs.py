@@ -120,7 +120,8 @@ class CudaGraph:
             fn()
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        # thread_local: the expert cache's I/O threads may copy on their stream meanwhile
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             fn()
         self.graph = g
 

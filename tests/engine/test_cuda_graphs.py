@@ -63,15 +63,15 @@ def store(tmp_path_factory):
     return d / "store"
 
 
-def _load(store, slots: int):
+def _load(store, slots: int, device: str = "cpu"):
     from engine.experts.runtime import load_from_store
 
-    from engine.quant.kernels import SLOT_ROW  # noqa: F401  (the cache's slot rows)
     probe = load_from_store(store, dense="fp32", prefetch_depth=0)
     slot_bytes = probe.cache.slot_bytes
     probe.close()
-    sm = load_from_store(store, device_budget=slots * slot_bytes, dense="fp32", prefetch_depth=0)
-    sm.cache.grouped = True  # the CUDA path's grouped launches, interpreted here
+    sm = load_from_store(store, device_budget=slots * slot_bytes, dense="fp32", prefetch_depth=0,
+                         device=device)
+    sm.cache.grouped = True  # the CUDA path's grouped launches (interpreted on the CPU)
     return sm
 
 
@@ -86,6 +86,10 @@ def float_options():
 
 @needs_triton
 def test_graphed_model_gives_the_eager_logits_and_tokens(store, float_options):
+    check_model(store, CG.RecordedGraph, "cpu")
+
+
+def check_model(store, factory, device: str) -> None:
     """A prefill of 10 rows (bucket 10, a verify shape), the engine's batched prefill of three
     prompts (19 rows: bucket 20, padded) and batched greedy decode (3 rows -> bucket 4, padded;
     then 2, then 1) through a cache holding 12 of 32 experts:
@@ -101,7 +105,7 @@ def test_graphed_model_gives_the_eager_logits_and_tokens(store, float_options):
     def run(graphs: bool):
         sm = _load(store, slots=12)
         try:
-            gs = CG.enable(sm.model, CG.RecordedGraph) if graphs else CG.disable(sm.model)
+            gs = CG.enable(sm.model, factory) if graphs else CG.disable(sm.model)
             c = sm.model.config
             kv = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim)
             logits = sm.model(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv, all_logits=True)
@@ -113,7 +117,7 @@ def test_graphed_model_gives_the_eager_logits_and_tokens(store, float_options):
 
     ref_logits, ref_tokens, _, _ = run(False)
     logits, tokens, gs, model = run(True)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert tokens == ref_tokens
     per_layer = [sorted(b for b, _ in l._layer_graphs.entries) for l in model.model.layers]
     assert per_layer[0] == per_layer[1] and {1, 2, 4, 10} <= set(per_layer[0])
@@ -123,7 +127,11 @@ def test_graphed_model_gives_the_eager_logits_and_tokens(store, float_options):
 
 
 @needs_triton
-def test_replay_follows_the_slot_map_padding_and_fresh_inputs(store, float_options, monkeypatch):
+def test_replay_follows_the_slot_map_padding_and_fresh_inputs(store, float_options):
+    check_slot_moves(store, CG.RecordedGraph, "cpu")
+
+
+def check_slot_moves(store, factory, device: str) -> None:
     """One layer's graphs, 3 rows in bucket 4: (1) the first replay equals eager and the padding
     row routes like row 0 (no expert beyond the real rows' is acquired); (2) the cache then moves
     every routed expert to another slot and puts other experts in their old slots: the replay,
@@ -132,16 +140,16 @@ def test_replay_follows_the_slot_map_padding_and_fresh_inputs(store, float_optio
     eager result."""
     from engine.quant.triton_moe import grouped_moe
 
-    sm = _load(store, slots=12)
+    sm = _load(store, slots=12, device=device)
     try:
         cache, layer = sm.cache, sm.model.model.layers[0]
         mlp, norm = layer.mlp, layer.post_attention_layernorm
-        gs = CG.enable(sm.model, CG.RecordedGraph, buckets=(1, 4))
+        gs = CG.enable(sm.model, factory, buckets=(1, 4))
         acquired: list[list[int]] = []
         real_acquire = cache.acquire
-        monkeypatch.setattr(cache, "acquire", lambda l, ids: acquired.append(sorted(ids)) or real_acquire(l, ids))
+        cache.acquire = lambda l, ids: acquired.append(sorted(ids)) or real_acquire(l, ids)
         gen = torch.Generator().manual_seed(11)
-        x = torch.randn(3, 64, generator=gen)
+        x = torch.randn(3, 64, generator=gen).to(device)
 
         def eager(x):
             with torch.inference_mode():
@@ -150,7 +158,7 @@ def test_replay_follows_the_slot_map_padding_and_fresh_inputs(store, float_optio
         with torch.inference_mode():
             got = CG.mlp_residual(layer, x).clone()
         want = eager(x)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         entry = layer._layer_graphs.entries[(4, torch.float32)]
         assert torch.equal(entry.ids[3], entry.ids[0])  # padding routes like row 0
         routed = sorted(set(entry.ids[:3].reshape(-1).tolist()))
@@ -169,26 +177,28 @@ def test_replay_follows_the_slot_map_padding_and_fresh_inputs(store, float_optio
         for l, ids in by_layer.items():
             cache.release(l, [e for e in ids if (l, e) not in keep])
         with torch.inference_mode():
-            stale_pairs = torch.tensor([old[int(i)] for i in entry.ids.reshape(-1)], dtype=torch.int32)
+            stale_pairs = torch.tensor([old[int(i)] for i in entry.ids.reshape(-1)], dtype=torch.int32,
+                                       device=device)
             got2 = CG.mlp_residual(layer, x).clone()
             new = {e: cache.slot_of[(0, e)] for e in routed}
             assert all(new[e] != old[e] for e in routed)
             stale = x + grouped_moe(entry.h, entry.weights, stale_pairs, cache.slots, mlp._grouped_layout(cache, x))[:3]
         for l, ids in by_layer.items():
             cache.release(l, [e for e in ids if (l, e) in keep])
-        torch.testing.assert_close(got2, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got2, want, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(stale, want, rtol=1e-3, atol=1e-3)
         assert gs.counters.captures == captures
 
         # (3) the same static buffers, new rows
         x_ptr = entry.x.data_ptr()
-        x3 = torch.randn(3, 64, generator=gen)
+        x3 = torch.randn(3, 64, generator=gen).to(device)
         with torch.inference_mode():
             got3 = CG.mlp_residual(layer, x3).clone()
-        torch.testing.assert_close(got3, eager(x3), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got3, eager(x3), rtol=1e-4, atol=1e-4)
         assert entry.x.data_ptr() == x_ptr and gs.counters.captures == captures
         assert cache.pins == {}
     finally:
+        sm.cache.__dict__.pop("acquire", None)
         sm.close()
 
 

@@ -7,21 +7,10 @@ import pytest
 import torch
 
 from engine.layers import deltanet_triton as DT
-from engine.layers.deltanet import causal_conv, l2norm, recurrent_delta_rule
+from engine.layers.deltanet_triton import reference_step as reference
 
 pytestmark = pytest.mark.skipif(not DT.supports(torch.device("cpu")),
                                 reason="Triton's interpreter is not available in this process")
-
-
-def reference(window, weight, x, state, g, beta, nk, dk, dv):
-    """One token of one sequence through the torch decode form (window, state advanced)."""
-    nv = state.shape[0]
-    r = nv // nk
-    conv = causal_conv(x[None], window, weight)
-    q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
-    q = l2norm(q.reshape(1, nk, dk)).repeat_interleave(r, dim=1) * dk ** -0.5
-    k = l2norm(k.reshape(1, nk, dk)).repeat_interleave(r, dim=1)
-    return recurrent_delta_rule(q, k, v.reshape(1, nv, dv), g[None], beta[None], state)[0]
 
 
 def random_case(nk, nv, dk, dv, kw, rows, slots, seed):
