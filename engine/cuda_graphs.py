@@ -203,7 +203,7 @@ class LayerGraphs:
         (this entry runs eager from now on)."""
         g = e.graphs.get(name)
         if g is None:
-            g = self.owner.factory(self.owner.pool)
+            g = self.owner.factory(self.owner.pool())
             try:
                 g.capture(fn)
             except Exception as err:  # an op that cannot be captured: eager for this entry
@@ -321,9 +321,16 @@ class GraphSet:
 
     def __init__(self, factory: Callable[[object], Graph], buckets: tuple[int, ...]) -> None:
         self.factory, self.buckets = factory, buckets
-        self.pool = torch.cuda.graph_pool_handle() if factory is CudaGraph else None
+        self._pool: object = None
         self.counters = GraphCounters()
+        self.auto, self.generation = False, -1  # made by prepare() from the option (and when)
         self._pad: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+    def pool(self) -> object:
+        """The memory pool every CUDA graph of the model captures into (made on first use)."""
+        if self._pool is None and self.factory is CudaGraph:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def pad_index(self, bucket: int, rows: int, device: torch.device) -> torch.Tensor:
         """[bucket] int64 on ``device``: 0..rows-1, then 0 for every padding row."""
@@ -370,13 +377,17 @@ def reset(model) -> None:
 def prepare(model, device: torch.device) -> GraphSet | None:
     """Called by the model's forward: the graphs in force (enable / disable win; otherwise on for
     CUDA when the ``cuda_graphs`` option is on, and off elsewhere)."""
-    gs = model.__dict__.get("_graph_set")
-    if gs is None:
-        from engine.options import options
+    from engine.options import generation, options
 
+    gs = model.__dict__.get("_graph_set")
+    if gs is not None and gs is not False and gs.auto and gs.generation != generation():
+        reset(model)  # chosen by the option, which changed since: decide again
+        gs = None
+    if gs is None:
         if device.type != "cuda" or not options().cuda_graphs:
             return None
         gs = enable(model)
+        gs.auto, gs.generation = True, generation()
     return gs or None
 
 

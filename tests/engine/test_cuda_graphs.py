@@ -46,6 +46,12 @@ def test_graphs_are_off_on_the_cpu_unless_enabled():
     prev = configure(cuda_graphs=True)
     try:
         assert CG.prepare(m, torch.device("cuda")) is None  # disabled explicitly wins
+        CG.reset(m)
+        auto = CG.prepare(m, torch.device("cuda"))  # on by default for CUDA (no tensor made)
+        assert auto is not None and auto.factory is CG.CudaGraph
+        assert CG.prepare(m, torch.device("cuda")) is auto
+        configure(cuda_graphs=False)
+        assert CG.prepare(m, torch.device("cuda")) is None  # the option changed: off
     finally:
         configure(prev)
 
@@ -220,4 +226,37 @@ def test_steps_the_graphs_cannot_take_run_eager(store, float_options):
             assert gs.counters.eager == 2 and gs.counters.captures == 0
     finally:
         sm.cache.restrict_to_resident = False
+        sm.close()
+
+
+@needs_triton
+def test_a_failed_capture_runs_eager_from_then_on(store, float_options):
+    """A capture that raises (an op CUDA cannot capture) is logged and counted; the step's
+    result is still the eager one, inside the same acquire (no pin left), and that (layer,
+    bucket) runs eager afterwards."""
+
+    class ExpertsCaptureFails(CG.RecordedGraph):
+        made = 0
+
+        def capture(self, fn):
+            ExpertsCaptureFails.made += 1
+            if ExpertsCaptureFails.made == 2:  # the first layer's experts graph
+                raise RuntimeError("operation not permitted when stream is capturing")
+            super().capture(fn)
+
+    sm = _load(store, slots=32)
+    try:
+        layer = sm.model.model.layers[0]
+        gs = CG.enable(sm.model, ExpertsCaptureFails, buckets=(4,))
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(2):
+            x = torch.randn(3, 64, generator=gen)
+            with torch.inference_mode():
+                want = x + layer.mlp(layer.post_attention_layernorm(x))
+                got = CG.mlp_residual(layer, x)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert sm.cache.pins == {}
+        assert gs.counters.capture_failures == 1 and gs.counters.captures == 1 and gs.counters.eager == 1
+        assert layer._layer_graphs.entries[(4, torch.float32)].broken
+    finally:
         sm.close()
