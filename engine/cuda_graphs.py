@@ -27,6 +27,10 @@ never mix (norms, linears and the grouped kernels are per row), so a row's outpu
 depend on the padding. The result is a view of the graph's static output, valid until the same
 (layer, bucket) replays (the next step: the caller consumes it before).
 
+Routing injected per step (an instance ``forward`` on the router: trace replay in
+engine.experts.synthetic_store, bench/expert_cache.py) runs eagerly on the real rows and is
+padded into the static buffers; the experts graph replays as usual.
+
 The eager layers are the reference, and run whenever a graph cannot: more rows than the largest
 bucket, restricted routing (self-speculative drafts), a provider without a slot pool, experts
 computed on the CPU, a step that needs more distinct experts than the cache can pin at once.
@@ -193,10 +197,13 @@ class LayerGraphs:
 
     def _stage(self, e: _Entry, x: torch.Tensor, rows: int) -> None:
         """x into the static input; padding rows copy row 0."""
-        if rows == e.x.shape[0]:
-            e.x.copy_(x)
+        self._stage_into(e.x, x, rows)
+
+    def _stage_into(self, dst: torch.Tensor, src: torch.Tensor, rows: int) -> None:
+        if rows == dst.shape[0]:
+            dst.copy_(src)
         else:
-            torch.index_select(x, 0, self.owner.pad_index(e.x.shape[0], rows, x.device), out=e.x)
+            torch.index_select(src.to(dst.dtype), 0, self.owner.pad_index(dst.shape[0], rows, src.device), out=dst)
 
     def _replay(self, e: _Entry, name: str, fn: Callable[[], None]) -> bool:
         """Replay graph ``name`` of ``e``, capturing it from ``fn`` first; False: capture failed
@@ -255,9 +262,18 @@ class LayerGraphs:
             e.weights.copy_(r.weights)
             e.ids.copy_(r.ids)
 
-        self._stage(e, x, rows)
-        if not self._replay(e, "route", route):
-            return None
+        if "forward" in vars(mlp.gate):
+            # routing injected per step (a trace replay: engine.experts.synthetic_store) keeps
+            # Python state a graph would freeze: route eagerly on the real rows, pad into the
+            # static buffers, graph the rest
+            h = norm(x)
+            r = mlp.gate(h)
+            for dst, src in ((e.x, x), (e.h, h), (e.weights, r.weights), (e.ids, r.ids)):
+                self._stage_into(dst, src, rows)
+        else:
+            self._stage(e, x, rows)
+            if not self._replay(e, "route", route):
+                return None
         h, ids = e.h[:rows], e.ids[:rows]
         for observe in mlp.observers:
             observe(mlp.layer, ids)

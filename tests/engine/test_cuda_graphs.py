@@ -260,3 +260,32 @@ def test_a_failed_capture_runs_eager_from_then_on(store, float_options):
         assert layer._layer_graphs.entries[(4, torch.float32)].broken
     finally:
         sm.close()
+
+
+@needs_triton
+def test_injected_routing_runs_eager_and_the_experts_graph_follows_it(store, float_options):
+    """A router whose forward is replaced per instance (trace replay keeps Python state: here a
+    shift of the ids set between steps) is not captured: each step routes eagerly, the experts
+    graph replays on that step's routing and equals eager (a captured route would replay the
+    first step's ids)."""
+    from engine.layers.moe import Routing
+
+    sm = _load(store, slots=32)
+    try:
+        layer = sm.model.model.layers[0]
+        mlp = layer.mlp
+        real = mlp.gate.forward
+        shift = {"n": 0}
+        mlp.gate.forward = lambda x, allowed=None: (lambda r: Routing(r.weights, (r.ids + shift["n"]) % 16))(
+            real(x, allowed))
+        gs = CG.enable(sm.model, CG.RecordedGraph, buckets=(4,))
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+        for n in (0, 5, 11):
+            shift["n"] = n
+            with torch.inference_mode():
+                want = x + mlp(layer.post_attention_layernorm(x))
+                got = CG.mlp_residual(layer, x)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert gs.counters.captures == 1 and gs.counters.replays == 3  # the experts graph only
+    finally:
+        sm.close()
