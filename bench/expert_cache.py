@@ -234,15 +234,19 @@ def policy_table(tokens: int = 144, samples: int = 1000) -> None:
                      synthetic_trace(tokens, 30, 12, 6, zipf=zipf, locality=0.3, seed=seed), (zipf, 0.3, seed)))
     pols = ["lru", "lfu", "sweep", "belady"]
     print("| trace | budget | " + " | ".join(p.upper() if p != "sweep" else "sweep (default)" for p in pols)
-          + " | online ceiling |")
-    print("|---|---|" + "---|" * (len(pols) + 1))
+          + " | sweep + bypass | Belady with bypass | online ceiling |")
+    print("|---|---|" + "---|" * (len(pols) + 3))
     for label, tr, model in rows:
         caps = budgets_from_fractions(tr, [0.1, 0.25, 0.5])
         table = sweep(tr, pols, caps)
+        # admission control (a policy may decline to cache a miss): judged against Belady with bypass
+        admit = sweep(tr, ["sweep"], caps, bypass=True)
         probs = pick_probabilities(tr, model[0], model[1], model[2], samples=samples) if model else None
         for c in caps:
             cells = [f"{table.hit_rate(p, c):.1%} ({table.ratio(p, c):.2f})" if p != "belady"
                      else f"{table.hit_rate(p, c):.1%}" for p in pols]
+            cells += [f"{admit.hit_rate('sweep', c):.1%} ({admit.ratio('sweep', c):.2f})",
+                      f"{admit.bounds[c].hit_rate:.1%}"]
             ceiling = (f"{online_ceiling(probs, c, tr.num_layers, tr.top_k):.1%}" if probs is not None else "-")
             print(f"| {label} | {c / tr.num_keys:.0%} | " + " | ".join(cells) + f" | {ceiling} |")
 
