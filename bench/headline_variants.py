@@ -52,7 +52,8 @@ class Variant:
         wall = sum(self.times)
         acc = m.hits + m.misses
         nb, ns = (a - b for a, b in zip(self._nvme(), self.nvme0))
-        return dict(label=self.label, tok_s=1.0 / statistics.median(self.times), hit_rate=m.hits / acc if acc else 0.0,
+        return dict(label=self.label, tok_s=1.0 / statistics.median(self.times),
+                    tok_s_mean=steps / wall if wall else 0.0, hit_rate=m.hits / acc if acc else 0.0,
                     to_device_per_token=m.bytes_to_device / steps, disk_per_token=nb / steps,
                     copy_gbs=m.bytes_to_device / m.copy_s / 1e9 if m.copy_s else float("nan"),
                     disk_gbs=nb / ns / 1e9 if ns else float("nan"), stall_fraction=m.stall_s / wall if wall else 0.0,
@@ -60,12 +61,12 @@ class Variant:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| expert source | tok/s (median step) | device hit rate | bytes to device / token | from disk / token "
+    print("| expert source | tok/s (median step / mean) | device hit rate | bytes to device / token | from disk / token "
           "| device copy GB/s (incl. reads below) | disk read GB/s | stall fraction | stall ms / token |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         disk = f"{r['disk_gbs']:.3g}" if r["disk_gbs"] == r["disk_gbs"] else "n/a"
-        print(f"| {r['label']} | {r['tok_s']:.2f} | {r['hit_rate']:.1%} | {format_bytes(r['to_device_per_token'])} | "
+        print(f"| {r['label']} | {r['tok_s']:.2f} / {r['tok_s_mean']:.2f} | {r['hit_rate']:.1%} | {format_bytes(r['to_device_per_token'])} | "
               f"{format_bytes(r['disk_per_token'])} | {r['copy_gbs']:.3g} | {disk} | {r['stall_fraction']:.1%} | "
               f"{r['stall_ms_per_token']:.2f} |")
 
