@@ -233,7 +233,7 @@ def policy_table(tokens: int = 144, samples: int = 1000) -> None:
         rows.append((f"synthetic, zipf {zipf}, locality 0.3 (seed {seed})",
                      synthetic_trace(tokens, 30, 12, 6, zipf=zipf, locality=0.3, seed=seed), (zipf, 0.3, seed)))
     pols = ["lru", "lfu", "sweep", "belady"]
-    print("| trace | budget | " + " | ".join(p.upper() if p != "sweep" else "sweep (default)" for p in pols)
+    print("| trace | budget | " + " | ".join({"sweep": "sweep (default)", "belady": "Belady"}.get(p, p.upper()) for p in pols)
           + " | sweep + bypass | Belady with bypass | frequency oracle | online ceiling |")
     print("|---|---|" + "---|" * (len(pols) + 4))
     for label, tr, model in rows:
