@@ -18,6 +18,12 @@ block (engine.experts.synthetic_store), the dense weights are random at the mode
 routing is injected from a trace (synthetic with skew ``--zipf`` and locality ``--locality``,
 or ``--trace FILE``) while the routers still compute. Every step is one decoded token.
 
+Other expert sources, measured beside it on the same model, trace and slots (blocks interleaved;
+bench/headline_variants.py): ``--disk DIR`` writes the experts once to a real store in DIR (new,
+empty, or a leftover of its own; removed after) and serves them through an in-process RAM tier
+of ``--ram-tier`` of the experts, so misses are O_DIRECT reads; ``--ray`` serves that store (or
+one in a temporary directory) through ``--loaders`` Ray expert loader actors.
+
 Steps: (1) plan: the memory split of ``--vram-budget`` (dense, KV, state, workspace, expert
 slots; ``--slots`` caps the slots at a share of the experts), the host RAM check; (2) build;
 (3) calibrate: every layer routed to its first top-k experts (all hits after the first token),
