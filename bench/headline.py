@@ -66,15 +66,10 @@ DEFAULTS = {  # shape -> (runnable shape, warm-up tokens, measured tokens, slot 
 
 
 def host_available() -> int:
-    """MemAvailable from /proc/meminfo (bytes), or the total if unreadable."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Available host RAM in bytes (engine.experts.device_budget.available_host_memory)."""
+    from engine.experts.device_budget import available_host_memory
+
+    return available_host_memory()
 
 
 def memory_bandwidth(device: torch.device) -> float:
