@@ -200,15 +200,20 @@ def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_co
     from engine.units import parse_bytes
 
     total = store_expert_bytes(path)
-    if "auto" in (device_budget, ram_budget):
+    # explicit budgets are checked first; "auto" ones fit by construction
+    dev = None if device_budget == "auto" else parse_bytes(device_budget, total=total, name="--device-budget")
+    ram = None if ram_budget == "auto" else parse_bytes(ram_budget, total=total, name="--ram-budget")
+    if dev is not None:
+        check_budget("--device-budget", device_budget, dev, *device_memory(device))
+    if ram is not None:
+        check_budget("--ram-budget", ram_budget, ram, host_memory(), "RAM")
+    if dev is None or ram is None:
         from engine.experts.runtime import auto_store_budgets
 
         auto_dev, auto_ram, line = auto_store_budgets(path, device=device, dense=dense)
         click.echo(line, err=True)
-    dev = auto_dev if device_budget == "auto" else parse_bytes(device_budget, total=total, name="--device-budget")
-    ram = auto_ram if ram_budget == "auto" else parse_bytes(ram_budget, total=total, name="--ram-budget")
-    check_budget("--device-budget", device_budget, dev, *device_memory(device))
-    check_budget("--ram-budget", ram_budget, ram, host_memory(), "RAM")
+        dev = auto_dev if dev is None else dev
+        ram = auto_ram if ram is None else ram
     return load_from_store(
         path, device_budget=dev, ram_budget=ram, policy=policy,
         prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype, dense=dense, device=device,
