@@ -370,6 +370,10 @@ def run(args) -> int:
         calls = copies = copy_s = misses_calib = miss_steps = 0
         stats = []
         for r in range(rounds):
+            # the link test again each round, its best kept: one short burst can be spoiled
+            # entirely by a loaded machine (0.01 GB/s once, the model then -94%)
+            with ledger.guard("bandwidth tests (workspace)"):
+                link_bw = max(link_bw, link_bandwidth(source, device))
             use(sm, calib_cache, all_hit)
             with ledger.guard("calibration"):
                 hit_times += decode(model, 1, hit_block)[1]
