@@ -29,7 +29,7 @@ from engine.store.manifest import (
     QuantInfo, SourceInfo, StoreManifest, StoreTotals, align_up, blob_digest, check_manifest, layer_file_name,
     sha256_file,
 )
-from engine.store.outdir import TMP_SUFFIX
+from engine.store.outdir import TMP_SUFFIX, store_name, tmp_name
 
 LEDGER = "synthetic-store.json"
 _KIND = "moestream synthetic store"
@@ -63,7 +63,8 @@ class SyntheticDiskStore:
             return None
         if not isinstance(raw, dict) or raw.get("kind") != _KIND or not isinstance(raw.get("names"), list):
             return None
-        return [n for n in raw["names"] if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")]
+        # only names a store of ours has (as convert: a ledger cannot make us delete notes.txt)
+        return [n for n in raw["names"] if isinstance(n, str) and (store_name(n) or tmp_name(n))]
 
     def _check_out(self) -> None:
         out = self.out

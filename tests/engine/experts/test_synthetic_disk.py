@@ -87,3 +87,11 @@ def test_cleanup_leaves_a_file_added_meanwhile(tmp_path, source):
     with SyntheticDiskStore(source, out) as path:
         (path / "added.txt").write_text("not ours")
     assert sorted(p.name for p in out.iterdir()) == ["added.txt"]
+
+
+def test_a_ledger_cannot_make_it_delete_a_stranger(tmp_path, source):
+    (tmp_path / LEDGER).write_text(json.dumps({"kind": "moestream synthetic store", "names": ["notes.txt"]}))
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="notes.txt"):
+        SyntheticDiskStore(source, tmp_path).write()
+    assert (tmp_path / "notes.txt").read_text() == "mine"
