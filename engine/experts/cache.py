@@ -64,6 +64,7 @@ class LayerMetrics:
     cpu_computed: int = 0  # misses computed on the CPU from RAM instead of transferred
     bytes_to_device: int = 0
     stall_s: float = 0.0
+    copy_s: float = 0.0  # time in the source's read_into (device copies, and reads below RAM)
     predicted_tp: int = 0
     predicted_fp: int = 0
     predicted_fn: int = 0
@@ -402,13 +403,16 @@ class ExpertCache(ExpertProvider):
             self.copy_stream.synchronize()
         else:
             self.source.read_into(key, self.slots[slot])
+        copied = time.perf_counter() - t0
         self.views[slot] = self._slot_view(key, slot)
         if self.grouped:
             self.slot_map[key[0], key[1]] = slot
         dt = time.perf_counter() - t0
         self._transfer_s_per_byte = 0.8 * self._transfer_s_per_byte + 0.2 * dt / nbytes
         with self.lock:
-            self.metrics.layer(key[0]).bytes_to_device += nbytes
+            m = self.metrics.layer(key[0])
+            m.bytes_to_device += nbytes
+            m.copy_s += copied
 
     def _slot_view(self, key: Key, slot: int) -> QuantizedExpert:
         """The expert in ``slot``: views of the slot's bytes, made once per slot and layout and

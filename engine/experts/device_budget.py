@@ -21,7 +21,7 @@ import torch
 
 from engine.errors import ConfigError, DeviceBudgetError
 
-__all__ = ["DeviceBudget", "GiB"]
+__all__ = ["DeviceBudget", "GiB", "HOST_HEADROOM", "auto_budgets", "available_host_memory"]
 
 GiB = 2**30
 
@@ -105,3 +105,71 @@ class DeviceBudget:
         if self.context:
             out.append(("CUDA context", self.context))
         return out
+
+
+# ---- budgets "auto" ---------------------------------------------------------------------------
+
+HOST_HEADROOM = 4 * GiB  # host RAM left free beside the tiers by "auto" (the OS, the page cache, Python)
+DEVICE_WORKSPACE = GiB // 2  # device memory "auto" leaves for activations and kernel workspaces (GPU)
+
+
+def available_host_memory() -> int:
+    """MemAvailable (bytes) from /proc/meminfo, else physical memory; the cgroup limit when lower."""
+    import os
+    from pathlib import Path
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    avail = total
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            avail = min(avail, int(text))
+    return avail
+
+
+def auto_budgets(experts_total: int, *, device: str | torch.device, resident: int,
+                 headroom: int = HOST_HEADROOM, workspace: int = DEVICE_WORKSPACE,
+                 device_free: int | None = None, host_available: int | None = None) -> tuple[int, int, str]:
+    """Budgets ``auto``: ``(device_budget, ram_budget, line to print)``, each capped at
+    ``experts_total`` (every expert's slot bytes).
+
+    ``resident``: the bytes the model keeps where the device tier lives besides expert slots
+    (dense weights, KV cache, recurrent state). On a GPU the device budget is the free device
+    memory (``device_free``, default ``torch.cuda.mem_get_info``) less ``resident`` and
+    ``workspace``, and the RAM tier is the available host RAM less ``headroom``. On a CPU the
+    device tier is host memory too: the available RAM less ``headroom`` and ``resident`` goes
+    to the RAM tier first (the source of every miss), the rest to device slots. A budget that
+    comes out <= 0 raises DeviceBudgetError naming the figures."""
+    dev = torch.device(device)
+    avail = available_host_memory() if host_available is None else host_available
+    if dev.type == "cuda":
+        if device_free is None:
+            device_free = torch.cuda.mem_get_info(dev)[0]
+        d = device_free - resident - workspace
+        r = avail - headroom
+        where = (f"free device memory {_fmt(device_free)} - dense/KV/state {_fmt(resident)} - workspace "
+                 f"{_fmt(workspace)}")
+    else:
+        usable = avail - headroom - resident
+        r = min(experts_total, usable)
+        d = usable - r
+        where = (f"available RAM {_fmt(avail)} - headroom {_fmt(headroom)} - dense/KV/state {_fmt(resident)}, "
+                 f"less the RAM tier (the device tier is host memory on a CPU)")
+    if d <= 0 or r <= 0:
+        raise DeviceBudgetError(
+            f"budgets auto leave no memory for expert slots (device {_fmt(max(d, 0))}, RAM tier {_fmt(max(r, 0))}): "
+            f"{where}; RAM headroom {_fmt(headroom)}. Give --device-budget and --ram-budget explicitly")
+    d, r = min(d, experts_total), min(r, experts_total)
+    line = (f"budgets auto: device {_fmt(d)} ({d / experts_total:.0%} of the experts; {where}), RAM tier {_fmt(r)} "
+            f"({r / experts_total:.0%}; available host RAM {_fmt(avail)} - headroom {_fmt(headroom)})")
+    return d, r, line

@@ -90,3 +90,30 @@ def _slot_bytes(store) -> int:
     from engine.experts.tiers import align_up
 
     return align_up(store.expert_nbytes)
+
+
+def auto_store_budgets(store_path, *, device: str = "cpu", dense: str = "bf16", context: int = 4096,
+                       headroom: int | None = None) -> tuple[int, int, str]:
+    """Budgets ``auto`` for a store (engine.experts.device_budget.auto_budgets): the memory kept
+    beside the expert slots is the dense weights in ``dense`` format plus an fp32 KV cache of
+    ``context`` tokens. Returns (device budget, RAM budget, the line to print)."""
+    import math
+
+    from engine.costmodel import DENSE_BYTES_PER_PARAM
+    from engine.experts.device_budget import HOST_HEADROOM, auto_budgets
+    from engine.loading.source import parse_expert_name
+    from engine.store.reader import ExpertStore
+
+    with ExpertStore(store_path) as store:
+        cfg = store.config
+        src = store.dense_source(verify=False)
+        try:
+            params = sum(math.prod(src.info(n).shape) for n in src.names() if parse_expert_name(n) is None)
+        finally:
+            src.close()
+        total = store.num_experts_total * _slot_bytes(store) if cfg.moe else 0
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * 4
+    resident = int(params * DENSE_BYTES_PER_PARAM.get(dense, 4.0)) + kv
+    d, r, line = auto_budgets(max(total, 1), device=device, resident=resident,
+                              headroom=HOST_HEADROOM if headroom is None else headroom)
+    return d, r, line + f"; dense {dense} + KV({context} tokens) counted as resident"

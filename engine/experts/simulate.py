@@ -50,7 +50,8 @@ from engine.experts.policy import (
 )
 from engine.experts.trace import RoutingTrace
 
-__all__ = ["SimResult", "SweepTable", "simulate", "sweep", "budgets_from_fractions", "layer_capacities"]
+__all__ = ["SimResult", "SweepTable", "simulate", "sweep", "budgets_from_fractions", "layer_capacities",
+           "frequency_oracle"]
 
 
 @dataclass
@@ -410,3 +411,15 @@ def sweep(
         if cap not in bounds:
             bounds[cap] = simulate(trace, "belady", cap, **kwargs)
     return SweepTable(results, bounds)
+
+
+def frequency_oracle(trace: RoutingTrace, capacity: int) -> float:
+    """Hit rate of a static cache holding the ``capacity`` keys the whole trace uses most (it
+    knows the trace's counts, not their order; first uses count as hits). A yardstick for
+    online policies on real traces, whose generating model is unknown: a policy that only
+    learns how often experts are picked cannot expect more when routing is stationary. Not a
+    strict bound: a policy can beat it by following drift and token-to-token reuse."""
+    counts = np.unique(trace.layer.astype(np.int64)[:, None] * trace.num_experts + trace.experts,
+                       return_counts=True)[1]
+    top = np.sort(counts)[::-1][:max(capacity, 0)]
+    return float(top.sum() / trace.num_accesses) if trace.num_accesses else 0.0

@@ -12,6 +12,7 @@ Shapes: every slot is one expert blob, ``slot_bytes`` = the store's largest blob
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ class TierCounters:
     hits: int = 0  # served from this tier
     misses: int = 0  # had to go to the tier below
     bytes_in: int = 0  # bytes that entered this tier from below
+    seconds: float = 0.0  # time spent reading them from below (summed over threads)
 
 
 class ExpertSource(ABC):
@@ -137,10 +139,13 @@ class HostTier(ExpertSource):
     def _load(self, key: Key, slot: int, fut: Future) -> None:
         layer, expert = key
         try:
+            t0 = time.perf_counter()
             view = self.store.read_expert(layer, expert, out=self.buf[slot], verify=self.verify)
+            dt = time.perf_counter() - t0
             with self.lock:
                 self.nvme.hits += 1
                 self.nvme.bytes_in += len(view)
+                self.nvme.seconds += dt
                 self.ram.bytes_in += len(view)
                 self.table.loaded(key)
             fut.set_result(slot)

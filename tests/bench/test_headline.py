@@ -66,3 +66,27 @@ def test_host_ram_check_names_the_fix(monkeypatch, capsys):
 def test_bad_arguments_are_typed_errors(bad, capsys):
     assert headline.main(["--shape", "small", "--dry-run", *bad]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_disk_run_reads_misses_from_a_store_it_removes(tmp_path, capsys):
+    d, out = tmp_path / "store", tmp_path / "disk.json"
+    assert headline.main(["--shape", "tiny", "--device", "cpu", "--disk", str(d), "--ram-tier", "0.25",
+                          "--predict-tokens", "8", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "EXPERT SOURCES" in text and "disk run:" in text
+    f = json.loads(out.read_text())
+    main, disk = f["variants"]
+    assert disk["label"].startswith("disk (RAM tier: 25%")
+    # same trace, slots and policy: the same device hits; a RAM tier of a quarter of the
+    # experts sends some of the misses to the store, at a measured rate
+    assert disk["hit_rate"] == main["hit_rate"] and disk["to_device_per_token"] == main["to_device_per_token"]
+    assert 0 < disk["disk_per_token"] <= disk["to_device_per_token"] and disk["disk_gbs"] > 0
+    assert main["disk_per_token"] == 0 and f["disk_bytes_per_token"] == 0
+    assert not d.exists()  # written, used, removed
+
+
+def test_disk_run_refuses_a_directory_not_its_own(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert headline.main(["--shape", "tiny", "--device", "cpu", "--disk", str(tmp_path), "--predict-tokens", "8"]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]

@@ -209,3 +209,21 @@ def test_half_life_scales_with_experts_per_pick():
         half_life_for(4, 8)
     assert make_policy("sweep", num_experts=512, top_k=10).half_life == pytest.approx(102.4)
     assert make_policy("sweep").half_life == DEFAULT_HALF_LIFE
+
+
+def test_cli_simulate_bypass_judges_against_belady_with_bypass():
+    from click.testing import CliRunner
+
+    from engine.experts.simulate import budgets_from_fractions, sweep
+    from services.cli_quality import simulate_cmd
+
+    path = "tests/data/smollm2_demo_generate.npz"
+    r = CliRunner().invoke(simulate_cmd, [path, "--budget", "10%", "--policy", "sweep", "--bypass"])
+    assert r.exit_code == 0, r.output
+    assert "/Belady+bypass" in r.output
+    tr = RoutingTrace.load(path)
+    t = sweep(tr, ["sweep"], budgets_from_fractions(tr, [0.1]), bypass=True)
+    cap = t.capacities[0]
+    row = [ln.split() for ln in r.output.splitlines() if ln.strip().startswith("sweep")][0]
+    assert float(row[-1]) == pytest.approx(t.ratio("sweep", cap), abs=0.006)
+    assert t.bounds[cap].hit_rate > sweep(tr, ["sweep"], [cap]).bounds[cap].hit_rate  # bypass raises the bound

@@ -379,3 +379,15 @@ def test_budgets_per_layer_floor():
     tr = synthetic_trace(5, 4, 16, 4, seed=0)
     assert budgets_from_fractions(tr, [0.1, 0.5]) == [6, 32]
     assert budgets_from_fractions(tr, [0.1, 0.5], per_layer=True) == [16, 32]
+
+
+def test_frequency_oracle_holds_the_most_used_keys():
+    from engine.experts.simulate import frequency_oracle
+
+    # layer 0 picks (0, 1) twice and (0, 2) once; layer 1 picks (1, 1) three times, top-1 records
+    tr = RoutingTrace.from_records([(0, 0, [1]), (0, 1, [1]), (1, 0, [1]), (1, 1, [1]), (2, 0, [2]),
+                                    (2, 1, [1])], num_layers=2, num_experts=4, top_k=1)
+    assert frequency_oracle(tr, 1) == pytest.approx(3 / 6)
+    assert frequency_oracle(tr, 2) == pytest.approx(5 / 6)
+    assert frequency_oracle(tr, 3) == frequency_oracle(tr, 10) == pytest.approx(1.0)
+    assert frequency_oracle(tr, 0) == 0.0
