@@ -148,23 +148,34 @@ def greedy(model, prompt, n=32, kv=None):
     return [t for t, _, _ in generate_ids(model, prompt, SamplingConfig(max_tokens=n, ignore_eos=True), kv=kv)]
 
 
+def batched(model, prompts) -> list[list[int]]:
+    """Greedy tokens of the prompts as concurrent requests (chunked prefill beside decode rows);
+    state slots and KV blocks back to zero after."""
+    reqs = [Request(p, SamplingConfig(max_tokens=32, ignore_eos=True)) for p in prompts]
+    kv = HybridKVCache(model.config, num_blocks=128, num_state_slots=4, block_size=4)
+    engine = Engine(model, kv=kv, config=SchedulerConfig(max_num_batched_tokens=24))
+    out = [r.output_ids for r in engine.generate(reqs)]
+    assert (kv.state.num_used, kv.paged.metrics().blocks_used) == (0, 0)
+    return out
+
+
 @pytest.mark.parametrize("dense", ["int8", "bf16"])
 def test_greedy_tokens_identical_alone_and_batched(hf_dir, dense, fused):
+    """32 greedy tokens of four prompts (one longer than a DeltaNet chunk), alone and as concurrent
+    requests, the native step against the torch layers on the same schedule."""
     configure(int8_activations=False)
     model = quantized(hf_dir, dense)
     v = model.config.vocab_size
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, v, (n,), generator=g).tolist() for n in (7, 70, 1, 20)]  # 70: > one chunk
+    prompts = [torch.randint(3, v, (n,), generator=g).tolist() for n in (7, 70, 1, 20)]
     fused(False)
-    want = [greedy(model, p) for p in prompts]
+    want_alone, want_batched = [greedy(model, p) for p in prompts], batched(model, prompts)
     calls = spy(model, fused).calls
-    assert [greedy(model, p) for p in prompts] == want
+    assert [greedy(model, p) for p in prompts] == want_alone
     assert calls["deltanet_block"] > 0
-    reqs = [Request(p, SamplingConfig(max_tokens=32, ignore_eos=True)) for p in prompts]
-    kv = HybridKVCache(model.config, num_blocks=128, num_state_slots=4, block_size=4)
-    engine = Engine(model, kv=kv, config=SchedulerConfig(max_num_batched_tokens=24))  # chunked prefill
-    assert [r.output_ids for r in engine.generate(reqs)] == want
-    assert (kv.state.num_used, kv.paged.metrics().blocks_used) == (0, 0)
+    calls.clear()
+    assert batched(model, prompts) == want_batched
+    assert calls["deltanet_block"] > 0
 
 
 def decode_token(model, spy_calls=None, profile_it=False):
