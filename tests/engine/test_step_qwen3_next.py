@@ -26,9 +26,11 @@ from engine.runner import Engine
 from engine.scheduler import SchedulerConfig
 from engine.store import convert
 from tests.engine.models.qwen3_next_tiny import make_qwen3_next
-from tests.engine.test_step import BOUND, close, fused, spy  # noqa: F401 (fused: a fixture)
+from tests.engine import test_step
+from tests.engine.test_step import BOUND, close, spy
 
 pytestmark = pytest.mark.skipif(load_extension() is None, reason="native kernels unavailable")
+fused = test_step.fused  # the fixture: configure(fused_step=...) for the test, restored after
 
 BASE = dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
             linear_key_head_dim=16, linear_value_head_dim=16, shared_expert_intermediate_size=32)
