@@ -141,7 +141,7 @@ class GatedDeltaNet(nn.Module):
 
     def _token(self, x, window, weight, matrix, g, beta) -> torch.Tensor:
         """One token [C] -> o [Nv, Dv]: the fused native step where it runs
-        (engine/csrc/deltanet.cpp), else the torch reference; window and matrix advance."""
+        (deltanet_step in engine/csrc/deltanet_block.cpp), else the torch reference; window and matrix advance."""
         o = decode_step(window, weight, x, matrix, g.contiguous(), beta.contiguous(), self.nk, self.dk, self.dv)
         if o is not None:
             return o
