@@ -12,7 +12,7 @@ moestream in fp32 and from an int4 expert store (every expert resident), and by 
 and a random Qwen3-Next (hidden 1024, 12 layers: 9 Gated DeltaNet + 3 gated attention, 64
 experts top-8 of 512 plus a shared expert, SmolLM2's vocab of 49152: 1.3B total), the same three
 ways and by llama.cpp (when installed, on its converter's GGUF), with the recurrent state one
-sequence keeps in its name.
+sequence keeps in its name; the store row also with the torch layers (no native step).
 """
 
 from __future__ import annotations
@@ -217,6 +217,17 @@ def qwen3_next_rows(prompt_len: int, new: int, bw: float, scale: str = "full") -
         roof4 = bw / active_weight_bytes(cfg, 2, bits_per_weight(fmt) / 8)
         rows.append(run_row(name, "moestream store", "int4 g64 experts, bf16 dense",
                             lambda: time_ours(sm.model, prompt, new), roof4))
+
+        def torch_layers() -> tuple[float, float]:  # the same store without the native step
+            from engine.options import configure
+
+            prev = configure(fused_step=False)
+            try:
+                return time_ours(sm.model, prompt, new)
+            finally:
+                configure(prev)
+        rows.append(run_row(name, "moestream store, torch layers", "int4 g64 experts, bf16 dense",
+                            torch_layers, roof4))
         sm.close()
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from vs_llama_cpp import LlamaCpp, have_llama_cpp

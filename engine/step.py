@@ -83,15 +83,22 @@ class NativeStep:
                                       _lin(ext, a.o_proj), _f32(layer.input_layernorm.weight),
                                       _f32(layer.post_attention_layernorm.weight), qn, kn,
                                       a.nh, a.nkv, a.d, float(cfg.rms_norm_eps)))
-            mlp = layer.mlp
-            if isinstance(mlp, SparseMoE):
-                shared = (_ffn(ext, mlp.shared_expert, mlp.shared_expert_gate)
-                          if mlp.shared_expert is not None else None)
-                self.ffn.append(shared)
-                self.routers.append(_f32(mlp.gate.weight))
-            else:
-                self.ffn.append(_ffn(ext, mlp, None))
-                self.routers.append(None)
+            self._add_mlp(layer.mlp)
+        self._add_head(model)
+
+    def _add_mlp(self, mlp: nn.Module) -> None:
+        """One layer's feed-forward handles: a MoE's router and shared expert, or a dense SwiGLU."""
+        if isinstance(mlp, SparseMoE):
+            shared = (_ffn(self.ext, mlp.shared_expert, mlp.shared_expert_gate)
+                      if mlp.shared_expert is not None else None)
+            self.ffn.append(shared)
+            self.routers.append(_f32(mlp.gate.weight))
+        else:
+            self.ffn.append(_ffn(self.ext, mlp, None))
+            self.routers.append(None)
+
+    def _add_head(self, model) -> None:
+        ext, cfg = self.ext, model.config
         head = model.lm_head
         self.head = (_lin(ext, head) if isinstance(head, QuantLinear) and backend_for(head.q) == "cpp"
                      else None)
@@ -128,14 +135,32 @@ class NativeStep:
         x = model.model.embed_tokens(tokens).float().contiguous()
         for i, layer in enumerate(model.model.layers):
             h = ext.attn_block(self.attn[i], x, cos, sin, positions, storage, i, tables, qlens, ctxs, dmt, i8a)
-            if self.routers[i] is None:
-                ext.ffn_block(x, h, EMPTY_IDS, EMPTY, [], [], EMPTY_IDS, self.ffn[i], dmt, i8a)
-            else:
-                self._moe(layer.mlp, i, x, h)
+            self._mlp(layer.mlp, i, x, h)
+        return self._logits(model, x, layout, all_logits, rows)
+
+    def _mlp(self, mlp: nn.Module, i: int, x: torch.Tensor, h: torch.Tensor) -> None:
+        """x += layer i's feed-forward of h (its post-attention norm), in place."""
+        if self.routers[i] is None:
+            self.ext.ffn_block(x, h, EMPTY_IDS, EMPTY, [], [], EMPTY_IDS, self.ffn[i], DIRECT_MAX_T,
+                               int8_activations())
+        else:
+            self._moe(mlp, i, x, h)
+
+    def _logits(self, model, x: torch.Tensor, layout: BatchLayout, all_logits: bool,
+                rows: list[int] | None) -> torch.Tensor:
         if all_logits or self.head is None:
             return model.final_logits(x, layout, all_logits, rows)
-        return ext.head_block(x, rows if rows is not None else last_rows(layout), self.norm, self.eps,
-                              self.head, dmt, i8a)
+        return self.ext.head_block(x, rows if rows is not None else last_rows(layout), self.norm, self.eps,
+                                   self.head, DIRECT_MAX_T, int8_activations())
+
+    _fmt: tuple[torch.Tensor, Any] | None = None
+
+    def _formats(self, table: torch.Tensor) -> Any:
+        """The slot table's format column as a numpy view, kept while the cache keeps its table:
+        no dispatcher op per layer or expert."""
+        if self._fmt is None or self._fmt[0] is not table:
+            self._fmt = (table, table.numpy()[:, 0])
+        return self._fmt[1]
 
     def _moe(self, mlp: SparseMoE, i: int, x: torch.Tensor, h: torch.Tensor) -> None:
         """route -> fetch (the provider) -> compute + combine (native), x updated in place."""
@@ -157,7 +182,8 @@ class NativeStep:
             resolved = provider.slot_table(mlp.layer, part, experts)
             table, slots = resolved if resolved is not None else (EMPTY_IDS, [-1] * len(part))
             # experts in a format the native kernels cannot decode (mxfp4) run through forward
-            slots = [s if s < 0 or int(table[s, 0]) >= 0 else -1 for s in slots]
+            fmt = self._formats(table) if len(table) else ()
+            slots = [s if s < 0 or fmt[s] >= 0 else -1 for s in slots]
             ext.ffn_block(x, h, ids, w, part, slots, table, dense if start == 0 else None,
                           DIRECT_MAX_T, int8_activations())
             for e, slot in zip(part, slots):

@@ -1,4 +1,5 @@
 // Python bindings of the native kernels (built by engine/quant/kernels.py:load_extension).
+#include "deltanet.h"
 #include "pool.h"
 #include "quant.h"
 #include "step.h"
@@ -21,14 +22,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        at::Tensor ln2, at::Tensor qn, at::Tensor kn, int64_t nh, int64_t nkv, int64_t d,
                        double eps) {
         return ms::Attn{q, k, v, o, ln1, ln2, qn, kn, nh, nkv, d, eps};
-      }));
+      }))
+      .def_readwrite("gated", &ms::Attn::gated)
+      .def_readwrite("rotary_dim", &ms::Attn::rotary_dim);
   py::class_<ms::FFN>(m, "FFN", py::module_local()).def(py::init([](ms::Linear g, ms::Linear u, ms::Linear d, at::Tensor gate) {
     return ms::FFN{g, u, d, gate};
   }));
+  py::class_<ms::DeltaNet>(m, "DeltaNet", py::module_local())
+      .def(py::init([](ms::Linear qkvz, ms::Linear ba, ms::Linear out, at::Tensor ln1, at::Tensor ln2,
+                       at::Tensor conv, at::Tensor a, at::Tensor dt_bias, at::Tensor norm, int64_t nk, int64_t nv,
+                       int64_t dk, int64_t dv, double eps) {
+        return ms::DeltaNet{qkvz, ba, out, ln1, ln2, conv, a, dt_bias, norm, nk, nv, dk, dv, eps};
+      }));
   m.attr("SLOT_ROW") = ms::SLOT_ROW;
   m.def("set_threads", &ms::set_threads, "threads (caller included) of the native worker pool");
   m.def("num_threads", &ms::num_threads, "threads of the native worker pool");
   m.def("attn_block", &ms::attn_block, "x += attention block; returns the post-attention norm of x");
+  m.def("deltanet_block", &ms::deltanet_block, "x += Gated DeltaNet of decode rows; returns the post-attention norm");
+  m.def("deltanet_step", &ms::deltanet_step, "Gated DeltaNet: conv step + delta-rule update of one token");
   m.def("head_block", &ms::head_block, "logits of the final norm of some rows through the LM head");
   m.def("route", &ms::route, "top-k routing in float32: (ids [T, K], weights [T, K])");
   m.def("ffn_block", &ms::ffn_block, "x += routed experts from slots (+ shared or dense SwiGLU)",

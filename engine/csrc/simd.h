@@ -92,6 +92,12 @@ inline void silu_mul_n(float* g, const float* u, int64_t n) {
   for (; i < n; i++) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
+// out = w * (x * rsqrt(mean(x^2) + eps)), as engine.layers.norm.rms_norm in float32 (out may be x)
+inline void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* out) {
+  const float r = 1.0f / std::sqrt(dot(x, x, n) / (float)n + eps);
+  for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
 // softmax of s[0..n) in place, float32
 inline void softmax(float* s, int64_t n) {
   float mx = -INFINITY;

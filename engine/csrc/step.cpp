@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -34,15 +35,10 @@ namespace ms {
 
 namespace {
 
-// out = w * (x * rsqrt(mean(x^2) + eps)), as engine.layers.norm.rms_norm in float32
-void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* out) {
-  const float r = 1.0f / std::sqrt(dot(x, x, n) / (float)n + eps);
-  for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
-}
-
-// x [N, D] rotated in place: x * cos + rotate_half(x) * sin (engine.layers.rope.apply_rotary)
-void rope(float* x, int64_t heads, int64_t d, const float* cos, const float* sin) {
-  const int64_t half = d / 2;
+// x [N, D] rotated in place: x * cos + rotate_half(x) * sin (engine.layers.rope.apply_rotary) on
+// the first rd dims of each head, the rest passed (engine.layers.gated_attention: partial RoPE)
+void rope(float* x, int64_t heads, int64_t d, int64_t rd, const float* cos, const float* sin) {
+  const int64_t half = rd / 2;
   for (int64_t h = 0; h < heads; h++) {
     float* p = x + h * d;
     for (int64_t i = 0; i < half; i++) {
@@ -170,9 +166,11 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
               "KV storage must be [L, 2, NB, BS, Nkv, D]");
   TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() && tables.size(0) == (int64_t)qlens.size(),
               "tables must be int32 [S, max blocks]");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == d && cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
+  const int64_t rd = a.rotary_dim > 0 ? a.rotary_dim : d, qw = a.gated ? 2 * nh * d : nh * d;
+  TORCH_CHECK(rd <= d && rd % 2 == 0 && a.q.w.N == qw, "rotary dims or q_proj width do not fit the heads");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == rd && cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
               sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous(),
-              "cos/sin tables must be float32 [positions, D]");
+              "cos/sin tables must be float32 [positions, rotary dims]");
   TORCH_CHECK((int64_t)positions.size() == T, "one position per token");
   for (int64_t p : positions) TORCH_CHECK(p >= 0 && p < cos.size(0), "position ", p, " beyond the rotary table");
   at::Tensor h = at::empty({T, H}, at::kFloat);
@@ -187,7 +185,7 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
   const auto st = storage.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "KV storage dtype");
   pybind11::gil_scoped_release no_gil;
-  std::vector<float> hn(T * H), q(T * nh * d), k(T * row), v(T * row), o(T * nh * d), y(T * H);
+  std::vector<float> hn(T * H), q(T * qw), gate(a.gated ? T * nh * d : 0), k(T * row), v(T * row), o(T * nh * d), y(T * H);
   const float eps = (float)a.eps;
   for (int64_t t = 0; t < T; t++) rmsnorm(xp + t * H, a.ln1.data_ptr<float>(), H, eps, hn.data() + t * H);
   std::vector<LinearJob> qkv{{a.q.w, hn.data(), T, q.data()}, {a.k.w, hn.data(), T, k.data()},
@@ -196,13 +194,18 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
   add_bias(q.data(), a.q.bias, T, a.q.w.N);
   add_bias(k.data(), a.k.bias, T, a.k.w.N);
   add_bias(v.data(), a.v.bias, T, a.v.w.N);
+  if (a.gated)  // q_proj rows are [q_h | gate_h] per head: q compacted in place, the gates aside
+    for (int64_t i = 0; i < T * nh; i++) {
+      std::copy(q.data() + (2 * i + 1) * d, q.data() + (2 * i + 2) * d, gate.data() + i * d);
+      std::memmove(q.data() + i * d, q.data() + 2 * i * d, d * sizeof(float));
+    }
   const float *qn = opt_ptr(a.qn), *kn = opt_ptr(a.kn);
   for (int64_t t = 0; t < T; t++) {
     if (qn) for (int64_t i = 0; i < nh; i++) rmsnorm(q.data() + (t * nh + i) * d, qn, d, eps, q.data() + (t * nh + i) * d);
     if (kn) for (int64_t i = 0; i < nkv; i++) rmsnorm(k.data() + (t * nkv + i) * d, kn, d, eps, k.data() + (t * nkv + i) * d);
     const int64_t p = positions[t];
-    rope(q.data() + t * nh * d, nh, d, cp + p * d, sp + p * d);
-    rope(k.data() + t * row, nkv, d, cp + p * d, sp + p * d);
+    rope(q.data() + t * nh * d, nh, d, rd, cp + p * rd, sp + p * rd);
+    rope(k.data() + t * row, nkv, d, rd, cp + p * rd, sp + p * rd);
   }
   int64_t off = 0;
   for (size_t s = 0; s < qlens.size(); s++) {
@@ -217,6 +220,7 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
     off += n;
   }
   TORCH_CHECK(off == T, "query lengths do not add up to the tokens");
+  for (size_t i = 0; i < gate.size(); i++) o[i] *= 1.0f / (1.0f + std::exp(-gate[i]));  // gated output
   apply(a.o, o.data(), T, y.data(), dmt, i8a);
   for (int64_t i = 0; i < T * H; i++) xp[i] += y[i];
   for (int64_t t = 0; t < T; t++) rmsnorm(xp + t * H, a.ln2.data_ptr<float>(), H, eps, hp + t * H);

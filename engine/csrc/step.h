@@ -20,6 +20,8 @@ struct Attn {  // one attention block with the norms around it
   at::Tensor ln1, ln2, qn, kn;  // float32 [H], [H], [D] (qn/kn empty without q/k norm)
   int64_t nh, nkv, d;
   double eps;
+  bool gated = false;      // q_proj rows [q_h | gate_h] per head, output * sigmoid(gate) (Qwen3-Next)
+  int64_t rotary_dim = 0;  // RoPE on the first rotary_dim dims of each head (0: all d)
 };
 
 struct FFN {  // a SwiGLU on every token: a dense MLP or a shared expert (gate: empty or float32 [H])

@@ -291,6 +291,10 @@ class HybridKVCache(KVCache):
         self.state.acquire(seq_id)
         return self.paged.store_and_load(layer, seq_id, start, k, v)
 
+    def native_view(self, layout, device):
+        """The attention layers' paged KV (compact indices) for the native step (engine.step_hybrid)."""
+        return self.paged.native_view(layout, device)
+
     def recurrent_state(self) -> RecurrentState:
         return self.state
 

@@ -74,12 +74,17 @@ class CausalLM(nn.Module):
         """The fused native step for this model (engine.step), built on first use and again after
         a runtime-option change or :meth:`invalidate_native_step`; None: the torch layers."""
         from engine.options import generation
-        from engine.step import NativeStep
 
         cached = self.__dict__.get("_native")
         if cached is None or cached[0] != generation():
-            cached = self.__dict__["_native"] = (generation(), NativeStep.for_model(self))
+            cached = self.__dict__["_native"] = (generation(), self.native_step_type().for_model(self))
         return cached[1]
+
+    def native_step_type(self):
+        """The class of this architecture's native step (engine.step.NativeStep or a subclass)."""
+        from engine.step import NativeStep
+
+        return NativeStep
 
     def invalidate_native_step(self) -> None:
         """Call after swapping modules (engine.quant.linear does): the native step and any

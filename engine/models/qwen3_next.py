@@ -74,9 +74,11 @@ class Qwen3NextForCausalLM(CausalLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.rotary_dim, max_positions=min(cfg.max_position_embeddings, 4096))
 
-    def native_step(self):
-        """No native step for these layers yet: the torch layers run."""
-        return None
+    def native_step_type(self):
+        """Gated attention and DeltaNet layers as native calls (engine.step_hybrid)."""
+        from engine.step_hybrid import HybridStep
+
+        return HybridStep
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
@@ -90,13 +92,17 @@ class Qwen3NextForCausalLM(CausalLM):
         state = recurrent_state_for(kv, self.config)
         state.begin(layout, verify_rows(layout, rows))  # raises before computing from a wrong state
         with step_threads(tokens.shape[0], device):
-            cos, sin = self.rotary.cos_sin(layout.positions().to(device))
-            x = self.model.embed_tokens(tokens)
-            prepare_graphs(self, device)
-            for layer in self.model.layers:
-                x = layer(x, cos, sin, layout, kv, state)
+            native = self.native_step() if device.type == "cpu" else None
+            out = native.forward(self, tokens, layout, kv, state, all_logits, rows) if native is not None else None
+            if out is None:  # the torch layers: the reference path (per-layer CUDA graphs on a GPU)
+                cos, sin = self.rotary.cos_sin(layout.positions().to(device))
+                x = self.model.embed_tokens(tokens)
+                prepare_graphs(self, device)
+                for layer in self.model.layers:
+                    x = layer(x, cos, sin, layout, kv, state)
+                out = self.final_logits(x, layout, all_logits, rows)
             state.advance(layout)
-            return self.final_logits(x, layout, all_logits, rows)
+            return out
 
     def dense_linear_slots(self) -> list[tuple[nn.Module, str]]:
         """(parent, attribute) of every dense linear engine.quant.linear may swap."""
