@@ -150,7 +150,7 @@ class GatedDeltaNet(nn.Module):
 
     def _token(self, x, window, weight, matrix, g, beta) -> torch.Tensor:
         """One token [C] -> o [Nv, Dv]: the fused native step where it runs
-(deltanet_step in engine/csrc/deltanet_block.cpp), the Triton step on CUDA
+        (deltanet_step in engine/csrc/deltanet_block.cpp), the Triton step on CUDA
         (engine.layers.deltanet_triton), else the torch reference; window and matrix advance."""
         if _use_triton(x.device):
             from engine.layers import deltanet_triton
