@@ -75,6 +75,7 @@ class NativeStep:
         ext.set_threads(native_threads())
         cfg = model.config
         self.attn, self.ffn, self.routers = [], [], []
+        self.acts: list[Any] = [None] * len(model.model.layers)  # routed experts' ExpertAct (gpt-oss)
         for layer in model.model.layers:
             a = layer.self_attn
             qn = _f32(a.q_norm.weight) if a.q_norm is not None else EMPTY
@@ -143,7 +144,7 @@ class NativeStep:
         allowed = provider.allowed_experts(mlp.layer)
         if allowed is None and "forward" not in vars(mlp.gate):
             # uniq: the routed experts, ascending (as the torch layer groups them)
-            ids, w, uniq = ext.route(h, self.routers[i], mlp.gate.top_k, mlp.gate.normalize)
+            ids, w, uniq = self._route(mlp, i, h)
         else:  # restricted routing (self-speculative drafts: the torch router masks the rest),
             # or a router replaced on the instance (benchmarks replaying a routing trace)
             r = mlp.gate(h, allowed)
@@ -156,14 +157,22 @@ class NativeStep:
         def compute(start: int, part: list[int], experts) -> None:
             resolved = provider.slot_table(mlp.layer, part, experts)
             table, slots = resolved if resolved is not None else (EMPTY_IDS, [-1] * len(part))
-            # experts in a format the native kernels cannot decode (mxfp4) run through forward
+            # experts in a format the native kernels cannot decode (fmt -1) run through forward
             slots = [s if s < 0 or int(table[s, 0]) >= 0 else -1 for s in slots]
             ext.ffn_block(x, h, ids, w, part, slots, table, dense if start == 0 else None,
-                          DIRECT_MAX_T, int8_activations())
+                          DIRECT_MAX_T, int8_activations(), self.acts[i])
             for e, slot in zip(part, slots):
                 if slot < 0:  # computed through the expert's own forward
                     tok, k = (ids == e).nonzero(as_tuple=True)
-                    y = experts[e].forward(h[tok]).float() * w[tok, k, None]
+                    y = self._expert(mlp, e, experts[e], h[tok]).float() * w[tok, k, None]
                     x.index_add_(0, tok, y)
 
         fetch_and_compute(provider, mlp.layer, uniq, h, compute)
+
+    def _route(self, mlp: SparseMoE, i: int, h: torch.Tensor):
+        """(ids, weights, distinct ids ascending) of layer i's router (native)."""
+        return self.ext.route(h, self.routers[i], mlp.gate.top_k, mlp.gate.normalize)
+
+    def _expert(self, mlp: SparseMoE, e: int, expert, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on x through its torch forward (an expert without a native slot row)."""
+        return expert.forward(x)

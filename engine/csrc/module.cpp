@@ -3,6 +3,7 @@
 #include "quant.h"
 #include "step.h"
 
+#include <ATen/ops/empty.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -21,6 +22,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        at::Tensor ln2, at::Tensor qn, at::Tensor kn, int64_t nh, int64_t nkv, int64_t d,
                        double eps) {
         return ms::Attn{q, k, v, o, ln1, ln2, qn, kn, nh, nkv, d, eps};
+      }))
+      .def_readwrite("sinks", &ms::Attn::sinks)
+      .def_readwrite("window", &ms::Attn::window);
+  py::class_<ms::ExpertAct>(m, "ExpertAct", py::module_local())
+      .def(py::init([](int64_t act, double alpha, double limit, at::Tensor gb, at::Tensor ub, at::Tensor db) {
+        return ms::ExpertAct{act, alpha, limit, gb, ub, db};
       }));
   py::class_<ms::FFN>(m, "FFN", py::module_local()).def(py::init([](ms::Linear g, ms::Linear u, ms::Linear d, at::Tensor gate) {
     return ms::FFN{g, u, d, gate};
@@ -30,8 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("num_threads", &ms::num_threads, "threads of the native worker pool");
   m.def("attn_block", &ms::attn_block, "x += attention block; returns the post-attention norm of x");
   m.def("head_block", &ms::head_block, "logits of the final norm of some rows through the LM head");
-  m.def("route", &ms::route, "top-k routing in float32: (ids [T, K], weights [T, K])");
+  m.def("route", &ms::route, "top-k routing in float32: (ids [T, K], weights [T, K])", py::arg("h"),
+        py::arg("wr"), py::arg("top_k"), py::arg("normalize"), py::arg("bias") = at::empty({0}));
   m.def("ffn_block", &ms::ffn_block, "x += routed experts from slots (+ shared or dense SwiGLU)",
         py::arg("x"), py::arg("h"), py::arg("ids"), py::arg("w"), py::arg("experts"), py::arg("slots"),
-        py::arg("slot_table"), py::arg("dense").none(true), py::arg("dmt"), py::arg("i8a"));
+        py::arg("slot_table"), py::arg("dense").none(true), py::arg("dmt"), py::arg("i8a"),
+        py::arg("act").none(true) = (ms::ExpertAct*)nullptr);
 }
