@@ -157,8 +157,6 @@ class NativeStep:
         def compute(start: int, part: list[int], experts) -> None:
             resolved = provider.slot_table(mlp.layer, part, experts)
             table, slots = resolved if resolved is not None else (EMPTY_IDS, [-1] * len(part))
-            # experts in a format the native kernels cannot decode (fmt -1) run through forward
-            slots = [s if s < 0 or int(table[s, 0]) >= 0 else -1 for s in slots]
             ext.ffn_block(x, h, ids, w, part, slots, table, dense if start == 0 else None,
                           DIRECT_MAX_T, int8_activations(), self.acts[i])
             for e, slot in zip(part, slots):

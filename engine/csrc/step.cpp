@@ -318,6 +318,7 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
     TORCH_CHECK(sp[u] < nslots, "slot out of range");
     const int64_t* r = rows + sp[u] * SLOT_ROW;
     TORCH_CHECK(r[3] == H, "slot ", sp[u], " holds an expert of hidden size ", r[3], ", not ", H);
+    TORCH_CHECK(r[0] >= 0 && r[0] <= F_MXFP4, "slot ", sp[u], " holds format ", r[0], ", which the kernels do not decode");
     Routed e;
     for (int64_t i = 0; i < T * K; i++)
       if (ip[i] == ep[u]) { e.tok.push_back(i / K); e.wt.push_back(wp[i]); }
