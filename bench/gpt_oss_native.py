@@ -5,7 +5,10 @@
     python bench/gpt_oss_native.py --prompt 64 --new 32 --rounds 3
 
 Both paths use the same store and int8 dense linears (``dense="int8"``); rounds alternate
-torch / native and the median is printed. Prompt of random ids (seed 1234), greedy decode.
+torch / native and the median is printed. Prompt of random ids (seed 1234), greedy decode. The
+last column: how many greedy tokens agree before the first difference (a random model's logits
+are nearly tied, so summation order alone can flip one; the tests check equality on models whose
+logits are not: tests/engine/test_step_gpt_oss.py).
 """
 
 from __future__ import annotations
@@ -56,14 +59,18 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--int8-activations", type=int, choices=(0, 1), default=1,
+                    help="1: int8 activations where the CPU has VNNI (the default runtime option); 0: float")
     args = ap.parse_args()
+    configure(int8_activations=bool(args.int8_activations))
     prompt = torch.randint(3, SHAPE["vocab_size"], (args.prompt,),
                            generator=torch.Generator().manual_seed(1234)).tolist()
     print(f"gpt-oss hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} layers, "
           f"{SHAPE['num_local_experts']} experts top-{SHAPE['num_experts_per_tok']}, expert width "
           f"{SHAPE['intermediate_size']}, window {SHAPE['sliding_window']}; prompt {args.prompt}, "
-          f"{args.new} new tokens, batch 1, median of {args.rounds} alternating rounds, int8 dense")
-    print("| experts | torch layers decode tok/s | native step decode tok/s | speed-up | same tokens |")
+          f"{args.new} new tokens, batch 1, median of {args.rounds} alternating rounds, int8 dense, "
+          f"int8 activations {'on' if args.int8_activations else 'off'}, {torch.get_num_threads()} threads")
+    print("| experts | torch layers decode tok/s | native step decode tok/s | speed-up | greedy tokens equal (prefix) |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -82,7 +89,8 @@ def main() -> None:
                             configure(prev)
                         runs[on].append(tps)
             t, n = statistics.median(runs[False]), statistics.median(runs[True])
-            print(f"| {fmt} | {t:.1f} | {n:.1f} | {n / t:.2f}x | {toks[False] == toks[True]} |", flush=True)
+            same = next((i for i, (a, b) in enumerate(zip(toks[False], toks[True])) if a != b), len(toks[True]))
+            print(f"| {fmt} | {t:.1f} | {n:.1f} | {n / t:.2f}x | {same}/{len(toks[True])} |", flush=True)
 
 
 if __name__ == "__main__":
