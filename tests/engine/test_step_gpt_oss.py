@@ -86,6 +86,8 @@ def test_greedy_tokens_identical_over_32_tokens(store, fused):
         calls = spy(sm.model, fused).calls
         assert greedy(sm.model) == want
         assert calls["route"] > 0 and calls["ffn_block"] > 0
+        if "mxfp4" in str(store):  # the MXFP4 experts ran from slot rows of their own format
+            assert K.FORMAT_IDS["mxfp4"] in sm.cache.slot_rows[:, 0].tolist()
     with ExpertStore(store) as s:
         slot, top_k = align_up(s.expert_nbytes), s.config.moe.top_k
     for kw in (dict(device_budget=top_k * slot, prefetch_depth=1),
@@ -187,3 +189,32 @@ def test_ffn_block_gpt_oss_experts_match_run_expert(ext, fmt, t):
         got = x.clone()
         ext.ffn_block(got, h, ids, w, uniq, uniq, table, None, dmt, False, act)
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+def test_native_step_under_avx2_matches_torch_layers(store, fused):
+    """The whole gpt-oss step (sinks and window in the 8-lane softmax, the experts) on the AVX2
+    build, forced: every step's logits of the mixed schedule against the torch layers."""
+    if not K.cpu_has_avx2():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    prev = configure(int8_activations=False)
+    try:
+        with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
+            cfg = sm.model.config
+
+            def kv():
+                return PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=4)
+
+            want = steps(sm.model, kv(), False, fused)
+            configure(cpu_isa="avx2")
+            if K.load_extension() is None or K.native_isa() != "avx2":
+                pytest.skip(f"AVX2 kernels unavailable: {K.extension_error()}")
+            fused(True)
+            step = sm.model.native_step()
+            assert step is not None and "avx2" in step.ext.__name__
+            calls = spy(sm.model, fused).calls
+            got = steps(sm.model, kv(), True, fused)
+            assert calls["attn_block"] == 3 * cfg.num_layers
+            for a, b in zip(got, want):
+                close(a, b, BOUND[False])
+    finally:
+        configure(prev)
