@@ -75,6 +75,7 @@ class NativeStep:
         ext.set_threads(native_threads())
         cfg = model.config
         self.attn, self.ffn, self.routers = [], [], []
+        self.acts: list[Any] = [None] * len(model.model.layers)  # routed experts' ExpertAct (gpt-oss)
         for layer in model.model.layers:
             a = layer.self_attn
             qn = _f32(a.q_norm.weight) if a.q_norm is not None else EMPTY
@@ -153,22 +154,13 @@ class NativeStep:
         return self.ext.head_block(x, rows if rows is not None else last_rows(layout), self.norm, self.eps,
                                    self.head, DIRECT_MAX_T, int8_activations())
 
-    _fmt: tuple[torch.Tensor, Any] | None = None
-
-    def _formats(self, table: torch.Tensor) -> Any:
-        """The slot table's format column as a numpy view, kept while the cache keeps its table:
-        no dispatcher op per layer or expert."""
-        if self._fmt is None or self._fmt[0] is not table:
-            self._fmt = (table, table.numpy()[:, 0])
-        return self._fmt[1]
-
     def _moe(self, mlp: SparseMoE, i: int, x: torch.Tensor, h: torch.Tensor) -> None:
         """route -> fetch (the provider) -> compute + combine (native), x updated in place."""
         ext, provider = self.ext, mlp.provider
         allowed = provider.allowed_experts(mlp.layer)
         if allowed is None and "forward" not in vars(mlp.gate):
             # uniq: the routed experts, ascending (as the torch layer groups them)
-            ids, w, uniq = ext.route(h, self.routers[i], mlp.gate.top_k, mlp.gate.normalize)
+            ids, w, uniq = self._route(mlp, i, h)
         else:  # restricted routing (self-speculative drafts: the torch router masks the rest),
             # or a router replaced on the instance (benchmarks replaying a routing trace)
             r = mlp.gate(h, allowed)
@@ -181,15 +173,20 @@ class NativeStep:
         def compute(start: int, part: list[int], experts) -> None:
             resolved = provider.slot_table(mlp.layer, part, experts)
             table, slots = resolved if resolved is not None else (EMPTY_IDS, [-1] * len(part))
-            # experts in a format the native kernels cannot decode (mxfp4) run through forward
-            fmt = self._formats(table) if len(table) else ()
-            slots = [s if s < 0 or fmt[s] >= 0 else -1 for s in slots]
             ext.ffn_block(x, h, ids, w, part, slots, table, dense if start == 0 else None,
-                          DIRECT_MAX_T, int8_activations())
+                          DIRECT_MAX_T, int8_activations(), self.acts[i])
             for e, slot in zip(part, slots):
                 if slot < 0:  # computed through the expert's own forward
                     tok, k = (ids == e).nonzero(as_tuple=True)
-                    y = experts[e].forward(h[tok]).float() * w[tok, k, None]
+                    y = self._expert(mlp, e, experts[e], h[tok]).float() * w[tok, k, None]
                     x.index_add_(0, tok, y)
 
         fetch_and_compute(provider, mlp.layer, uniq, h, compute)
+
+    def _route(self, mlp: SparseMoE, i: int, h: torch.Tensor):
+        """(ids, weights, distinct ids ascending) of layer i's router (native)."""
+        return self.ext.route(h, self.routers[i], mlp.gate.top_k, mlp.gate.normalize)
+
+    def _expert(self, mlp: SparseMoE, e: int, expert, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on x through its torch forward (an expert without a native slot row)."""
+        return expert.forward(x)

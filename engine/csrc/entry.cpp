@@ -9,13 +9,17 @@ namespace ms {
 
 QW make_qw(int64_t fmt, int64_t G, int64_t N, int64_t K, const at::Tensor& codes,
            const at::Tensor& scales, const at::Tensor& mins) {
-  TORCH_CHECK(fmt >= 0 && fmt <= 3, "bad format id");
+  TORCH_CHECK(fmt >= 0 && fmt <= 4, "bad format id");
   TORCH_CHECK(K % 32 == 0 && (fmt == F_BF16 || K % G == 0), "K must be a multiple of 32 and of G");
+  TORCH_CHECK(fmt != F_MXFP4 || G == 32, "mxfp4 has blocks of 32");
   TORCH_CHECK(codes.is_contiguous(), "codes must be contiguous");
-  int64_t want = fmt == F_INT4 || fmt == F_NF4 ? N * K / 2 : fmt == F_INT8 ? N * K : N * K * 2;
+  int64_t want = fmt == F_INT4 || fmt == F_NF4 || fmt == F_MXFP4 ? N * K / 2 : fmt == F_INT8 ? N * K : N * K * 2;
   TORCH_CHECK(codes.numel() * codes.element_size() == want, "codes have the wrong size");
   QW w{(int)fmt, G, N, K, (const uint8_t*)codes.data_ptr(), nullptr, nullptr};
-  if (fmt != F_BF16) {
+  if (fmt == F_MXFP4) {  // E8M0 bytes, one per block of 32
+    TORCH_CHECK(scales.is_contiguous() && scales.numel() == N * (K / 32) && scales.element_size() == 1, "bad scales");
+    w.scales = (const uint16_t*)scales.data_ptr();
+  } else if (fmt != F_BF16) {
     TORCH_CHECK(scales.is_contiguous() && scales.numel() == N * (K / G) && scales.element_size() == 2, "bad scales");
     w.scales = (const uint16_t*)scales.data_ptr();
   }

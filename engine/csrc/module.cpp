@@ -4,6 +4,7 @@
 #include "quant.h"
 #include "step.h"
 
+#include <ATen/ops/empty.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -24,7 +25,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return ms::Attn{q, k, v, o, ln1, ln2, qn, kn, nh, nkv, d, eps};
       }))
       .def_readwrite("gated", &ms::Attn::gated)
-      .def_readwrite("rotary_dim", &ms::Attn::rotary_dim);
+      .def_readwrite("rotary_dim", &ms::Attn::rotary_dim)
+      .def_readwrite("sinks", &ms::Attn::sinks)
+      .def_readwrite("window", &ms::Attn::window);
+  py::class_<ms::ExpertAct>(m, "ExpertAct", py::module_local())
+      .def(py::init([](int64_t act, double alpha, double limit, at::Tensor gb, at::Tensor ub, at::Tensor db) {
+        return ms::ExpertAct{act, alpha, limit, gb, ub, db};
+      }));
   py::class_<ms::FFN>(m, "FFN", py::module_local()).def(py::init([](ms::Linear g, ms::Linear u, ms::Linear d, at::Tensor gate) {
     return ms::FFN{g, u, d, gate};
   }));
@@ -41,8 +48,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("deltanet_block", &ms::deltanet_block, "x += Gated DeltaNet of decode rows; returns the post-attention norm");
   m.def("deltanet_step", &ms::deltanet_step, "Gated DeltaNet: conv step + delta-rule update of one token");
   m.def("head_block", &ms::head_block, "logits of the final norm of some rows through the LM head");
-  m.def("route", &ms::route, "top-k routing in float32: (ids [T, K], weights [T, K])");
+  m.def("route", &ms::route, "top-k routing in float32: (ids [T, K], weights [T, K])", py::arg("h"),
+        py::arg("wr"), py::arg("top_k"), py::arg("normalize"), py::arg("bias") = at::empty({0}));
   m.def("ffn_block", &ms::ffn_block, "x += routed experts from slots (+ shared or dense SwiGLU)",
         py::arg("x"), py::arg("h"), py::arg("ids"), py::arg("w"), py::arg("experts"), py::arg("slots"),
-        py::arg("slot_table"), py::arg("dense").none(true), py::arg("dmt"), py::arg("i8a"));
+        py::arg("slot_table"), py::arg("dense").none(true), py::arg("dmt"), py::arg("i8a"),
+        py::arg("act").none(true) = (ms::ExpertAct*)nullptr);
 }

@@ -36,6 +36,13 @@ alignas(64) const float NF4_CB[16] = {
   0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
   0.44070982985687256f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
 alignas(64) const float IOTA16[16] = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
+// MXFP4: the E2M1 values of codes 0..15 (engine/quant/reference.py E2M1_VALUES)
+alignas(64) const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+// MXFP4 byte b of a block holds weights 2b (low nibble) and 2b + 1 (high): lookups of the low
+// and the high nibbles give the even and the odd weights, interleaved back by these indices
+alignas(64) const int32_t MX_LO[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+alignas(64) const int32_t MX_HI[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 
 static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
@@ -52,23 +59,31 @@ template <int FMT> struct Deq {
       lut = _mm512_mul_ps(_mm512_load_ps(NF4_CB), _mm512_set1_ps(h2f(w.scales[n * ng + g])));
     } else if (FMT == F_INT8) {
       sc = _mm512_set1_ps(h2f(w.scales[n * ng + g]));
+    } else if (FMT == F_MXFP4) {  // E2M1 * 2^(s - 127): exact (a power of two)
+      lut = _mm512_mul_ps(_mm512_load_ps(E2M1), _mm512_set1_ps(e8m0(((const uint8_t*)w.scales)[n * ng + g])));
     }
   }
   // k: index of the block's first weight in the row
   // prefetch the cache line of row n holding weight k (called once per 64 bytes of codes)
   static inline void prefetch(const QW& w, int64_t n, int64_t k) {
     if (n >= w.N) return;
-    const char* p = FMT == F_INT4 || FMT == F_NF4 ? (const char*)(w.codes + n * (w.K / 2) + k / 2)
+    const char* p = FMT == F_INT4 || FMT == F_NF4 || FMT == F_MXFP4 ? (const char*)(w.codes + n * (w.K / 2) + k / 2)
                   : FMT == F_INT8 ? (const char*)(w.codes + n * w.K + k) : (const char*)(w.codes + (n * w.K + k) * 2);
     _mm_prefetch(p, _MM_HINT_T0);
   }
-  static constexpr int64_t WEIGHTS_PER_LINE = FMT == F_INT4 || FMT == F_NF4 ? 128 : FMT == F_INT8 ? 64 : 32;
+  static constexpr int64_t WEIGHTS_PER_LINE = FMT == F_INT4 || FMT == F_NF4 || FMT == F_MXFP4 ? 128 : FMT == F_INT8 ? 64 : 32;
   inline void block(const QW& w, int64_t n, int64_t k, __m512& w0, __m512& w1) const {
     if (FMT == F_INT4 || FMT == F_NF4) {
       __m128i b = _mm_loadu_si128((const __m128i*)(w.codes + n * (w.K / 2) + k / 2));
       __m512i v = _mm512_cvtepu8_epi32(b);
       w0 = _mm512_permutexvar_ps(v, lut);                       // vpermps uses index bits 3:0
       w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+    } else if (FMT == F_MXFP4) {
+      __m128i b = _mm_loadu_si128((const __m128i*)(w.codes + n * (w.K / 2) + k / 2));
+      __m512i v = _mm512_cvtepu8_epi32(b);
+      const __m512 ev = _mm512_permutexvar_ps(v, lut), od = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+      w0 = _mm512_permutex2var_ps(ev, _mm512_load_si512(MX_LO), od);
+      w1 = _mm512_permutex2var_ps(ev, _mm512_load_si512(MX_HI), od);
     } else if (FMT == F_INT8) {
       const int8_t* p = (const int8_t*)w.codes + n * w.K + k;
       w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))), sc);
@@ -89,10 +104,10 @@ static int64_t g_pf_rows = 16;  // software prefetch distance in rows (tunable f
 
 static inline void prefetch_meta(const QW& w, int64_t n0, int R) {
   if (w.fmt == F_BF16 || n0 >= w.N) return;
-  const int64_t ng = w.K / w.G;
+  const int64_t ng = w.K / w.G, ssz = w.fmt == F_MXFP4 ? 1 : 2;
   int64_t nr = n0 + R <= w.N ? R : w.N - n0;
-  const char* s = (const char*)(w.scales + n0 * ng);
-  for (int64_t b = 0; b < nr * ng * 2; b += 64) _mm_prefetch(s + b, _MM_HINT_T0);
+  const char* s = (const char*)w.scales + n0 * ng * ssz;
+  for (int64_t b = 0; b < nr * ng * ssz; b += 64) _mm_prefetch(s + b, _MM_HINT_T0);
   if (w.fmt == F_INT4) {
     const char* m = (const char*)(w.mins + n0 * ng);
     for (int64_t b = 0; b < nr * ng * 2; b += 64) _mm_prefetch(m + b, _MM_HINT_T0);
@@ -245,6 +260,7 @@ static void rows_dispatch(const QW& w, int64_t nb, int64_t ne, const float* x, i
     case F_INT4: rows_range<F_INT4>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
     case F_NF4:  rows_range<F_NF4>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
     case F_INT8: rows_range<F_INT8>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
+    case F_MXFP4: rows_range<F_MXFP4>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
     default:     rows_range<F_BF16>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
   }
 }
@@ -561,7 +577,9 @@ void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
       const int64_t I = jb.g.N;
       s.in.rows(jb.g, rb, re, s.g.data(), direct_max_t);
       s.in.rows(jb.u, rb, re, s.u.data(), direct_max_t);
-      for (int64_t t = 0; t < jb.T; t++) silu_mul_n(s.g.data() + t * I + rb, s.u.data() + t * I + rb, re - rb);
+      for (int64_t t = 0; t < jb.T; t++)
+        expert_hidden_n(s.g.data() + t * I + rb, s.u.data() + t * I + rb, re - rb, jb.act, jb.alpha, jb.limit,
+                        jb.bg ? jb.bg + rb : nullptr, jb.bu ? jb.bu + rb : nullptr);
     });
   });
   for (size_t j = 0; j < J; j++)  // the hidden activations, as the down projections take them
@@ -569,7 +587,11 @@ void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
   const std::vector<int64_t> sd = unit_starts(jobs, hidden_rows);
   parallel(sd[J], 1, share, [&](int64_t b, int64_t e) {
     for_units(sd, b, e, jobs, hidden_rows, [&](size_t j, int64_t rb, int64_t re) {
-      st[j].hid.rows(jobs[j].d, rb, re, jobs[j].out, direct_max_t);
+      const ExpertJob& jb = jobs[j];
+      st[j].hid.rows(jb.d, rb, re, jb.out, direct_max_t);
+      if (jb.bd)
+        for (int64_t t = 0; t < jb.T; t++)
+          for (int64_t r = rb; r < re; r++) jb.out[t * jb.d.N + r] += jb.bd[r];
     });
   });
 }

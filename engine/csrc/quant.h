@@ -2,18 +2,31 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace ms {
 
-enum { F_INT4 = 0, F_NF4 = 1, F_INT8 = 2, F_BF16 = 3 };
+enum { F_INT4 = 0, F_NF4 = 1, F_INT8 = 2, F_BF16 = 3, F_MXFP4 = 4 };
+
+// Expert activations: SwiGLU silu(g) * u, or gpt-oss's clamped SwiGLU
+// (min(u, limit) clamped to [-limit, limit] + 1) * g' * sigmoid(alpha g'), g' = min(g, limit).
+enum { ACT_SILU = 0, ACT_CLAMPED_SWIGLU = 1 };
 
 struct QW {            // one quantized weight [N, K]
   int fmt; int64_t G, N, K;
-  const uint8_t* codes;      // int4/nf4: [N, K/2]; int8: [N, K] (int8); bf16: [N, K] (2 bytes each)
-  const uint16_t* scales;    // [N, K/G] fp16 (not bf16)
+  const uint8_t* codes;      // int4/nf4/mxfp4: [N, K/2]; int8: [N, K] (int8); bf16: [N, K] (2 bytes each)
+  const uint16_t* scales;    // [N, K/G] fp16 (not bf16); mxfp4: [N, K/32] E8M0 *bytes* (read as uint8)
   const uint16_t* mins;      // [N, K/G] fp16 (int4 only)
 };
+
+// An E8M0 scale byte's value 2^(s - 127) (s = 0: the subnormal 2^-127; 255: inf)
+inline float e8m0(uint8_t s) {
+  const uint32_t bits = s == 0 ? 0x00400000u : (uint32_t)s << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // A checked QW over tensors (which the caller keeps alive).
 QW make_qw(int64_t fmt, int64_t G, int64_t N, int64_t K, const at::Tensor& codes,
@@ -37,12 +50,17 @@ struct LinearJob {
 // rows split over the pool in one parallel region.
 void linears(std::vector<LinearJob>& jobs, int64_t direct_max_t, bool i8a);
 
-// One SwiGLU expert's call in a group: out[T, H] = expert(x[T, H]).
+// One SwiGLU expert's call in a group: out[T, H] = expert(x[T, H]). Optional float32 biases
+// bg, bu [I] (added to gate and up before the activation) and bd [H] (added to the output), and
+// the activation (ACT_*; alpha and limit for the clamped SwiGLU).
 struct ExpertJob {
   QW g, u, d;
   const float* x;
   int64_t T;
   float* out;
+  int act = ACT_SILU;
+  float alpha = 0.f, limit = 0.f;
+  const float *bg = nullptr, *bu = nullptr, *bd = nullptr;
 };
 // Several experts at once (a MoE layer's routed experts and its shared expert): the same numbers
 // as expert() on each, with the work of all of them split over the pool in two parallel regions

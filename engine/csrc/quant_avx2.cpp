@@ -36,6 +36,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -46,6 +47,10 @@ alignas(32) const float NF4_CB[16] = {
   -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
   0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
   0.44070982985687256f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+
+// MXFP4: the E2M1 values of codes 0..15 (engine/quant/reference.py E2M1_VALUES)
+alignas(32) const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 int64_t g_prefetch_rows = 16;  // software prefetch distance in rows (0: off); set_prefetch_rows
 
@@ -64,11 +69,17 @@ inline int64_t eff_group(const QW& w) { return w.fmt == F_BF16 ? w.K : w.G; }
 // One row's dequantizer: group() loads the (row, group) metadata, chunk() yields 8 weights.
 template <int FMT> struct Deq {
   __m256 s, m;          // int4: scale, min; int8: scale
-  __m256 lut_lo, lut_hi;  // nf4: NF4[0..7] * scale, NF4[8..15] * scale
+  __m256 lut_lo, lut_hi;  // nf4: NF4[0..7] * scale, NF4[8..15] * scale; mxfp4: E2M1 * 2^(e - 127)
 
   inline void group(const QW& w, int64_t n, int64_t g) {
     if (FMT == F_BF16) return;
     const int64_t i = n * (w.K / w.G) + g;
+    if (FMT == F_MXFP4) {  // exact: E2M1 values times a power of two
+      s = _mm256_set1_ps(e8m0(((const uint8_t*)w.scales)[i]));
+      lut_lo = _mm256_mul_ps(_mm256_load_ps(E2M1), s);
+      lut_hi = _mm256_mul_ps(_mm256_load_ps(E2M1 + 8), s);
+      return;
+    }
     s = _mm256_set1_ps(h2f(w.scales[i]));
     if (FMT == F_INT4) m = _mm256_set1_ps(h2f(w.mins[i]));
     if (FMT == F_NF4) {
@@ -79,6 +90,16 @@ template <int FMT> struct Deq {
 
   // weights k + 8j .. k + 8j + 7 of row n (k: the first weight of a 32-block)
   inline __m256 chunk(const QW& w, int64_t n, int64_t k, int j) const {
+    if (FMT == F_MXFP4) {  // bytes 4j .. 4j+3: weights 8j + 2b (low nibble), 8j + 2b + 1 (high)
+      int32_t four;
+      std::memcpy(&four, w.codes + n * (w.K / 2) + k / 2 + 4 * j, 4);
+      const __m256i b = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(four)),
+                                                    _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+      const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)),
+                                         _mm256_set1_epi32(15));
+      const __m256 sel = _mm256_castsi256_ps(_mm256_slli_epi32(c, 28));  // bit 3 picks the half
+      return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, c), _mm256_permutevar8x32_ps(lut_hi, c), sel);
+    }
     if (FMT == F_INT4 || FMT == F_NF4) {
       const uint8_t* p = w.codes + n * (w.K / 2) + k / 2 + 8 * (j & 1);
       const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
@@ -101,7 +122,7 @@ template <int FMT> struct Deq {
   }
 
   // bytes of codes per 32-block; weights per 64-byte cache line of codes
-  static constexpr int64_t BLOCK_BYTES = FMT == F_INT4 || FMT == F_NF4 ? 16 : FMT == F_INT8 ? 32 : 64;
+  static constexpr int64_t BLOCK_BYTES = FMT == F_INT4 || FMT == F_NF4 || FMT == F_MXFP4 ? 16 : FMT == F_INT8 ? 32 : 64;
   static constexpr int64_t WEIGHTS_PER_LINE = 64 / BLOCK_BYTES * 32;
 
   static inline void prefetch_codes(const QW& w, int64_t n, int64_t k) {
@@ -113,9 +134,9 @@ template <int FMT> struct Deq {
 // prefetch the scales/mins of rows [n0, n0 + R) (those that exist)
 inline void prefetch_meta(const QW& w, int64_t n0, int R) {
   if (w.fmt == F_BF16 || n0 >= w.N) return;
-  const int64_t ng = w.K / w.G, rows = n0 + R <= w.N ? R : w.N - n0;
-  const int64_t bytes = rows * ng * 2;
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)(w.scales + n0 * ng) + b, _MM_HINT_T0);
+  const int64_t ng = w.K / w.G, rows = n0 + R <= w.N ? R : w.N - n0, ssz = w.fmt == F_MXFP4 ? 1 : 2;
+  const int64_t bytes = rows * ng * ssz;
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)w.scales + n0 * ng * ssz + b, _MM_HINT_T0);
   if (w.fmt == F_INT4)
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)(w.mins + n0 * ng) + b, _MM_HINT_T0);
 }
@@ -258,6 +279,7 @@ void rows_dispatch(const QW& w, int64_t nb, int64_t ne, const float* x, int64_t 
     case F_INT4: rows_range<F_INT4>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
     case F_NF4:  rows_range<F_NF4>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
     case F_INT8: rows_range<F_INT8>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
+    case F_MXFP4: rows_range<F_MXFP4>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
     default:     rows_range<F_BF16>(w, nb, ne, x, T, out, ldo, direct_max_t); break;
   }
 }
@@ -278,21 +300,30 @@ void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_m
   parallel(w.N, 8, min_rows(w), [&](int64_t b, int64_t e) { rows_dispatch(w, b, e, x, T, out, w.N, direct_max_t); });
 }
 
-void expert(const QW& wg, const QW& wu, const QW& wd, const float* x, int64_t T, float* out,
-            int64_t direct_max_t, bool /*i8a*/) {
+// One expert job: gate, up and the activation over a thread's share of the hidden rows, then down
+static void run_expert(const ExpertJob& j, int64_t direct_max_t) {
+  const int64_t T = j.T, I = j.g.N, H = j.d.N;
   if (T == 0) return;
-  const int64_t I = wg.N;
   static thread_local std::vector<float> gbuf, ubuf;  // [T, I] each, the caller's
   gbuf.resize(T * I);
   ubuf.resize(T * I);
   float *gp = gbuf.data(), *up = ubuf.data();
-  // a thread's share of the hidden rows does gate, up and silu(gate) * up
-  parallel(I, 8, min_rows(wg), [&](int64_t b, int64_t e) {
-    rows_dispatch(wg, b, e, x, T, gp, I, direct_max_t);
-    rows_dispatch(wu, b, e, x, T, up, I, direct_max_t);
-    for (int64_t t = 0; t < T; t++) silu_mul_n(gp + t * I + b, up + t * I + b, e - b);
+  parallel(I, 8, min_rows(j.g), [&](int64_t b, int64_t e) {
+    rows_dispatch(j.g, b, e, j.x, T, gp, I, direct_max_t);
+    rows_dispatch(j.u, b, e, j.x, T, up, I, direct_max_t);
+    for (int64_t t = 0; t < T; t++)
+      expert_hidden_n(gp + t * I + b, up + t * I + b, e - b, j.act, j.alpha, j.limit,
+                      j.bg ? j.bg + b : nullptr, j.bu ? j.bu + b : nullptr);
   });
-  linear(wd, gp, T, out, direct_max_t, false);
+  linear(j.d, gp, T, j.out, direct_max_t, false);
+  if (j.bd)
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t r = 0; r < H; r++) j.out[t * H + r] += j.bd[r];
+}
+
+void expert(const QW& wg, const QW& wu, const QW& wd, const float* x, int64_t T, float* out,
+            int64_t direct_max_t, bool /*i8a*/) {
+  run_expert(ExpertJob{wg, wu, wd, x, T, out}, direct_max_t);
 }
 
 // The AVX2 build runs a group one linear after another (each splits its rows over the pool).
@@ -302,7 +333,7 @@ void linears(std::vector<LinearJob>& jobs, int64_t direct_max_t, bool i8a) {
 
 // The AVX2 build runs a group one expert after another (each splits its rows over the pool).
 void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
-  for (ExpertJob& j : jobs) expert(j.g, j.u, j.d, j.x, j.T, j.out, direct_max_t, i8a);
+  for (ExpertJob& j : jobs) run_expert(j, direct_max_t);
 }
 
 }  // namespace ms

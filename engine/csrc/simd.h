@@ -4,6 +4,7 @@
 #pragma once
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -98,9 +99,37 @@ inline void rmsnorm(const float* x, const float* w, int64_t n, float eps, float*
   for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
 }
 
-// softmax of s[0..n) in place, float32
-inline void softmax(float* s, int64_t n) {
-  float mx = -INFINITY;
+// gpt-oss's clamped SwiGLU: g[i] = (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),
+// g' = min(g, limit) (engine.models.gpt_oss.clamped_swiglu), for n values
+inline void clamped_swiglu_n(float* g, const float* u, int64_t n, float alpha, float limit) {
+  int64_t i = 0;
+  const vf lim = vset(limit), one = vset(1.0f);
+  for (; i + LANES <= n; i += LANES) {
+    const vf gv = vmin(vload(g + i), lim);
+    const vf uv = vmax(vmin(vload(u + i), lim), vsub(vzero(), lim));
+    const vf e = vexp(vsub(vzero(), vmul(gv, vset(alpha))));
+    vstore(g + i, vmul(vadd(uv, one), vdiv(gv, vadd(one, e))));
+  }
+  for (; i < n; i++) {
+    const float gv = std::min(g[i], limit), uv = std::max(std::min(u[i], limit), -limit);
+    g[i] = (uv + 1.0f) * (gv / (1.0f + std::exp(-gv * alpha)));
+  }
+}
+
+// An expert's hidden activation in place of its gate rows g[0..n) (up rows u), the optional
+// biases (bg, bu: the same n rows) added first
+inline void expert_hidden_n(float* g, float* u, int64_t n, int act, float alpha, float limit,
+                            const float* bg, const float* bu) {
+  if (bg) for (int64_t i = 0; i < n; i++) g[i] += bg[i];
+  if (bu) for (int64_t i = 0; i < n; i++) u[i] += bu[i];
+  if (act == 1) clamped_swiglu_n(g, u, n, alpha, limit);  // ACT_CLAMPED_SWIGLU (quant.h)
+  else silu_mul_n(g, u, n);
+}
+
+// softmax of s[0..n) in place, float32; a finite `sink` is one more logit in the denominator
+// whose share is dropped (attention sinks)
+inline void softmax(float* s, int64_t n, float sink = -INFINITY) {
+  float mx = sink;
   for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
   const vf m = vset(mx);
   vf acc = vzero();
@@ -112,6 +141,7 @@ inline void softmax(float* s, int64_t n) {
   }
   float sum = vsum(acc);
   for (; j < n; j++) sum += (s[j] = std::exp(s[j] - mx));
+  if (sink != -INFINITY) sum += std::exp(sink - mx);
   const float inv = 1.0f / sum;
   for (j = 0; j < n; j++) s[j] *= inv;
 }

@@ -75,9 +75,11 @@ struct KVView {  // one layer of the cache and one sequence's block table
 // are in the cache -> out [n, Nh, D]. Query head h reads KV head h / g (g = Nh / Nkv); the KV
 // heads are split over the pool's threads, each reading a position's K (then V) row of its head
 // once for its g query heads.
+// sinks [Nh] (or null): each head's sink logit in its softmax denominator; window > 0: a query at
+// position p reads keys p - window < j <= p only.
 template <typename S>
 void attend(const KVView& kv, const float* q, int64_t n, int64_t ctx, int64_t nh, int64_t nkv,
-            int64_t d, float* out) {
+            int64_t d, float* out, const float* sinks, int64_t window) {
   const int64_t g = nh / nkv, total = ctx + n;
   const float scale = 1.0f / std::sqrt((float)d);
   parallel(nkv, 1, 1, [&](int64_t kb, int64_t ke) {
@@ -88,15 +90,17 @@ void attend(const KVView& kv, const float* q, int64_t n, int64_t ctx, int64_t nh
     for (int64_t kh = kb; kh < ke; kh++) {
       for (int64_t i = 0; i < n; i++) {
         const int64_t seen = ctx + i + 1;  // causal: keys 0 .. ctx + i
+        const int64_t j0 = window > 0 ? std::max<int64_t>(0, seen - window) : 0;
         const float* qh = q + (i * nh + kh * g) * d;
-        for (int64_t j = 0; j < seen; j++) {
+        for (int64_t j = j0; j < seen; j++) {
           load_row(kv.at<S>(kv.k, j) + kh * d, r, d);
           for (int64_t a = 0; a < g; a++) scores[a * total + j] = dot(qh + a * d, r, d) * scale;
         }
-        for (int64_t a = 0; a < g; a++) softmax(scores.data() + a * total, seen);
+        for (int64_t a = 0; a < g; a++)
+          softmax(scores.data() + a * total + j0, seen - j0, sinks ? sinks[kh * g + a] : -INFINITY);
         float* o = out + (i * nh + kh * g) * d;
         std::fill(o, o + g * d, 0.f);
-        for (int64_t j = 0; j < seen; j++) {
+        for (int64_t j = j0; j < seen; j++) {
           load_row(kv.at<S>(kv.v, j) + kh * d, r, d);
           for (int64_t a = 0; a < g; a++) {
             const float p = scores[a * total + j];
@@ -146,6 +150,22 @@ void slot_expert(const int64_t* r, QW& g, QW& u, QW& d) {
   d = w(H, I, r + 10);
 }
 
+// a routed expert's activation and its biases (rows `e` of the layer's bias tensors)
+void expert_act(const ExpertAct& a, int64_t e, ExpertJob& j) {
+  j.act = (int)a.act;
+  j.alpha = (float)a.alpha;
+  j.limit = (float)a.limit;
+  auto row = [&](const at::Tensor& b, int64_t n) -> const float* {
+    if (!b.defined() || b.numel() == 0) return nullptr;
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.dim() == 2 && b.size(1) == n &&
+                e < b.size(0), "expert biases must be float32 [E, ", n, "] covering expert ", e);
+    return b.data_ptr<float>() + e * n;
+  };
+  j.bg = row(a.gb, j.g.N);
+  j.bu = row(a.ub, j.u.N);
+  j.bd = row(a.db, j.d.N);
+}
+
 }  // namespace
 
 Linear make_linear(int64_t fmt, int64_t G, int64_t N, int64_t K, at::Tensor codes, at::Tensor scales,
@@ -172,6 +192,9 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
               sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous(),
               "cos/sin tables must be float32 [positions, rotary dims]");
   TORCH_CHECK((int64_t)positions.size() == T, "one position per token");
+  TORCH_CHECK(!a.sinks.defined() || a.sinks.numel() == 0 || (a.sinks.scalar_type() == at::kFloat &&
+              a.sinks.is_contiguous() && a.sinks.numel() == nh), "sinks must be float32 [Nh]");
+  const float* sinks = opt_ptr(a.sinks);
   for (int64_t p : positions) TORCH_CHECK(p >= 0 && p < cos.size(0), "position ", p, " beyond the rotary table");
   at::Tensor h = at::empty({T, H}, at::kFloat);
   float* xp = x.data_ptr<float>();
@@ -214,9 +237,9 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
     KVView kv{kbase, kbase + plane, bs, row, tp + s * mb};
     const float *ks = k.data() + off * row, *vs = v.data() + off * row, *qs = q.data() + off * nh * d;
     float* os = o.data() + off * nh * d;
-    if (st == at::kFloat) { write_kv<float>(kv, ks, vs, n, ctx); attend<float>(kv, qs, n, ctx, nh, nkv, d, os); }
-    else if (st == at::kBFloat16) { write_kv<c10::BFloat16>(kv, ks, vs, n, ctx); attend<c10::BFloat16>(kv, qs, n, ctx, nh, nkv, d, os); }
-    else { write_kv<c10::Half>(kv, ks, vs, n, ctx); attend<c10::Half>(kv, qs, n, ctx, nh, nkv, d, os); }
+    if (st == at::kFloat) { write_kv<float>(kv, ks, vs, n, ctx); attend<float>(kv, qs, n, ctx, nh, nkv, d, os, sinks, a.window); }
+    else if (st == at::kBFloat16) { write_kv<c10::BFloat16>(kv, ks, vs, n, ctx); attend<c10::BFloat16>(kv, qs, n, ctx, nh, nkv, d, os, sinks, a.window); }
+    else { write_kv<c10::Half>(kv, ks, vs, n, ctx); attend<c10::Half>(kv, qs, n, ctx, nh, nkv, d, os, sinks, a.window); }
     off += n;
   }
   TORCH_CHECK(off == T, "query lengths do not add up to the tokens");
@@ -228,8 +251,12 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
 }
 
 std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor& h, const at::Tensor& wr,
-                                                               int64_t top_k, bool normalize) {
+                                                               int64_t top_k, bool normalize,
+                                                               const at::Tensor& bias) {
   const int64_t T = h.size(0), H = h.size(1), E = wr.size(0);
+  TORCH_CHECK(!bias.defined() || bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
+              bias.numel() == E), "router bias must be float32 [E]");
+  const float* bp = opt_ptr(bias);
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be contiguous float32");
   TORCH_CHECK(wr.scalar_type() == at::kFloat && wr.is_contiguous() && wr.size(1) == H, "router must be float32 [E, H]");
   TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k out of range");
@@ -241,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor&
   std::vector<int64_t> order(E);
   for (int64_t t = 0; t < T; t++) {
     float mx = -INFINITY, sum = 0.f;
-    for (int64_t e = 0; e < E; e++) mx = std::max(mx, p[e] = dot(hp + t * H, wp + e * H, H));
+    for (int64_t e = 0; e < E; e++) mx = std::max(mx, p[e] = dot(hp + t * H, wp + e * H, H) + (bp ? bp[e] : 0.f));
     for (int64_t e = 0; e < E; e++) sum += (p[e] = std::exp(p[e] - mx));
     for (int64_t e = 0; e < E; e++) p[e] /= sum;
     std::iota(order.begin(), order.end(), 0);
@@ -262,7 +289,8 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor&
 
 void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
                const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
-               const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a) {
+               const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a,
+               const ExpertAct* act) {
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && h.is_contiguous() &&
               h.scalar_type() == at::kFloat && h.sizes() == x.sizes(), "x, h must be float32 [T, H]");
@@ -294,6 +322,7 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
     TORCH_CHECK(sp[u] < nslots, "slot out of range");
     const int64_t* r = rows + sp[u] * SLOT_ROW;
     TORCH_CHECK(r[3] == H, "slot ", sp[u], " holds an expert of hidden size ", r[3], ", not ", H);
+    TORCH_CHECK(r[0] >= 0 && r[0] <= F_MXFP4, "slot ", sp[u], " holds format ", r[0], ", which the kernels do not decode");
     Routed e;
     for (int64_t i = 0; i < T * K; i++)
       if (ip[i] == ep[u]) { e.tok.push_back(i / K); e.wt.push_back(wp[i]); }
@@ -306,6 +335,7 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
     QW g, up, dn;
     slot_expert(r, g, up, dn);
     jobs.push_back(ExpertJob{g, up, dn, nullptr, n, nullptr});
+    if (act != nullptr) expert_act(*act, ep[u], jobs.back());
   }
   for (size_t j = 0; j < routed.size(); j++) {  // pointers once the vectors stopped moving
     jobs[j].x = routed[j].xs.data();

@@ -22,11 +22,19 @@ struct Attn {  // one attention block with the norms around it
   double eps;
   bool gated = false;      // q_proj rows [q_h | gate_h] per head, output * sigmoid(gate) (Qwen3-Next)
   int64_t rotary_dim = 0;  // RoPE on the first rotary_dim dims of each head (0: all d)
+  at::Tensor sinks;    // float32 [Nh]: a learned logit per head in the softmax denominator (or empty)
+  int64_t window = 0;  // sliding window: a query at p sees keys p - window < j <= p (0: every key)
 };
 
 struct FFN {  // a SwiGLU on every token: a dense MLP or a shared expert (gate: empty or float32 [H])
   Linear g, u, d;
   at::Tensor gate;
+};
+
+struct ExpertAct {  // a MoE layer's routed-expert activation (ACT_*) and biases (gpt-oss)
+  int64_t act;
+  double alpha, limit;
+  at::Tensor gb, ub, db;  // float32 [E, I], [E, I], [E, H] (empty: none)
 };
 
 Linear make_linear(int64_t fmt, int64_t G, int64_t N, int64_t K, at::Tensor codes, at::Tensor scales,
@@ -37,11 +45,14 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
                       const at::Tensor& tables, const std::vector<int64_t>& qlens,
                       const std::vector<int64_t>& ctxs, int64_t dmt, bool i8a);
 // (ids [T, K], weights [T, K], the distinct ids ascending)
+// bias: float32 [E] added to the router's logits (or empty)
 std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor& h, const at::Tensor& wr,
-                                                               int64_t top_k, bool normalize);
+                                                               int64_t top_k, bool normalize,
+                                                               const at::Tensor& bias);
 void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
                const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
-               const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a);
+               const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a,
+               const ExpertAct* act = nullptr);
 // logits [R, V] of the final norm of rows `rows` of x through the LM head
 at::Tensor head_block(const at::Tensor& x, const std::vector<int64_t>& rows, const at::Tensor& norm,
                       double eps, const Linear& head, int64_t dmt, bool i8a);

@@ -33,6 +33,7 @@ class SinkAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=True)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=True)
         self.sinks = nn.Parameter(torch.empty(num_heads))
+        self.q_norm = self.k_norm = None  # none (the native step's Attn asks)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 layout: BatchLayout, kv: KVCache) -> torch.Tensor:

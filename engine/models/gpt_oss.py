@@ -14,7 +14,7 @@ matrices as MXFP4 instead: ``*_blocks`` [E, out, in/32, 16] uint8 + ``*_scales``
 biases stay dense tensors (``mlp.{gate,up,down}_proj_bias`` [E, I|H]), so any expert store
 format carries them (they live in the store's dense file, beside the router).
 
-The torch layers run this model (the native CPU step has no sinks, windows or expert biases).
+The torch layers are the reference; on the CPU the native step runs it (engine.step_gpt_oss).
 """
 
 from __future__ import annotations
@@ -289,7 +289,15 @@ class GptOssForCausalLM(CausalLM):
         super().__init__(cfg, gpt_oss_layer)
 
     def native_step(self):
-        return None  # sinks, windows and expert biases: the torch layers
+        """The native step with sinks, windows, the biased router and the experts' biases and
+        clamped SwiGLU (engine.step_gpt_oss); None: the torch layers (as CausalLM.native_step)."""
+        from engine.options import generation
+        from engine.step_gpt_oss import GptOssNativeStep
+
+        cached = self.__dict__.get("_native")
+        if cached is None or cached[0] != generation():
+            cached = self.__dict__["_native"] = (generation(), GptOssNativeStep.for_model(self))
+        return cached[1]
 
     def dense_linear_slots(self) -> list[tuple[nn.Module, str]]:
         """(parent, name) of every dense linear engine.quant.linear may quantize."""

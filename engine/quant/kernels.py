@@ -61,7 +61,7 @@ from engine.quant.reference import dequantize, unpack_codes
 
 log = logging.getLogger(__name__)
 
-FORMAT_IDS = {"int4": 0, "nf4": 1, "int8": 2, "bf16": 3}
+FORMAT_IDS = {"int4": 0, "nf4": 1, "int8": 2, "bf16": 3, "mxfp4": 4}
 # Token counts up to DIRECT_MAX_T use the register-tiled direct loop; more use the dequantize-to-
 # scratch loop (measured crossover: see bench/quant_kernels.py).
 DIRECT_MAX_T = 3
@@ -230,7 +230,6 @@ def _mode() -> str:
 
 
 def _cpp_ok(q: QuantizedTensor) -> bool:
-    # mxfp4 has no native kernel yet: engine.quant.mxfp4's torch-vectorised one runs instead
     return q.in_features % 32 == 0 and q.device.type == "cpu" and q.fmt.name in FORMAT_IDS
 
 
@@ -300,8 +299,7 @@ def _kargs(q: QuantizedTensor) -> tuple:
     if a is None:
         p, e = q.parts, torch.empty(0, dtype=torch.float16)
         codes = p["weight"] if q.fmt.name == "bf16" else p["codes"]
-        # -1: a format the native kernels do not decode (mxfp4); engine.step computes such
-        # experts through their own forward, never from the slot row
+        # -1: a format the native kernels do not decode (their entry points reject it)
         a = (FORMAT_IDS.get(q.fmt.name, -1), q.fmt.group_size, q.shape[0], q.shape[1], codes,
              p.get("scales", e), p.get("mins", e))
         q.cache["cpp_args"] = a
@@ -321,7 +319,9 @@ SLOT_ROW = 13  # engine/csrc/step.h: fmt, G, I, H, then codes/scales/mins addres
 def slot_row(gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor) -> list[int]:
     """The slot-table row of an expert whose parts live in one slot (engine/csrc/step.cpp reads the
     expert straight from these addresses; the slot must outlive every step that uses the row)."""
-    row = [FORMAT_IDS.get(gate.fmt.name, -1), gate.fmt.group_size, gate.shape[0], gate.shape[1]]
+    if gate.fmt.name not in FORMAT_IDS:
+        raise ConfigError(f"the native kernels do not decode {gate.fmt.name} experts")
+    row = [FORMAT_IDS[gate.fmt.name], gate.fmt.group_size, gate.shape[0], gate.shape[1]]
     for q in (gate, up, down):
         _, _, _, _, codes, scales, mins = _kargs(q)
         row += [codes.data_ptr(), scales.data_ptr() if scales.numel() else 0,

@@ -3,11 +3,14 @@
 The format (engine.quant.formats): codes u8 [N, K/2] (byte j: weight 2j low nibble, 2j+1 high),
 scales u8 [N, K/32] (E8M0: 2^(s - 127)); the reference is ``reference._dequantize_mxfp4``.
 
-CPU kernel: torch-vectorised, not native (the AVX-512 kernels of engine/csrc do not decode
-MXFP4 yet). It decodes a byte at a time through a 256-entry table of value pairs (one gather
-per two weights instead of two nibble extractions and two lookups), builds each group's
-2^(s-127) directly from the exponent bits, and multiplies with one ``F.linear`` in float32.
-The result equals ``x @ reference.dequantize(q).T`` up to float32 summation order.
+CPU kernels: the native one (engine/csrc, format id 4 of engine.quant.kernels: AVX-512 and
+AVX2) reads the codes and E8M0 scales directly: a 16-entry table E2M1 * 2^(s-127) per block of
+32 (exact: a power of two), looked up by nibble, the even/odd weights interleaved back; the
+expert cache's MXFP4 experts run on it from their slots (engine.step). Where the native kernels
+are not built, the torch-vectorised one here runs: it decodes a byte at a time through a
+256-entry table of value pairs (one gather per two weights), builds each group's 2^(s-127)
+directly from the exponent bits, and multiplies with one ``F.linear`` in float32. Both equal
+``x @ reference.dequantize(q).T`` up to float32 summation order (tests/engine/quant/test_mxfp4.py).
 
 HF layout: ``blocks`` [E, out, in/32, 16] uint8 and ``scales`` [E, out, in/32] uint8 per fused
 expert tensor; one expert's ``blocks[e]`` flattened to [out, in/2] *is* our codes part and

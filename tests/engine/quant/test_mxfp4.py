@@ -41,16 +41,88 @@ def test_cpu_kernel_equals_reference(t):
 
 
 def test_qlinear_and_expert_forward_route_mxfp4_to_its_kernel():
-    from engine.quant.kernels import backend_for, expert_forward, qlinear
+    from engine.quant.kernels import backend_for, expert_forward, load_extension, qlinear
     from engine.quant.reference import expert_ref
 
     g = torch.Generator().manual_seed(4)
     gate, up, down = (quantize(torch.randn(*s, generator=g), MXFP4) for s in ((64, 96), (64, 96), (96, 64)))
-    assert backend_for(gate) == "torch"  # no native MXFP4 kernel: never handed to the C++ kernels
+    # the native kernel where it is built, else the torch-vectorised one
+    assert backend_for(gate) == ("cpp" if load_extension() is not None else "torch")
     x = torch.randn(5, 96, generator=g)
     torch.testing.assert_close(qlinear(x, gate), linear_ref(x, gate), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(expert_forward(x, gate, up, down), expert_ref(x, gate, up, down),
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(params=["native", "avx2"])
+def native(request):
+    """The native extension (engine/csrc) this CPU builds by default, and the AVX2 one forced
+    with the cpu_isa option (quant_kernel=cpp: no silent torch fallback)."""
+    from engine.options import configure
+    from engine.quant import kernels as K
+
+    if request.param == "avx2" and not K.cpu_has_avx2():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    prev = configure(cpu_isa="avx2" if request.param == "avx2" else "auto", quant_kernel="cpp")
+    try:
+        mod = K.load_extension()
+        if mod is None or (request.param == "avx2" and K.native_isa() != "avx2"):
+            pytest.skip(f"native kernels unavailable: {K.extension_error()}")
+        yield mod
+    finally:
+        configure(prev)
+
+
+@pytest.mark.parametrize("n,k", [(40, 192), (5, 32), (33, 1024)])
+def test_native_kernel_equals_reference(native, n, k):
+    """The native MXFP4 kernel (e2m1 codes and e8m0 scales read directly) against
+    x @ reference.dequantize(q).T: every exponent byte (the subnormal 2^-127 included), T = 1 and
+    T > 1 through both loop nests (direct and dequantize-to-scratch), int8 activations asked for
+    and ignored (MXFP4 takes float activations), kernels.py's bound."""
+    from engine.quant import kernels as K
+
+    g = torch.Generator().manual_seed(n + k)
+    blocks, scales = random_blocks(g, 1, n, k // 32, lo=100, hi=140)
+    scales[0, 0, 0] = 0  # 2^-127
+    q = from_hf_blocks(blocks[0], scales[0])
+    assert K.backend_for(q) == "cpp"
+    args = K._kargs(q)
+    assert args[0] == K.FORMAT_IDS["mxfp4"] == 4
+    for t in (1, 2, 3, 4, 7, 17):
+        x = torch.randn(t, k, generator=g)
+        want = linear_ref(x, q)
+        bound = 1e-4 * (x.abs() @ dequantize(q).abs().T) + 1e-5
+        for dmt in (0, 3, 64):
+            for i8a in (0, 1):
+                y = native.qlinear(x, *args, dmt, i8a)
+                assert bool(((y - want).abs() <= bound).all()), (t, dmt, float((y - want).abs().max()))
+        assert torch.equal(K.qlinear(x, q), native.qlinear(x, *args, K.DIRECT_MAX_T, 0))
+    # a token's row does not depend on the batch
+    x = torch.randn(9, k, generator=g)
+    alone = torch.cat([native.qlinear(x[i:i + 1], *args, K.DIRECT_MAX_T, 0) for i in range(9)])
+    assert torch.equal(native.qlinear(x, *args, K.DIRECT_MAX_T, 0)[:3], alone[:3])
+
+
+def test_native_expert_equals_reference(native):
+    from engine.quant import kernels as K
+    from engine.quant.reference import expert_ref
+
+    g = torch.Generator().manual_seed(11)
+    i, h = 64, 128
+    gate, up, down = (quantize(torch.randn(*s, generator=g) * 0.3, MXFP4) for s in ((i, h), (i, h), (h, i)))
+    for t in (1, 5):
+        x = torch.randn(t, h, generator=g)
+        torch.testing.assert_close(K.expert_forward(x, gate, up, down), expert_ref(x, gate, up, down),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_native_kernel_rejects_bad_mxfp4_parts(native):
+    q = quantize(torch.randn(8, 64), MXFP4)
+    c, s = q.parts["codes"], q.parts["scales"]
+    with pytest.raises(RuntimeError, match="bad scales"):
+        native.qlinear(torch.randn(1, 64), 4, 32, 8, 64, c, s[:, :1].contiguous(), torch.empty(0), 3, 0)
+    with pytest.raises(RuntimeError, match="blocks of 32"):
+        native.qlinear(torch.randn(1, 64), 4, 64, 8, 64, c, s, torch.empty(0), 3, 0)
 
 
 def test_triton_kernel_equals_reference():
