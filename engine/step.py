@@ -127,7 +127,7 @@ class NativeStep:
         cos, sin = model.rotary.tables(max(positions) + 1)
         x = model.model.embed_tokens(tokens).float().contiguous()
         for i, layer in enumerate(model.model.layers):
-            h = ext.attn_block(self.attn[i], x, cos, sin, positions, storage, i, tables, qlens, ctxs, dmt, i8a)
+            h = self._attention(i, x, cos, sin, positions, storage, tables, qlens, ctxs, dmt, i8a)
             if self.routers[i] is None:
                 ext.ffn_block(x, h, EMPTY_IDS, EMPTY, [], [], EMPTY_IDS, self.ffn[i], dmt, i8a)
             else:
@@ -137,13 +137,23 @@ class NativeStep:
         return ext.head_block(x, rows if rows is not None else last_rows(layout), self.norm, self.eps,
                               self.head, dmt, i8a)
 
+    def _attention(self, i: int, x: torch.Tensor, cos, sin, positions, storage, tables, qlens, ctxs, dmt,
+                   i8a) -> torch.Tensor:
+        """Layer i's attention block (x updated in place); its post-attention norm. Architectures
+        with another attention override this (engine.step_deepseek)."""
+        return self.ext.attn_block(self.attn[i], x, cos, sin, positions, storage, i, tables, qlens, ctxs, dmt, i8a)
+
+    def _route(self, i: int, mlp: SparseMoE, h: torch.Tensor):
+        """(ids, weights, the distinct ids ascending) of layer i's router, unrestricted."""
+        return self.ext.route(h, self.routers[i], mlp.gate.top_k, mlp.gate.normalize)
+
     def _moe(self, mlp: SparseMoE, i: int, x: torch.Tensor, h: torch.Tensor) -> None:
         """route -> fetch (the provider) -> compute + combine (native), x updated in place."""
         ext, provider = self.ext, mlp.provider
         allowed = provider.allowed_experts(mlp.layer)
         if allowed is None and "forward" not in vars(mlp.gate):
             # uniq: the routed experts, ascending (as the torch layer groups them)
-            ids, w, uniq = ext.route(h, self.routers[i], mlp.gate.top_k, mlp.gate.normalize)
+            ids, w, uniq = self._route(i, mlp, h)
         else:  # restricted routing (self-speculative drafts: the torch router masks the rest),
             # or a router replaced on the instance (benchmarks replaying a routing trace)
             r = mlp.gate(h, allowed)
