@@ -6,7 +6,8 @@
 //   sequence's cached latents (causal); o_lat = sum_j softmax(s)_j c_j; o = W_uv o_lat [dv]
 //   x += o_proj(o); returns rmsnorm(x) (post-attention)
 // W_uk / W_uv (kv_b_proj's key and value parts) are float32, [Nh, dn, R] and [Nh, dv, R].
-// Query heads are split over the pool's threads; each reads a context latent once for its heads.
+// The context's latents are read from the cache once per call (float32), then the query heads
+// are split over the pool's threads.
 #include "deepseek.h"
 #include "pool.h"
 #include "rows.h"
@@ -40,22 +41,19 @@ inline void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-// q [n, Nh, dn + r] of positions ctx .. ctx+n-1 of one sequence whose latents (new ones included)
-// are in the cache -> out [n, Nh, dv]
-template <typename S>
-void attend_latent(const MLA& a, const KVView& kv, const float* q, int64_t n, int64_t ctx, float* out) {
-  const int64_t nh = a.nh, R = a.rank, r = a.rope, dn = a.nope, dv = a.vd, qk = dn + r, half = a.half;
+// q [n, Nh, dn + r] of positions ctx .. ctx+n-1 of one sequence over its latents lat [ctx + n,
+// 2 * half] (float32, new ones included) -> out [n, Nh, dv]
+void attend_latent(const MLA& a, const float* lat, const float* q, int64_t n, int64_t ctx, float* out) {
+  const int64_t nh = a.nh, R = a.rank, r = a.rope, dn = a.nope, dv = a.vd, qk = dn + r, w = 2 * a.half;
   const int64_t total = ctx + n;
   const float scale = (float)a.scale;
   const float *wuk = a.wuk.data_ptr<float>(), *wuv = a.wuv.data_ptr<float>();
   parallel(nh, 1, 1, [&](int64_t hb, int64_t he) {
-    static thread_local std::vector<float> scores, qlat, olat, row;
+    static thread_local std::vector<float> scores, qlat, olat;
     const int64_t g = he - hb;
     scores.resize(g * total);
     qlat.resize(g * R);
     olat.resize(g * R);
-    row.resize(2 * half);
-    float* lat = row.data();
     for (int64_t i = 0; i < n; i++) {
       const int64_t seen = ctx + i + 1;  // causal: positions 0 .. ctx + i
       std::fill(qlat.begin(), qlat.end(), 0.f);
@@ -64,20 +62,16 @@ void attend_latent(const MLA& a, const KVView& kv, const float* q, int64_t n, in
         for (int64_t d = 0; d < dn; d++) axpy(qh[d], wuk + (h * dn + d) * R, qlat.data() + (h - hb) * R, R);
       }
       for (int64_t j = 0; j < seen; j++) {
-        load_row(kv.at<S>(kv.k, j), lat, half);
-        load_row(kv.at<S>(kv.v, j), lat + half, half);
+        const float* l = lat + j * w;
         for (int64_t h = hb; h < he; h++) {
           const float* qrot = q + (i * nh + h) * qk + dn;
-          scores[(h - hb) * total + j] = (dot(qlat.data() + (h - hb) * R, lat, R) + dot(qrot, lat + R, r)) * scale;
+          scores[(h - hb) * total + j] = (dot(qlat.data() + (h - hb) * R, l, R) + dot(qrot, l + R, r)) * scale;
         }
       }
       for (int64_t h = 0; h < g; h++) softmax(scores.data() + h * total, seen);
       std::fill(olat.begin(), olat.end(), 0.f);
-      for (int64_t j = 0; j < seen; j++) {
-        load_row(kv.at<S>(kv.k, j), lat, half);
-        load_row(kv.at<S>(kv.v, j), lat + half, half);
-        for (int64_t h = 0; h < g; h++) axpy(scores[h * total + j], lat, olat.data() + h * R, R);
-      }
+      for (int64_t j = 0; j < seen; j++)
+        for (int64_t h = 0; h < g; h++) axpy(scores[h * total + j], lat + j * w, olat.data() + h * R, R);
       for (int64_t h = hb; h < he; h++) {  // and its value part after the weighted sum
         float* o = out + (i * nh + h) * dv;
         for (int64_t v = 0; v < dv; v++) o[v] = dot(wuv + (h * dv + v) * R, olat.data() + (h - hb) * R, R);
@@ -86,19 +80,22 @@ void attend_latent(const MLA& a, const KVView& kv, const float* q, int64_t n, in
   });
 }
 
+// the new tokens' latents written into the cache, then the whole context read back once in
+// float32 (as the cache rounds it) and attended
 template <typename S>
-void write_latents(const KVView& kv, const float* lat, int64_t n, int64_t ctx, int64_t half) {
+void sequence(const MLA& a, const KVView& kv, const float* lat, const float* q, int64_t n, int64_t ctx,
+              float* out) {
+  const int64_t half = a.half, total = ctx + n;
   for (int64_t i = 0; i < n; i++) {
     store_row(kv.at<S>(kv.k, ctx + i), lat + i * 2 * half, half);
     store_row(kv.at<S>(kv.v, ctx + i), lat + i * 2 * half + half, half);
   }
-}
-
-template <typename S>
-void sequence(const MLA& a, const KVView& kv, const float* lat, const float* q, int64_t n, int64_t ctx,
-              float* out) {
-  write_latents<S>(kv, lat, n, ctx, a.half);
-  attend_latent<S>(a, kv, q, n, ctx, out);
+  std::vector<float> all(total * 2 * half);
+  for (int64_t j = 0; j < total; j++) {
+    load_row(kv.at<S>(kv.k, j), all.data() + j * 2 * half, half);
+    load_row(kv.at<S>(kv.v, j), all.data() + j * 2 * half + half, half);
+  }
+  attend_latent(a, all.data(), q, n, ctx, out);
 }
 
 }  // namespace
