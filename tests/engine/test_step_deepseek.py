@@ -96,6 +96,34 @@ def test_greedy_tokens_identical_through_the_expert_cache(store, fused):
             assert sm.cache.pins == {}, kw
 
 
+def test_eight_concurrent_requests_equal_each_alone(store, fused):
+    """The batching engine on a paged latent cache: mixed prefill/decode steps, each request's
+    tokens equal to the request alone (the native step is batch invariant)."""
+    from engine.generate import Request
+    from engine.layers.sampler import SamplingConfig
+    from engine.runner import Engine
+    from engine.scheduler import SchedulerConfig
+
+    fused(True)
+    g = torch.Generator().manual_seed(0)
+    reqs = [Request(torch.randint(3, 96, (n,), generator=g).tolist(), SamplingConfig(max_tokens=m, ignore_eos=True))
+            for n, m in zip([1, 3, 5, 8, 13, 17, 24, 31], [1, 4, 7, 10, 12, 3, 9, 6])]
+    with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
+        c = sm.model.config
+        calls = spy(sm.model, fused).calls
+        alone = [greedy_of(sm.model, r) for r in reqs]
+        kv = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, torch.float32)
+        engine = Engine(sm.model, kv=kv, config=SchedulerConfig(max_num_batched_tokens=16))
+        assert [r.output_ids for r in engine.generate(reqs)] == alone
+        assert calls["mla_block"] > 0 and calls["attn_block"] == 0
+
+
+def greedy_of(model, request) -> list[int]:
+    from engine.generate import generate_ids
+
+    return [t for t, _, _ in generate_ids(model, request.prompt_ids, request.sampling)]
+
+
 def test_decode_is_three_native_calls_per_layer_and_one_for_the_head(store, fused):
     """A decoded token: mla_block, route_grouped (sparse layers), ffn_block per layer, the head."""
     fused(True)
@@ -156,3 +184,29 @@ def test_bad_router_shapes_are_refused():
         ext.route_grouped(torch.randn(2, 16), ext.GroupRouter(w, b, 5, 4, 2, True, 1.0))  # 5 > 2 groups x 2
     with pytest.raises(RuntimeError, match="router"):
         ext.route_grouped(torch.randn(2, 12), ext.GroupRouter(w, b, 2, 4, 2, True, 1.0))
+
+
+def test_native_step_on_the_avx2_build(tmp_path, fused):
+    """mla.cpp and route_grouped.cpp compiled for AVX2 (cpu_isa forced, as tests/engine/quant/
+    test_avx2.py does): the mixed batches against the torch layers."""
+    from engine.quant import kernels as K
+
+    if not K.cpu_has_avx2():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    make_deepseek(tmp_path / "hf", seed=3, **{**NATIVE, **SHAPES["yarn-bias-padded-latent"]})
+    convert(tmp_path / "hf", tmp_path / "store", fmt=QuantFormat("int4", 32), progress=False)
+    prev = configure(cpu_isa="avx2")
+    try:
+        if K.load_extension() is None or K.native_isa() != "avx2":
+            pytest.skip(f"AVX2 kernels unavailable: {K.extension_error()}")
+        with load_from_store(tmp_path / "store", prefetch_depth=0, dense="int8") as sm:
+            cfg = sm.model.config
+            want = steps(sm.model, latent_kv(cfg, torch.float32), False, fused)
+            calls = spy(sm.model, fused).calls
+            assert "avx2" in sm.model.native_step().ext.ext.__name__
+            got = steps(sm.model, latent_kv(cfg, torch.float32), True, fused)
+            assert calls["mla_block"] == 3 * cfg.num_layers and calls["route_grouped"] > 0
+            for a, b in zip(got, want):
+                close(a, b, BOUND[False])  # the AVX2 build has float activations only
+    finally:
+        configure(prev)
