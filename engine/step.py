@@ -135,7 +135,7 @@ class NativeStep:
         cos, sin = model.rotary.tables(max(positions) + 1)
         x = model.model.embed_tokens(tokens).float().contiguous()
         for i, layer in enumerate(model.model.layers):
-            h = ext.attn_block(self.attn[i], x, cos, sin, positions, storage, i, tables, qlens, ctxs, dmt, i8a)
+            h = self._attention(i, x, cos, sin, positions, storage, tables, qlens, ctxs, dmt, i8a)
             self._mlp(layer.mlp, i, x, h)
         return self._logits(model, x, layout, all_logits, rows)
 
@@ -153,6 +153,12 @@ class NativeStep:
             return model.final_logits(x, layout, all_logits, rows)
         return self.ext.head_block(x, rows if rows is not None else last_rows(layout), self.norm, self.eps,
                                    self.head, DIRECT_MAX_T, int8_activations())
+
+    def _attention(self, i: int, x: torch.Tensor, cos, sin, positions, storage, tables, qlens, ctxs, dmt,
+                   i8a) -> torch.Tensor:
+        """Layer i's attention block (x updated in place); its post-attention norm. Architectures
+        with another attention override this (engine.step_deepseek)."""
+        return self.ext.attn_block(self.attn[i], x, cos, sin, positions, storage, i, tables, qlens, ctxs, dmt, i8a)
 
     def _moe(self, mlp: SparseMoE, i: int, x: torch.Tensor, h: torch.Tensor) -> None:
         """route -> fetch (the provider) -> compute + combine (native), x updated in place."""

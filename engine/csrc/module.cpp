@@ -1,5 +1,6 @@
 // Python bindings of the native kernels (built by engine/quant/kernels.py:load_extension).
 #include "deltanet.h"
+#include "deepseek.h"
 #include "pool.h"
 #include "quant.h"
 #include "step.h"
@@ -41,6 +42,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t dk, int64_t dv, double eps) {
         return ms::DeltaNet{qkvz, ba, out, ln1, ln2, conv, a, dt_bias, norm, nk, nv, dk, dv, eps};
       }));
+  py::class_<ms::MLA>(m, "MLA", py::module_local())
+      .def(py::init([](std::optional<ms::Linear> qa, ms::Linear qb, ms::Linear kva, ms::Linear o, at::Tensor ln1,
+                       at::Tensor ln2, at::Tensor qan, at::Tensor kvan, at::Tensor wuk, at::Tensor wuv, int64_t nh,
+                       int64_t rank, int64_t rope, int64_t nope, int64_t vd, int64_t half, double eps, double eps_q,
+                       double eps_kv, double scale, bool interleave) {
+        return ms::MLA{qa, qb, kva, o, ln1, ln2, qan, kvan, wuk, wuv, nh, rank, rope, nope, vd, half,
+                       eps, eps_q, eps_kv, scale, interleave};
+      }));
+  py::class_<ms::GroupRouter>(m, "GroupRouter", py::module_local())
+      .def(py::init([](at::Tensor w, at::Tensor bias, int64_t top_k, int64_t n_group, int64_t topk_group,
+                       bool normalize, double scaling) {
+        return ms::GroupRouter{w, bias, top_k, n_group, topk_group, normalize, scaling};
+      }));
   m.attr("SLOT_ROW") = ms::SLOT_ROW;
   m.def("set_threads", &ms::set_threads, "threads (caller included) of the native worker pool");
   m.def("num_threads", &ms::num_threads, "threads of the native worker pool");
@@ -50,6 +64,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("head_block", &ms::head_block, "logits of the final norm of some rows through the LM head");
   m.def("route", &ms::route, "top-k routing in float32: (ids [T, K], weights [T, K])", py::arg("h"),
         py::arg("wr"), py::arg("top_k"), py::arg("normalize"), py::arg("bias") = at::empty({0}));
+  m.def("mla_block", &ms::mla_block, "x += multi-head latent attention block; returns the post-attention norm");
+  m.def("route_grouped", &ms::route_grouped, "group-limited sigmoid top-k routing: (ids, weights, distinct ids)");
   m.def("ffn_block", &ms::ffn_block, "x += routed experts from slots (+ shared or dense SwiGLU)",
         py::arg("x"), py::arg("h"), py::arg("ids"), py::arg("w"), py::arg("experts"), py::arg("slots"),
         py::arg("slot_table"), py::arg("dense").none(true), py::arg("dmt"), py::arg("i8a"),

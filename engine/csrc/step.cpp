@@ -16,6 +16,7 @@
 // Numbers: the same operations in the same order as the torch layers (engine/layers), float32
 // throughout; only summation order differs (tests compare the two on random inputs).
 #include "pool.h"
+#include "rows.h"
 #include "simd.h"
 #include "step.h"
 
@@ -34,42 +35,6 @@
 namespace ms {
 
 namespace {
-
-// x [N, D] rotated in place: x * cos + rotate_half(x) * sin (engine.layers.rope.apply_rotary) on
-// the first rd dims of each head, the rest passed (engine.layers.gated_attention: partial RoPE)
-void rope(float* x, int64_t heads, int64_t d, int64_t rd, const float* cos, const float* sin) {
-  const int64_t half = rd / 2;
-  for (int64_t h = 0; h < heads; h++) {
-    float* p = x + h * d;
-    for (int64_t i = 0; i < half; i++) {
-      const float a = p[i], b = p[i + half];
-      p[i] = a * cos[i] - b * sin[i];
-      p[i + half] = b * cos[i + half] + a * sin[i + half];
-    }
-  }
-}
-
-inline float to_f(float v) { return v; }
-inline float to_f(c10::BFloat16 v) { return (float)v; }
-inline float to_f(c10::Half v) { return (float)v; }
-
-template <typename S>
-void store_row(S* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; i++) dst[i] = S(src[i]);
-}
-
-template <typename S>
-void load_row(const S* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i++) dst[i] = to_f(src[i]);
-}
-
-struct KVView {  // one layer of the cache and one sequence's block table
-  char* k; char* v; int64_t bs, row;  // row: elements per position (Nkv * D)
-  const int32_t* table;
-  template <typename S> S* at(char* base, int64_t pos) const {
-    return (S*)base + ((int64_t)table[pos / bs] * bs + pos % bs) * row;
-  }
-};
 
 // q [n, Nh, D] for positions ctx .. ctx+n-1 of one sequence whose keys/values (new ones included)
 // are in the cache -> out [n, Nh, D]. Query head h reads KV head h / g (g = Nh / Nkv); the KV
@@ -120,22 +85,6 @@ void write_kv(const KVView& kv, const float* k, const float* v, int64_t n, int64
     store_row(kv.at<S>(kv.k, ctx + i), k + i * kv.row, kv.row);
     store_row(kv.at<S>(kv.v, ctx + i), v + i * kv.row, kv.row);
   }
-}
-
-void add_bias(float* y, const at::Tensor& bias, int64_t T, int64_t N) {
-  if (!bias.defined() || bias.numel() == 0) return;
-  const float* b = bias.data_ptr<float>();
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t i = 0; i < N; i++) y[t * N + i] += b[i];
-}
-
-void apply(const Linear& l, const float* x, int64_t T, float* out, int64_t dmt, bool i8a) {
-  linear(l.w, x, T, out, dmt, i8a);
-  add_bias(out, l.bias, T, l.w.N);
-}
-
-const float* opt_ptr(const at::Tensor& t) {
-  return t.defined() && t.numel() > 0 ? t.data_ptr<float>() : nullptr;
 }
 
 // a slot table row: [fmt, G, I, H, gate codes, scales, mins, up codes, scales, mins, down ...]

@@ -13,7 +13,8 @@ Weights: bf16/fp32 checkpoints, and the released block-FP8 ones (``weight`` in F
 block), dequantized when read (so at ``convert``). Multi-token-prediction layers (``model.layers.
 {num_hidden_layers}...``) are not used and their tensors are ignored.
 
-The torch layers run this model (the native CPU step has no MLA).
+On the CPU with natively quantized dense linears the layers run as the native step of
+engine.step_deepseek (MLA and the router in C++); the torch layers are the reference.
 """
 
 from __future__ import annotations
@@ -390,7 +391,15 @@ class DeepseekV3ForCausalLM(CausalLM):
                                           max_positions=min(cfg.max_position_embeddings, 4096))
 
     def native_step(self):
-        return None  # MLA and the group-limited sigmoid router: the torch layers
+        """The native step with MLA and the group-limited router (engine.step_deepseek), cached
+        as CausalLM.native_step caches its own."""
+        from engine.options import generation
+        from engine.step_deepseek import DeepseekNativeStep
+
+        cached = self.__dict__.get("_native")
+        if cached is None or cached[0] != generation():
+            cached = self.__dict__["_native"] = (generation(), DeepseekNativeStep.for_model(self))
+        return cached[1]
 
     def dense_linear_slots(self) -> list[tuple[nn.Module, str]]:
         out: list[tuple[nn.Module, str]] = []

@@ -71,7 +71,7 @@ _errors: dict[str, str] = {}
 _ext_lock = threading.Lock()
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"  # engine/csrc: the native sources
-HEADERS = ("quant.h", "step.h", "simd.h", "pool.h", "deltanet.h")
+HEADERS = ("quant.h", "step.h", "simd.h", "pool.h", "deltanet.h", "rows.h", "deepseek.h")
 # Per instruction set: the kernel file, and the compiler flags (first choice, then a fallback).
 # AVX-512: -march=native where the compiler takes it (tuned for this CPU; its flags are in the
 # cache key), else the explicit set the kernels need. AVX2: x86-64-v3 (AVX2, FMA, F16C), also
@@ -83,7 +83,8 @@ VARIANTS = {
     "avx2": ("quant_avx2.cpp", [["-O3", "-march=x86-64-v3", "-fopenmp-simd"],
                                 ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd"]]),
 }
-COMMON_SOURCES = ("entry.cpp", "step.cpp", "pool.cpp", "module.cpp", "deltanet_block.cpp")
+COMMON_SOURCES = ("entry.cpp", "step.cpp", "pool.cpp", "module.cpp", "deltanet_block.cpp", "mla.cpp",
+                  "route_grouped.cpp")
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,97 @@
+"""DeepSeek-V3 decode on the CPU: the torch layers against the native step (engine.step_deepseek:
+MLA, the group-limited router and the expert FFN as three native calls per layer), same weights,
+same process, alternating rounds, median; greedy tokens checked equal on the exact path (float
+activations: int8 activations round differently in the two paths' summation orders).
+
+    python bench/deepseek_step.py                         # the default shape below
+    python bench/deepseek_step.py --layers 2 --prompt 32 --new 16 --rounds 1   # a quick run
+
+Weights: a random DeepSeek-V3 built by transformers with ``torch.manual_seed(0)`` (SHAPE: hidden
+1024, 12 layers, the first dense, 16 heads, q LoRA 384, latent 256 + 32 RoPE dims, 32 experts
+top-4 in 4 groups (2 kept) of width 512, one shared expert, vocab 32000), converted to an expert
+store (int4 g64 experts), dense linears int8 (``--dense``), every expert resident. Both rows
+run the same loaded model; only the ``fused_step`` option differs (off: the torch layers).
+Prompt: ``--prompt`` random ids (seed 1234), then ``--new`` greedy tokens, batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_llama_cpp import make_prompt, moestream_greedy, op_counts  # noqa: E402
+
+SHAPE = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
+             num_key_value_heads=16, intermediate_size=2816, moe_intermediate_size=512, n_routed_experts=32,
+             num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+             q_lora_rank=384, kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+             routed_scaling_factor=2.5, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dense", default="int8", help="dense linears' format (int8 or bf16: the native step)")
+    args = ap.parse_args()
+
+    import transformers as T
+
+    from engine.experts.runtime import load_from_store
+    from engine.options import configure
+    from engine.quant.formats import QuantFormat
+    from engine.quant.kernels import int8_activations
+    from engine.store import convert
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        hf = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(**{**SHAPE, "num_hidden_layers": args.layers})).eval()
+        hf.save_pretrained(Path(tmp) / "hf")
+        del hf
+        convert(Path(tmp) / "hf", Path(tmp) / "store", fmt=QuantFormat("int4", 64), progress=False)
+        prompt = make_prompt(args.prompt, SHAPE["vocab_size"])
+        prev = configure()
+        i8a = int8_activations()
+        rows: dict[str, list[tuple[float, float]]] = {"torch layers": [], "native step": []}
+        tokens = {}
+        try:
+            with load_from_store(Path(tmp) / "store", prefetch_depth=0, dense=args.dense) as sm:
+                for name, on in (("torch layers", False), ("native step", True)):  # warm-up, exact path
+                    configure(fused_step=on, int8_activations=False)
+                    tokens[name] = moestream_greedy(sm.model, prompt, args.new)[0]
+                configure(prev)
+                for _ in range(args.rounds):
+                    for name, on in (("torch layers", False), ("native step", True)):
+                        configure(fused_step=on)
+                        sm.model.native_step()  # built on an option change: not inside the timing
+                        _, pre, dec = moestream_greedy(sm.model, prompt, args.new)
+                        rows[name].append((pre, dec))
+                ops = {}
+                for name, on in (("torch layers", False), ("native step", True)):
+                    configure(fused_step=on)
+                    ops[name] = op_counts(sm.model, prompt[:16], 4)
+        finally:
+            configure(prev)
+    print(f"DeepSeek-V3 random, {args.layers} layers, int4 g64 experts, {args.dense} dense, prompt {args.prompt}, "
+          f"{args.new} greedy tokens, batch 1, {torch.get_num_threads()} torch threads, median of {args.rounds}")
+    print("| path | prefill tok/s | decode tok/s | dispatcher ops + native calls per decoded token |")
+    print("|---|---|---|---|")
+    for name, r in rows.items():
+        c = ops[name]
+        print(f"| {name} | {statistics.median(p for p, _ in r):.1f} | {statistics.median(d for _, d in r):.1f} | "
+              f"{c['ops']:.0f} + {c['native']:.0f} ({(c['ops'] + c['native']) / args.layers:.1f} per layer) |")
+    same = tokens["torch layers"] == tokens["native step"]
+    print(f"greedy tokens identical with float activations: {'yes' if same else 'NO'} ({args.new} tokens); "
+          f"timed with int8 activations {'on' if i8a else 'off'} (both rows)")
+
+
+if __name__ == "__main__":
+    main()
