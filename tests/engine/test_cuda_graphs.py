@@ -47,7 +47,7 @@ def test_graphs_are_off_on_the_cpu_unless_enabled():
     try:
         assert CG.prepare(m, torch.device("cuda")) is None  # disabled explicitly wins
         CG.reset(m)
-        auto = CG.prepare(m, torch.device("cuda"))  # on by default for CUDA (no tensor made)
+        auto = CG.prepare(m, torch.device("cuda"))  # the option on: graphs for CUDA (no tensor made)
         assert auto is not None and auto.factory is CG.CudaGraph
         assert CG.prepare(m, torch.device("cuda")) is auto
         configure(cuda_graphs=False)

@@ -25,11 +25,13 @@ def test_captured_replay_follows_the_slot_map(store, float_options):  # noqa: F8
     check_slot_moves(store, CG.CudaGraph, "cuda")
 
 
-def test_graphs_are_on_by_default_on_cuda(store, float_options):  # noqa: F811
+def test_the_option_turns_graphs_on_for_cuda(store, float_options):  # noqa: F811
     from engine.experts.runtime import load_from_store
+    from engine.options import configure
     from engine.generate import generate_ids
     from engine.layers.sampler import SamplingConfig
 
+    prev = configure(cuda_graphs=True)
     sm = load_from_store(store, device="cuda", prefetch_depth=0)
     try:
         list(generate_ids(sm.model, [5, 17, 33], SamplingConfig(max_tokens=4, ignore_eos=True)))
@@ -37,6 +39,7 @@ def test_graphs_are_on_by_default_on_cuda(store, float_options):  # noqa: F811
         assert gs is not None and gs.counters.captures > 0 and gs.counters.capture_failures == 0
     finally:
         sm.close()
+        configure(prev)
 
 
 @pytest.mark.parametrize("nk,nv,dk,dv,kw", [(1, 1, 16, 16, 4), (2, 4, 32, 16, 4), (2, 6, 24, 40, 4),
