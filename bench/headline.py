@@ -336,8 +336,6 @@ def run(args) -> int:
         # ---- 3. calibrate (every expert a hit: the step's fixed per-layer overhead; every expert
         # a miss: the fixed cost of a miss beside its bytes), interleaved with 4. the measured
         # decode on the trace after its warm-up ---------------------------------------------------
-        from engine.experts.cache import CacheMetrics
-
         with ledger.guard("bandwidth tests (workspace)"):
             mem_bw = memory_bandwidth(device)
             link_bw = link_bandwidth(source, device)

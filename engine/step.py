@@ -73,19 +73,36 @@ class NativeStep:
 
         self.ext = ext
         ext.set_threads(native_threads())
-        cfg = model.config
-        self.attn, self.ffn, self.routers = [], [], []
+        self.eps = float(model.config.rms_norm_eps)
+        self.attn: list[Any] = []  # each layer's mixer handle (Attn, MLA, DeltaNet)
+        self.ffn: list[Any] = []  # each layer's shared expert or dense SwiGLU (FFN) or None
+        self.routers: list[Any] = []  # each MoE layer's router handle, None for a dense layer
         self.acts: list[Any] = [None] * len(model.model.layers)  # routed experts' ExpertAct (gpt-oss)
         for layer in model.model.layers:
-            a = layer.self_attn
-            qn = _f32(a.q_norm.weight) if a.q_norm is not None else EMPTY
-            kn = _f32(a.k_norm.weight) if a.k_norm is not None else EMPTY
-            self.attn.append(ext.Attn(_lin(ext, a.q_proj), _lin(ext, a.k_proj), _lin(ext, a.v_proj),
-                                      _lin(ext, a.o_proj), _f32(layer.input_layernorm.weight),
-                                      _f32(layer.post_attention_layernorm.weight), qn, kn,
-                                      a.nh, a.nkv, a.d, float(cfg.rms_norm_eps)))
+            self.attn.append(self._mixer(layer))
             self._add_mlp(layer.mlp)
-        self._add_head(model)
+        head = model.lm_head
+        self.head = (_lin(ext, head) if isinstance(head, QuantLinear) and backend_for(head.q) == "cpp"
+                     else None)
+        self.norm = self._norm_weight(model.model.norm)
+
+    # Architectures override these three (engine.step_hybrid, step_deepseek, step_gpt_oss).
+    def _mixer(self, layer: nn.Module) -> Any:
+        """Layer's attention handle: RMSNorm, QKV (+ q/k norm), RoPE, paged attention, o_proj."""
+        ext, a = self.ext, layer.self_attn
+        qn = _f32(a.q_norm.weight) if a.q_norm is not None else EMPTY
+        kn = _f32(a.k_norm.weight) if a.k_norm is not None else EMPTY
+        return ext.Attn(_lin(ext, a.q_proj), _lin(ext, a.k_proj), _lin(ext, a.v_proj), _lin(ext, a.o_proj),
+                        self._norm_weight(layer.input_layernorm),
+                        self._norm_weight(layer.post_attention_layernorm), qn, kn, a.nh, a.nkv, a.d, self.eps)
+
+    def _router(self, mlp: SparseMoE) -> Any:
+        """The handle ``_route`` passes to the native router: the float32 router weight."""
+        return _f32(mlp.gate.weight)
+
+    def _norm_weight(self, norm: nn.Module) -> torch.Tensor:
+        """An RMSNorm's weight as the kernels apply it (x * r * w)."""
+        return _f32(norm.weight)
 
     def _add_mlp(self, mlp: nn.Module) -> None:
         """One layer's feed-forward handles: a MoE's router and shared expert, or a dense SwiGLU."""
@@ -93,18 +110,10 @@ class NativeStep:
             shared = (_ffn(self.ext, mlp.shared_expert, mlp.shared_expert_gate)
                       if mlp.shared_expert is not None else None)
             self.ffn.append(shared)
-            self.routers.append(_f32(mlp.gate.weight))
+            self.routers.append(self._router(mlp))
         else:
             self.ffn.append(_ffn(self.ext, mlp, None))
             self.routers.append(None)
-
-    def _add_head(self, model) -> None:
-        ext, cfg = self.ext, model.config
-        head = model.lm_head
-        self.head = (_lin(ext, head) if isinstance(head, QuantLinear) and backend_for(head.q) == "cpp"
-                     else None)
-        self.norm = _f32(model.model.norm.weight)
-        self.eps = float(cfg.rms_norm_eps)
 
     @classmethod
     def for_model(cls, model) -> "NativeStep | None":
@@ -129,7 +138,7 @@ class NativeStep:
         if view is None:
             return None
         storage, tables = view
-        ext, dmt, i8a = self.ext, DIRECT_MAX_T, int8_activations()
+        dmt, i8a = DIRECT_MAX_T, int8_activations()
         qlens, ctxs = list(layout.query_lens), list(layout.context_lens)
         positions = [c + i for c, n in zip(ctxs, qlens) for i in range(n)]
         cos, sin = model.rotary.tables(max(positions) + 1)

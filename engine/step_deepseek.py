@@ -26,9 +26,8 @@ import torch
 
 from engine.layers.mla import MLAttention
 from engine.layers.moe import SparseMoE
-from engine.quant.kernels import backend_for, load_extension
-from engine.quant.linear import QuantLinear
-from engine.step import EMPTY, NativeStep, _f32, _ffn, _lin
+from engine.quant.kernels import load_extension
+from engine.step import EMPTY, NativeStep, _f32, _lin
 
 
 def _mla(ext: Any, layer, eps: float) -> Any:
@@ -47,30 +46,13 @@ def _mla(ext: Any, layer, eps: float) -> Any:
 class DeepseekNativeStep(NativeStep):
     """Per-layer native handles of a DeepSeek-V3 model: MLA blocks and group-limited routers."""
 
-    def __init__(self, model, ext: Any) -> None:
-        from engine.quant.kernels import native_threads
+    def _mixer(self, layer) -> Any:
+        return _mla(self.ext, layer, self.eps)
 
-        self.ext = ext
-        ext.set_threads(native_threads())
-        cfg = model.config
-        self.eps = float(cfg.rms_norm_eps)
-        self.attn, self.ffn, self.routers = [], [], []
-        for layer in model.model.layers:
-            self.attn.append(_mla(ext, layer, self.eps))
-            mlp = layer.mlp
-            if isinstance(mlp, SparseMoE):
-                g = mlp.gate
-                self.ffn.append(_ffn(ext, mlp.shared_expert, mlp.shared_expert_gate)
-                                if mlp.shared_expert is not None else None)
-                self.routers.append(ext.GroupRouter(_f32(g.weight), _f32(g.e_score_correction_bias), g.top_k,
-                                                    g.n_group, g.topk_group, bool(g.normalize), float(g.scaling)))
-            else:  # the first first_k_dense_replace layers
-                self.ffn.append(_ffn(ext, mlp, None))
-                self.routers.append(None)
-        head = model.lm_head
-        self.head = (_lin(ext, head) if isinstance(head, QuantLinear) and backend_for(head.q) == "cpp"
-                     else None)
-        self.norm = _f32(model.model.norm.weight)
+    def _router(self, mlp: SparseMoE) -> Any:
+        g = mlp.gate
+        return self.ext.GroupRouter(_f32(g.weight), _f32(g.e_score_correction_bias), g.top_k, g.n_group,
+                                    g.topk_group, bool(g.normalize), float(g.scaling))
 
     @classmethod
     def for_model(cls, model) -> "DeepseekNativeStep | None":

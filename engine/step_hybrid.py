@@ -37,31 +37,25 @@ class HybridStep(NativeStep):
     """Per-layer native handles of a Qwen3-Next model."""
 
     def __init__(self, model, ext) -> None:
-        from engine.quant.kernels import native_threads
+        self.rotary_dim = model.config.rotary_dim
+        super().__init__(model, ext)
 
-        self.ext = ext
-        ext.set_threads(native_threads())
-        cfg = model.config
-        eps = float(cfg.rms_norm_eps)
-        self.attn, self.ffn, self.routers = [], [], []
-        for layer in model.model.layers:
-            ln1, ln2 = _centred(layer.input_layernorm), _centred(layer.post_attention_layernorm)
-            if layer.linear:
-                d = layer.linear_attn
-                self.attn.append(ext.DeltaNet(
-                    _lin(ext, d.in_proj_qkvz), _lin(ext, d.in_proj_ba), _lin(ext, d.out_proj), ln1, ln2,
-                    _f32(d.conv1d.weight[:, 0, :]), _f32(-d.A_log.float().exp()), _f32(d.dt_bias),
-                    _f32(d.norm.weight), d.nk, d.nv, d.dk, d.dv, eps))
-            else:
-                a = layer.self_attn
-                attn = ext.Attn(_lin(ext, a.q_proj), _lin(ext, a.k_proj), _lin(ext, a.v_proj),
-                                _lin(ext, a.o_proj), ln1, ln2, _centred(a.q_norm), _centred(a.k_norm),
-                                a.nh, a.nkv, a.d, eps)
-                attn.gated, attn.rotary_dim = True, cfg.rotary_dim
-                self.attn.append(attn)
-            self._add_mlp(layer.mlp)
-        self._add_head(model)
-        self.norm = _centred(model.model.norm)
+    def _mixer(self, layer):
+        ext, eps = self.ext, self.eps
+        ln1, ln2 = _centred(layer.input_layernorm), _centred(layer.post_attention_layernorm)
+        if layer.linear:
+            d = layer.linear_attn
+            return ext.DeltaNet(_lin(ext, d.in_proj_qkvz), _lin(ext, d.in_proj_ba), _lin(ext, d.out_proj), ln1, ln2,
+                                _f32(d.conv1d.weight[:, 0, :]), _f32(-d.A_log.float().exp()), _f32(d.dt_bias),
+                                _f32(d.norm.weight), d.nk, d.nv, d.dk, d.dv, eps)
+        a = layer.self_attn
+        attn = ext.Attn(_lin(ext, a.q_proj), _lin(ext, a.k_proj), _lin(ext, a.v_proj), _lin(ext, a.o_proj),
+                        ln1, ln2, _centred(a.q_norm), _centred(a.k_norm), a.nh, a.nkv, a.d, eps)
+        attn.gated, attn.rotary_dim = True, self.rotary_dim
+        return attn
+
+    def _norm_weight(self, norm) -> torch.Tensor:
+        return _centred(norm)
 
     @classmethod
     def for_model(cls, model) -> "HybridStep | None":
