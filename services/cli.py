@@ -105,15 +105,16 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
     device = _device(device_name)
     draft = _draft_path(speculative)  # checked before any model is loaded
     if store_path:
-        loaded = _open_store(store_path, device_budget, ram_budget, policy, prefetch_depth,
-                             miss_compute, _dtype(dtype), dense, device, head_format)
-        model, tok = loaded.model, loaded.tokenizer
-        if tok is None:
-            loaded.close()
+        from engine.store.manifest import load_manifest
+
+        if load_manifest(store_path).tokenizer_dir is None:  # before budgets are sized or anything loads
             from engine.errors import TokenizerNotFoundError
 
             raise TokenizerNotFoundError(f"store {store_path} has no tokenizer (its source had none); "
                                          "generate text needs one: re-convert from a checkpoint with a tokenizer")
+        loaded = _open_store(store_path, device_budget, ram_budget, policy, prefetch_depth,
+                             miss_compute, _dtype(dtype), dense, device, head_format)
+        model, tok = loaded.model, loaded.tokenizer
     else:
         from engine.loading import load_model
 
