@@ -102,15 +102,9 @@ def writing(path: str | os.PathLike, option: str) -> Iterator[None]:
 
 def host_memory() -> int:
     """Bytes of RAM this process may use: physical memory, or the cgroup limit when lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(limit_file).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
+    from engine.experts.device_budget import host_memory as physical
+
+    return physical()
 
 
 def device_memory(device: str) -> tuple[int, str]:

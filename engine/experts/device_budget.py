@@ -113,28 +113,34 @@ HOST_HEADROOM = 4 * GiB  # host RAM left free beside the tiers by "auto" (the OS
 DEVICE_WORKSPACE = GiB // 2  # device memory "auto" leaves for activations and kernel workspaces (GPU)
 
 
-def available_host_memory() -> int:
-    """MemAvailable (bytes) from /proc/meminfo, else physical memory; the cgroup limit when lower."""
+def host_memory(available: bool = False) -> int:
+    """Bytes of RAM this process may use: physical memory (``available``: MemAvailable from
+    /proc/meminfo, else physical memory), or the cgroup limit when lower."""
     import os
     from pathlib import Path
 
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    avail = total
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-                break
-    except (OSError, ValueError, IndexError):
-        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if available:
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    mem = int(line.split()[1]) * 1024
+                    break
+        except (OSError, ValueError, IndexError):
+            pass
     for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
             text = Path(limit_file).read_text().strip()
         except OSError:
             continue
         if text.isdigit():
-            avail = min(avail, int(text))
-    return avail
+            mem = min(mem, int(text))
+    return mem
+
+
+def available_host_memory() -> int:
+    """MemAvailable (bytes), else physical memory; the cgroup limit when lower."""
+    return host_memory(available=True)
 
 
 def auto_budgets(experts_total: int, *, device: str | torch.device, resident: int,
