@@ -283,11 +283,10 @@ class DecodeService:
             from engine.options import configure
 
             configure(native_threads=cfg.compute_threads or 0)
-            self.sm.model.native_step()
-            if self.sm.store.config.linear_attn is not None:  # Qwen3-Next's DeltaNet decode kernel
-                from engine.layers.deltanet_native import extension
+            from engine.quant.kernels import load_extension
 
-                extension()
+            load_extension()  # every native kernel (DeltaNet's decode step included), even for fp32 dense
+            self.sm.model.native_step()
         model_cfg = self.sm.store.config
         self.kv = kv_cache_from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size, dtype=dtype,
                                        device=self.device, max_seqs=cfg.max_num_seqs)

@@ -390,16 +390,11 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.__dict__["_rotary"] = Rotary(cfg.rope, cfg.arch_params.qk_rope_head_dim,
                                           max_positions=min(cfg.max_position_embeddings, 4096))
 
-    def native_step(self):
-        """The native step with MLA and the group-limited router (engine.step_deepseek), cached
-        as CausalLM.native_step caches its own."""
-        from engine.options import generation
+    def native_step_type(self):
+        """The native step with MLA and the group-limited router (engine.step_deepseek)."""
         from engine.step_deepseek import DeepseekNativeStep
 
-        cached = self.__dict__.get("_native")
-        if cached is None or cached[0] != generation():
-            cached = self.__dict__["_native"] = (generation(), DeepseekNativeStep.for_model(self))
-        return cached[1]
+        return DeepseekNativeStep
 
     def dense_linear_slots(self) -> list[tuple[nn.Module, str]]:
         out: list[tuple[nn.Module, str]] = []

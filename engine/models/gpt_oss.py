@@ -288,16 +288,12 @@ class GptOssForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, gpt_oss_layer)
 
-    def native_step(self):
+    def native_step_type(self):
         """The native step with sinks, windows, the biased router and the experts' biases and
-        clamped SwiGLU (engine.step_gpt_oss); None: the torch layers (as CausalLM.native_step)."""
-        from engine.options import generation
+        clamped SwiGLU (engine.step_gpt_oss)."""
         from engine.step_gpt_oss import GptOssNativeStep
 
-        cached = self.__dict__.get("_native")
-        if cached is None or cached[0] != generation():
-            cached = self.__dict__["_native"] = (generation(), GptOssNativeStep.for_model(self))
-        return cached[1]
+        return GptOssNativeStep
 
     def dense_linear_slots(self) -> list[tuple[nn.Module, str]]:
         """(parent, name) of every dense linear engine.quant.linear may quantize."""
