@@ -140,6 +140,7 @@ class GraphCounters:
     replays: int = 0  # graph launches (a sparse layer's step: two)
     eager: int = 0  # feed-forward halves that ran eager (no bucket, restricted routing, ...)
     capture_failures: int = 0
+    attention_eager: int = 0  # attention halves of standard layers that ran eager (not pure decode, ...)
 
 
 @dataclass
@@ -155,6 +156,32 @@ class _Entry:
     broken: bool = False  # a capture failed: this entry runs eager
 
 
+@dataclass
+class _AttnEntry:
+    """Static buffers and graph of one layer's attention half for (bucket, dtype, table width),
+    bound to one KV cache's storage."""
+
+    x: torch.Tensor  # [B, H] the layer's input rows, padded
+    out: torch.Tensor  # [B, H] x + o_proj(attention)
+    storage: torch.Tensor  # the paged KV storage the graph writes and reads
+    graphs: dict[str, Graph] = field(default_factory=dict)
+    broken: bool = False
+
+
+@dataclass
+class StepInputs:
+    """A decode step's per-row attention inputs for (bucket, table width, device), shared by every
+    layer's attention graph and staged once per step (host -> device copies before the first
+    layer replays). Padding rows (rows .. bucket-1) attend over the KV cache's scratch block
+    (lens 1) and write their k/v there, so they never touch a sequence's KV."""
+
+    cos: torch.Tensor  # [B, D] float32: the RoPE rows of each row's position (padding: row 0's)
+    sin: torch.Tensor  # [B, D]
+    tables: torch.Tensor  # [B, W] int32 block tables (padding rows: the scratch block)
+    lens: torch.Tensor  # [B] int32 context length with the new token
+    slots: torch.Tensor  # [B] int64 flat KV slot of the new token (block * BS + offset)
+
+
 class LayerGraphs:
     """The graphs of one decoder layer's feed-forward half (``layer.post_attention_layernorm``,
     ``layer.mlp``), captured lazily per bucket on first use (when the step's experts are
@@ -163,6 +190,7 @@ class LayerGraphs:
     def __init__(self, layer: torch.nn.Module, owner: "GraphSet") -> None:
         self.layer, self.owner = layer, owner
         self.entries: dict[tuple[int, torch.dtype], _Entry] = {}
+        self.attn_entries: dict[tuple[int, torch.dtype, int], _AttnEntry] = {}
 
     # ---- the step -------------------------------------------------------------------------
     def run(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -182,6 +210,53 @@ class LayerGraphs:
         if out is None:
             self.owner.counters.eager += 1
         return out
+
+    def run_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, kv) -> torch.Tensor | None:
+        """x + attention(input_layernorm(x)) through the layer's attention graph, or None: the
+        caller runs the eager layer. Only pure decode steps (one new token per sequence) of a
+        standard attention layer on a paged KV cache the Triton kernel can read."""
+        from engine.layers import paged_attention_triton as PA
+        from engine.layers.attention import Attention
+
+        attn = self.layer.self_attn
+        rows = x.shape[0]
+        bucket = bucket_for(rows, self.owner.buckets) if rows else None
+        ok = (bucket is not None and type(attn) is Attention and len(layout.query_lens) == rows
+              and all(n == 1 for n in layout.query_lens) and PA.supports(x.device))
+        step = self.owner.step_inputs(layout, kv, cos, sin, bucket, x.device) if ok else None
+        if step is None:
+            self.owner.counters.attention_eager += 1
+            return None
+        key = (bucket, x.dtype, step.tables.shape[1])
+        e = self.attn_entries.get(key)
+        if e is None or e.storage is not kv.storage:  # a new cache: its storage is another tensor
+            z = lambda: torch.zeros(bucket, x.shape[1], dtype=x.dtype, device=x.device)  # noqa: E731
+            e = self.attn_entries[key] = _AttnEntry(x=z(), out=z(), storage=kv.storage)
+        if e.broken:
+            self.owner.counters.attention_eager += 1
+            return None
+        norm, storage, li = self.layer.input_layernorm, kv.storage, attn.layer
+        nh, nkv, d = attn.nh, attn.nkv, attn.d
+
+        def block() -> None:
+            from engine.layers.rope import apply_rotary
+
+            h = norm(e.x)
+            q = attn.q_proj(h).view(bucket, nh, d)
+            k = attn.k_proj(h).view(bucket, nkv, d)
+            v = attn.v_proj(h).view(bucket, nkv, d)
+            if attn.q_norm is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
+            PA.write_kv(storage[li, 0], storage[li, 1], step.slots, k, v)
+            o = PA.decode(q.contiguous(), storage[li, 0], storage[li, 1], step.tables, step.lens)
+            e.out.copy_(e.x + attn.o_proj(o.view(bucket, nh * d)))
+
+        self._stage_into(e.x, x, rows)
+        if not self._replay(e, "attention", block):
+            self.owner.counters.attention_eager += 1
+            return None
+        return e.out[:rows]
 
     def _entry(self, x: torch.Tensor, bucket: int, top_k: int | None) -> _Entry:
         key = (bucket, x.dtype)
@@ -206,7 +281,7 @@ class LayerGraphs:
         else:
             torch.index_select(src.to(dst.dtype), 0, self.owner.pad_index(dst.shape[0], rows, src.device), out=dst)
 
-    def _replay(self, e: _Entry, name: str, fn: Callable[[], None]) -> bool:
+    def _replay(self, e: "_Entry | _AttnEntry", name: str, fn: Callable[[], None]) -> bool:
         """Replay graph ``name`` of ``e``, capturing it from ``fn`` first; False: capture failed
         (this entry runs eager from now on)."""
         g = e.graphs.get(name)
@@ -218,7 +293,7 @@ class LayerGraphs:
                 if self.owner.factory is RecordedGraph:
                     raise
                 log.warning("CUDA graph capture of layer %s (%s) failed, running eager: %s: %s",
-                            getattr(self.layer.mlp, "layer", "?"), name, type(err).__name__, err)
+                            getattr(self.layer.self_attn, "layer", "?"), name, type(err).__name__, err)
                 e.broken = True
                 self.owner.counters.capture_failures += 1
                 return False
@@ -342,6 +417,8 @@ class GraphSet:
         self.counters = GraphCounters()
         self.auto, self.generation = False, -1  # made by prepare() from the option (and when)
         self._pad: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._inputs: dict[tuple[int, int, torch.device], StepInputs] = {}
+        self._staged: tuple | None = None  # (layout, kv, bucket, StepInputs) of the step staged last
 
     def pool(self) -> object:
         """The memory pool every CUDA graph of the model captures into (made on first use)."""
@@ -358,6 +435,55 @@ class GraphSet:
             idx[rows:] = 0
             t = self._pad[key] = idx.to(device)
         return t
+
+
+    def step_inputs(self, layout, kv, cos: torch.Tensor, sin: torch.Tensor, bucket: int,
+                    device: torch.device) -> StepInputs | None:
+        """The static attention inputs of this decode step (``layout``: one new token per row),
+        staged on the first layer's call and reused by the others; None when the KV cache cannot
+        be read by the paged kernel (not paged, FP8, elsewhere) or has no scratch block for the
+        padding rows (the layers then run eager)."""
+        from engine.kv.paged import PagedKVCache
+        from engine.layers.paged_attention_triton import CACHE_DTYPES
+
+        st = self._staged
+        if st is not None and st[0] is layout and st[1] is kv and st[2] == bucket:
+            return st[3]
+        self._staged = None
+        if not isinstance(kv, PagedKVCache) or kv.dtype not in CACHE_DTYPES or kv.storage.device != device:
+            return None
+        rows = len(layout.seq_ids)
+        scratch = kv.scratch_block() if rows < bucket else 0
+        view = kv.native_view(layout, device) if scratch is not None else None
+        if view is None:
+            return None
+        tables, bs = view[1], kv.block_size
+        width = max(8, 1 << (tables.shape[1] - 1).bit_length())  # a graph per power of two of blocks
+        key = (bucket, width, device)
+        s = self._inputs.get(key)
+        if s is None:
+            i32 = dict(dtype=torch.int32, device=device)
+            s = self._inputs[key] = StepInputs(
+                cos=torch.zeros(bucket, cos.shape[1], dtype=cos.dtype, device=device),
+                sin=torch.zeros(bucket, sin.shape[1], dtype=sin.dtype, device=device),
+                tables=torch.zeros(bucket, width, **i32), lens=torch.zeros(bucket, **i32),
+                slots=torch.zeros(bucket, dtype=torch.int64, device=device))
+        host_tables = torch.zeros(bucket, width, dtype=torch.int32)
+        host_tables[:rows, :tables.shape[1]] = tables
+        host_tables[rows:, 0] = scratch
+        pos = torch.tensor(layout.context_lens, dtype=torch.int64)
+        lens = torch.ones(bucket, dtype=torch.int32)
+        lens[:rows] = (pos + 1).to(torch.int32)
+        slots = torch.full((bucket,), scratch * bs, dtype=torch.int64)
+        slots[:rows] = host_tables[:rows].gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
+        s.tables.copy_(host_tables)
+        s.lens.copy_(lens)
+        s.slots.copy_(slots)
+        pad = self.pad_index(bucket, rows, device)
+        torch.index_select(cos, 0, pad, out=s.cos)
+        torch.index_select(sin, 0, pad, out=s.sin)
+        self._staged = (layout, kv, bucket, s)
+        return s
 
 
 def _layers(model) -> list[torch.nn.Module]:
@@ -411,6 +537,19 @@ def prepare(model, device: torch.device) -> GraphSet | None:
 def graph_set(model) -> GraphSet | None:
     """The model's GraphSet (counters), if graphs are on."""
     return model.__dict__.get("_graph_set") or None
+
+
+def attention_residual(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       layout, kv) -> torch.Tensor:
+    """A decoder layer's first half, ``x + self_attn(input_layernorm(x), ...)``: through its
+    attention graph on a pure decode step when graphs are on and can run, else eager (the
+    reference)."""
+    graphs = layer.__dict__.get("_layer_graphs")
+    if graphs is not None:
+        out = graphs.run_attention(x, cos, sin, layout, kv)
+        if out is not None:
+            return out
+    return x + layer.self_attn(layer.input_layernorm(x), cos, sin, layout, kv)
 
 
 def mlp_residual(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ tensors, tests/gpu compiled.
 
 import torch
 
+from engine.errors import ConfigError
 from engine.quant import triton_kernels as TK
 
 triton, tl, constexpr = TK.triton, TK.tl, TK.constexpr
@@ -89,7 +90,7 @@ def supports(device: torch.device) -> bool:
 
 
 def _fail(msg: str) -> None:
-    raise ValueError(f"paged_attention_triton: {msg}")
+    raise ConfigError(f"paged_attention_triton: {msg}")
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

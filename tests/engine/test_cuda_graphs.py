@@ -128,7 +128,11 @@ def check_model(store, factory, device: str) -> None:
     per_layer = [sorted(b for b, _ in l._layer_graphs.entries) for l in model.model.layers]
     assert per_layer[0] == per_layer[1] and {1, 2, 4, 10} <= set(per_layer[0])
     graphs = sum(len(e.graphs) for l in model.model.layers for e in l._layer_graphs.entries.values())
-    assert gs.counters.captures == graphs == 2 * 2 * len(per_layer[0])  # route + experts per layer
+    assert graphs == 2 * 2 * len(per_layer[0])  # route + experts per layer
+    # the engine's pure decode steps (3, 2, 1 sequences on its paged cache): attention graphs too
+    attn = [sorted(b for b, _, _ in l._layer_graphs.attn_entries) for l in model.model.layers]
+    assert attn[0] == attn[1] == [1, 2, 4]
+    assert gs.counters.captures == graphs + 2 * len(attn[0])
     assert gs.counters.replays > gs.counters.captures and gs.counters.capture_failures == 0
 
 
