@@ -1,23 +1,33 @@
-"""Per-layer CUDA graphs of a decoder layer's feed-forward half, for decode batch buckets.
+"""Per-layer CUDA graphs of a decoder layer's halves, for decode batch buckets.
 
 A decode step on a GPU is launch-bound: a sparse layer's MoE half is ~20 kernel launches
 (norm, router, softmax, top-k, renormalisation, slot-map gather, two grouped expert launches,
-the shared expert's linears and gate, adds) of a few microseconds of work each. Here the static
-part of it is captured once per (layer, bucket) and replayed as one graph launch. A whole-step
-graph is not the goal: it would replay only when every one of a step's ~480 expert lookups were
-resident, and attention over a variable-length paged KV is not static.
+the shared expert's linears and gate, adds) of a few microseconds of work each, its attention
+half another ~20. Here the static parts are captured once per (layer, bucket) and replayed as
+graph launches. A whole-step graph is not the goal: it would replay only when every one of a
+step's ~480 expert lookups were resident.
 
-A sparse layer's half is two graphs, split where the host must see the routing:
+A layer of a pure decode step (every sequence one new token) on a paged KV cache is three
+graphs, split where the host must see the routing:
 
-    route    h = post_attention_layernorm(x);  weights, ids = router(h)          [B rows]
-    (host)   the expert cache acquires the distinct ids: misses are copied in (and the device
-             slot map updated) before the replay below; prefetch for the next layers starts
-    experts  pair = slot_map[layer][ids];  y = grouped_moe(h, weights, pair) (+ shared expert);
-             out = x + y
+    attention  h = input_layernorm(x); q, k, v (+ q/k norm, RoPE from the step's cos/sin rows);
+               k, v written at the step's slots; paged decode attention through the step's block
+               tables and context lengths (engine.layers.paged_attention_triton); x + o_proj
+    route      h = post_attention_layernorm(x);  weights, ids = router(h)        [B rows]
+    (host)     the expert cache acquires the distinct ids: misses are copied in (and the device
+               slot map updated) before the replay below; prefetch for the next layers starts
+    experts    pair = slot_map[layer][ids];  y = grouped_moe(h, weights, pair) (+ shared expert);
+               out = x + y
 
 The slot map is read by the replay, on the device, so a graph follows whatever slots the cache
-chose this step. A dense (SwiGLU) layer's half is one graph: out = x + mlp(norm(x)). Attention
-(and its norm) stays eager: it reads each sequence's context through the paged KV.
+chose this step. A dense (SwiGLU) layer's feed-forward half is one graph: out = x + mlp(norm(x)).
+The attention graph reads the step's inputs from static buffers shared by every layer
+(:class:`StepInputs`: cos/sin rows, block tables padded to a power-of-two width, context
+lengths, KV slots), staged once per step before the first layer replays, so one graph per
+(layer, bucket, width) serves every context length up to width x block size. Padding rows
+attend over the KV cache's scratch block and write their k/v there, never into a sequence's
+blocks. Prefill, mixed and verify steps, other attention modules (sinks, MLA, gated, linear
+attention) and other KV caches (contiguous, FP8) run the attention half eager.
 
 Buckets: rows 1, 2, 4, ..., 64 and the speculative verify shapes n (k + 1) for draft lengths k;
 a step of ``rows`` rows uses the smallest bucket >= rows. Its inputs go into the bucket's static
@@ -221,7 +231,7 @@ class LayerGraphs:
         attn = self.layer.self_attn
         rows = x.shape[0]
         bucket = bucket_for(rows, self.owner.buckets) if rows else None
-        ok = (bucket is not None and type(attn) is Attention and len(layout.query_lens) == rows
+        ok = (bucket is not None and self.owner.attention and type(attn) is Attention and len(layout.query_lens) == rows
               and all(n == 1 for n in layout.query_lens) and PA.supports(x.device))
         step = self.owner.step_inputs(layout, kv, cos, sin, bucket, x.device) if ok else None
         if step is None:
@@ -411,8 +421,10 @@ class _Acquired:
 class GraphSet:
     """A model's per-layer graphs: the factory, the buckets, the shared pool and counters."""
 
-    def __init__(self, factory: Callable[[object], Graph], buckets: tuple[int, ...]) -> None:
+    def __init__(self, factory: Callable[[object], Graph], buckets: tuple[int, ...],
+                 attention: bool = True) -> None:
         self.factory, self.buckets = factory, buckets
+        self.attention = attention  # graph the attention halves of pure decode steps too
         self._pool: object = None
         self.counters = GraphCounters()
         self.auto, self.generation = False, -1  # made by prepare() from the option (and when)
@@ -491,11 +503,12 @@ def _layers(model) -> list[torch.nn.Module]:
 
 
 def enable(model, factory: Callable[[object], Graph] | None = None,
-           buckets: tuple[int, ...] | None = None) -> GraphSet:
-    """Run ``model``'s feed-forward halves through per-layer graphs from ``factory`` (default
-    :class:`CudaGraph`) for ``buckets`` (default :func:`decode_buckets`), on any device (the
-    tests pass :class:`RecordedGraph` on the CPU). Replaces graphs captured before."""
-    gs = GraphSet(factory or CudaGraph, tuple(sorted(buckets or decode_buckets())))
+           buckets: tuple[int, ...] | None = None, attention: bool = True) -> GraphSet:
+    """Run ``model``'s feed-forward halves (and, with ``attention``, the attention halves of pure
+    decode steps) through per-layer graphs from ``factory`` (default :class:`CudaGraph`) for
+    ``buckets`` (default :func:`decode_buckets`), on any device (the tests pass
+    :class:`RecordedGraph` on the CPU). Replaces graphs captured before."""
+    gs = GraphSet(factory or CudaGraph, tuple(sorted(buckets or decode_buckets())), attention)
     for layer in _layers(model):
         layer.__dict__["_layer_graphs"] = LayerGraphs(layer, gs)
     model.__dict__["_graph_set"] = gs

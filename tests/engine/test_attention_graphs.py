@@ -49,19 +49,23 @@ def gathered(kv: PagedKVCache, seq: int, n: int) -> torch.Tensor:
 @needs_triton
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_graphed_decode_equals_eager_and_padding_writes_only_scratch(store, float_options, kv_dtype):
+    check_attention_graphs(store, CG.RecordedGraph, "cpu", kv_dtype)
+
+
+def check_attention_graphs(store, factory, device: str, kv_dtype: torch.dtype) -> None:
     """Eight decode steps (contexts 3..11, 7..15, 4..12 over blocks of 4: each sequence gains
     blocks at its own steps): the same logits and greedy tokens as eager; the graphs are captured
     once per bucket (replays read the new tables and lengths: frozen ones would attend over the
     first step's context); every sequence's KV equals eager's, the padding row wrote only the
     scratch block, and no block outside the sequences and the scratch was touched."""
-    sm_e, sm_g = _load(store, slots=32), _load(store, slots=32)
+    sm_e, sm_g = _load(store, slots=32, device=device), _load(store, slots=32, device=device)
     try:
         c = sm_e.model.config
         make = lambda: PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=24,  # noqa: E731
-                                    block_size=4, dtype=kv_dtype)
+                                    block_size=4, dtype=kv_dtype, device=device)
         kv_e, kv_g = make(), make()
         ref_logits, ref_tokens, _ = run_decode(sm_e.model, kv_e, 8, None, drop_last_after=6)
-        logits, tokens, gs = run_decode(sm_g.model, kv_g, 8, CG.RecordedGraph, drop_last_after=6)
+        logits, tokens, gs = run_decode(sm_g.model, kv_g, 8, factory, drop_last_after=6)
         for got, want in zip(logits, ref_logits):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert tokens == ref_tokens
@@ -91,8 +95,9 @@ def test_graphed_decode_equals_eager_and_padding_writes_only_scratch(store, floa
 
 @needs_triton
 def test_steps_that_are_not_pure_decode_run_attention_eager(store, float_options):
-    """A prefill, a mixed step (one sequence's prompt beside another's decode token) and a
-    contiguous KV cache run the eager attention (counted), with the eager result."""
+    """A prefill, a mixed step (one sequence's prompt beside another's decode token), a
+    contiguous KV cache, and a decode step with attention graphs turned off run the eager
+    attention (counted)."""
     from engine.kv.base import ContiguousKVCache
 
     sm = _load(store, slots=32)
@@ -108,5 +113,8 @@ def test_steps_that_are_not_pure_decode_run_attention_eager(store, float_options
         assert gs.counters.attention_eager == 3 * c.num_layers
         assert all(not l._layer_graphs.attn_entries for l in model.model.layers)
         assert kv._scratch is None  # eager steps take no scratch block
+        gs = CG.enable(model, CG.RecordedGraph, attention=False)  # feed-forward graphs only
+        model(torch.tensor([6, 2]), BatchLayout((0, 1), (1, 1), (4, 4)), kv)
+        assert gs.counters.attention_eager == c.num_layers and gs.counters.captures > 0
     finally:
         sm.close()
