@@ -48,11 +48,11 @@ def gathered(kv: PagedKVCache, seq: int, n: int) -> torch.Tensor:
 
 @needs_triton
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_graphed_decode_equals_eager_and_padding_writes_only_scratch(store, float_options, kv_dtype):
+def test_graphed_decode_equals_eager_and_padding_writes_only_scratch(store, float_options, kv_dtype):  # noqa: F811
     check_attention_graphs(store, CG.RecordedGraph, "cpu", kv_dtype)
 
 
-def check_attention_graphs(store, factory, device: str, kv_dtype: torch.dtype) -> None:
+def check_attention_graphs(store, factory, device: str, kv_dtype: torch.dtype) -> None:  # noqa: F811
     """Eight decode steps (contexts 3..11, 7..15, 4..12 over blocks of 4: each sequence gains
     blocks at its own steps): the same logits and greedy tokens as eager; the graphs are captured
     once per bucket (replays read the new tables and lengths: frozen ones would attend over the
@@ -94,7 +94,7 @@ def check_attention_graphs(store, factory, device: str, kv_dtype: torch.dtype) -
 
 
 @needs_triton
-def test_steps_that_are_not_pure_decode_run_attention_eager(store, float_options):
+def test_steps_that_are_not_pure_decode_run_attention_eager(store, float_options):  # noqa: F811
     """A prefill, a mixed step (one sequence's prompt beside another's decode token), a
     contiguous KV cache, and a decode step with attention graphs turned off run the eager
     attention (counted)."""
