@@ -544,6 +544,8 @@ def prepare(model, device: torch.device) -> GraphSet | None:
             return None
         gs = enable(model)
         gs.auto, gs.generation = True, generation()
+    if gs:
+        gs._staged = None  # a new forward: its attention inputs are staged afresh
     return gs or None
 
 
