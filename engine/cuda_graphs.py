@@ -190,6 +190,7 @@ class StepInputs:
     tables: torch.Tensor  # [B, W] int32 block tables (padding rows: the scratch block)
     lens: torch.Tensor  # [B] int32 context length with the new token
     slots: torch.Tensor  # [B] int64 flat KV slot of the new token (block * BS + offset)
+    pad: torch.Tensor  # [B] int64: 0 .. rows-1, then 0 (the output's padding rows copy row 0)
 
 
 class LayerGraphs:
@@ -221,36 +222,97 @@ class LayerGraphs:
             self.owner.counters.eager += 1
         return out
 
+    def run_layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, kv) -> torch.Tensor | None:
+        """The whole layer on a pure decode step as one graph per layer half that needs no host
+        in between: attention + route (then the host's acquire, then the experts graph) for a
+        sparse layer, attention + MLP for a dense one; None: the caller runs the halves apart
+        (:func:`attention_residual`, :func:`mlp_residual`)."""
+        from engine.layers.mlp import SwiGLU
+        from engine.layers.moe import SparseMoE
+
+        a = self._attention_entry(x, cos, sin, layout, kv, count=False)
+        if a is None:
+            return None
+        ae, step, bucket = a
+        rows, mlp = x.shape[0], self.layer.mlp
+        if isinstance(mlp, SparseMoE):
+            grouped = self._sparse_layout(mlp, x)
+            if grouped is None or "forward" in vars(mlp.gate):
+                return None  # the halves apart: the feed-forward half decides how it runs
+            e, name = self._entry(x, bucket, mlp.gate.top_k), "attention+route"
+            tail = self._route_fn(mlp, e)
+        elif type(mlp) is SwiGLU:
+            e, name = self._entry(x, bucket, None), "attention+mlp"
+            tail = self._dense_fn(e)
+        else:
+            return None
+        if e.broken:
+            return None
+        attention = self._attention_fn(ae, step, bucket, e.x)
+
+        def block() -> None:
+            attention()
+            tail()
+
+        self._stage_into(ae.x, x, rows)
+        if not self._replay(ae, name, block):
+            return None  # ae is broken now: the halves apart run attention eager
+        if name == "attention+mlp":
+            return e.out[:rows]
+        return self._experts(mlp, e, e.x[:rows], rows, grouped)
+
     def run_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, kv) -> torch.Tensor | None:
         """x + attention(input_layernorm(x)) through the layer's attention graph, or None: the
-        caller runs the eager layer. Only pure decode steps (one new token per sequence) of a
-        standard attention layer on a paged KV cache the Triton kernel can read."""
+        caller runs the eager layer."""
+        a = self._attention_entry(x, cos, sin, layout, kv, count=True)
+        if a is None:
+            return None
+        ae, step, bucket = a
+        self._stage_into(ae.x, x, x.shape[0])
+        if not self._replay(ae, "attention", self._attention_fn(ae, step, bucket, ae.out)):
+            self.owner.counters.attention_eager += 1
+            return None
+        return ae.out[:x.shape[0]]
+
+    def _attention_entry(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, kv,
+                         count: bool) -> "tuple[_AttnEntry, StepInputs, int] | None":
+        """The attention entry and staged step inputs when this step's attention half can run as
+        a graph: a pure decode step (one new token per sequence) of a standard attention layer
+        on a paged KV cache the Triton kernel can read; else None (counted if ``count``)."""
         from engine.layers import paged_attention_triton as PA
         from engine.layers.attention import Attention
 
         attn = self.layer.self_attn
         rows = x.shape[0]
         bucket = bucket_for(rows, self.owner.buckets) if rows else None
-        ok = (bucket is not None and self.owner.attention and type(attn) is Attention and len(layout.query_lens) == rows
-              and all(n == 1 for n in layout.query_lens) and PA.supports(x.device))
+        ok = (bucket is not None and self.owner.attention and type(attn) is Attention
+              and len(layout.query_lens) == rows and all(n == 1 for n in layout.query_lens)
+              and PA.supports(x.device))
         step = self.owner.step_inputs(layout, kv, cos, sin, bucket, x.device) if ok else None
-        if step is None:
-            self.owner.counters.attention_eager += 1
+        e = None
+        if step is not None:
+            key = (bucket, x.dtype, step.tables.shape[1])
+            e = self.attn_entries.get(key)
+            if e is None or e.storage is not kv.storage:  # a new cache: its storage is another tensor
+                z = lambda: torch.zeros(bucket, x.shape[1], dtype=x.dtype, device=x.device)  # noqa: E731
+                e = self.attn_entries[key] = _AttnEntry(x=z(), out=z(), storage=kv.storage)
+        if e is None or e.broken:
+            if count:
+                self.owner.counters.attention_eager += 1
             return None
-        key = (bucket, x.dtype, step.tables.shape[1])
-        e = self.attn_entries.get(key)
-        if e is None or e.storage is not kv.storage:  # a new cache: its storage is another tensor
-            z = lambda: torch.zeros(bucket, x.shape[1], dtype=x.dtype, device=x.device)  # noqa: E731
-            e = self.attn_entries[key] = _AttnEntry(x=z(), out=z(), storage=kv.storage)
-        if e.broken:
-            self.owner.counters.attention_eager += 1
-            return None
-        norm, storage, li = self.layer.input_layernorm, kv.storage, attn.layer
-        nh, nkv, d = attn.nh, attn.nkv, attn.d
+        return e, step, bucket
+
+    def _attention_fn(self, e: _AttnEntry, step: StepInputs, bucket: int, dst: torch.Tensor) -> Callable[[], None]:
+        """dst = e.x + o_proj(paged attention of input_layernorm(e.x)), the new k/v written; the
+        padding rows of dst copy row 0, so a feed-forward half replayed on dst routes them like
+        row 0 (no expert beyond the real rows')."""
+        from engine.layers import paged_attention_triton as PA
+        from engine.layers.rope import apply_rotary
+
+        attn, norm, storage = self.layer.self_attn, self.layer.input_layernorm, e.storage
+        li, nh, nkv, d = attn.layer, attn.nh, attn.nkv, attn.d
 
         def block() -> None:
-            from engine.layers.rope import apply_rotary
-
             h = norm(e.x)
             q = attn.q_proj(h).view(bucket, nh, d)
             k = attn.k_proj(h).view(bucket, nkv, d)
@@ -260,13 +322,9 @@ class LayerGraphs:
             q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
             PA.write_kv(storage[li, 0], storage[li, 1], step.slots, k, v)
             o = PA.decode(q.contiguous(), storage[li, 0], storage[li, 1], step.tables, step.lens)
-            e.out.copy_(e.x + attn.o_proj(o.view(bucket, nh * d)))
+            torch.index_select(e.x + attn.o_proj(o.view(bucket, nh * d)), 0, step.pad, out=dst)
 
-        self._stage_into(e.x, x, rows)
-        if not self._replay(e, "attention", block):
-            self.owner.counters.attention_eager += 1
-            return None
-        return e.out[:rows]
+        return block
 
     def _entry(self, x: torch.Tensor, bucket: int, top_k: int | None) -> _Entry:
         key = (bucket, x.dtype)
@@ -317,28 +375,30 @@ class LayerGraphs:
         e = self._entry(x, bucket, None)
         if e.broken:
             return None
+        self._stage(e, x, rows)
+        return e.out[:rows] if self._replay(e, "dense", self._dense_fn(e)) else None
+
+    def _dense_fn(self, e: _Entry) -> Callable[[], None]:
         norm, mlp = self.layer.post_attention_layernorm, self.layer.mlp
 
         def block() -> None:
             e.out.copy_(e.x + mlp(norm(e.x)))
 
-        self._stage(e, x, rows)
-        return e.out[:rows] if self._replay(e, "dense", block) else None
+        return block
 
-    def _sparse(self, mlp, x: torch.Tensor, rows: int, bucket: int) -> torch.Tensor | None:
-        from engine.layers.moe import Routing, SparseMoE
+    @staticmethod
+    def _sparse_layout(mlp, x: torch.Tensor):
+        """The grouped kernels' layout when this MoE half can run through the graphs, else None."""
+        from engine.layers.moe import SparseMoE
 
         provider, top_k = mlp.provider, getattr(mlp.gate, "top_k", None)
         if type(mlp).forward is not SparseMoE.forward or top_k is None:
             return None  # an architecture with its own MoE forward
         if provider is None or provider.allowed_experts(mlp.layer) is not None:
             return None  # no experts attached, or drafting on resident experts only
-        layout = mlp._grouped_layout(provider, x)
-        if layout is None:
-            return None  # no slot pool on this device, or a format the grouped kernels lack
-        e = self._entry(x, bucket, top_k)
-        if e.broken:
-            return None
+        return mlp._grouped_layout(provider, x)  # None: no slot pool here, or a format the kernels lack
+
+    def _route_fn(self, mlp, e: _Entry) -> Callable[[], None]:
         norm = self.layer.post_attention_layernorm
 
         def route() -> None:
@@ -348,6 +408,16 @@ class LayerGraphs:
             e.weights.copy_(r.weights)
             e.ids.copy_(r.ids)
 
+        return route
+
+    def _sparse(self, mlp, x: torch.Tensor, rows: int, bucket: int) -> torch.Tensor | None:
+        layout = self._sparse_layout(mlp, x)
+        if layout is None:
+            return None
+        e = self._entry(x, bucket, mlp.gate.top_k)
+        if e.broken:
+            return None
+        norm = self.layer.post_attention_layernorm
         if "forward" in vars(mlp.gate):
             # routing injected per step (a trace replay: engine.experts.synthetic_store) keeps
             # Python state a graph would freeze: route eagerly on the real rows, pad into the
@@ -358,8 +428,16 @@ class LayerGraphs:
                 self._stage_into(dst, src, rows)
         else:
             self._stage(e, x, rows)
-            if not self._replay(e, "route", route):
+            if not self._replay(e, "route", self._route_fn(mlp, e)):
                 return None
+        return self._experts(mlp, e, x, rows, layout)
+
+    def _experts(self, mlp, e: _Entry, x: torch.Tensor, rows: int, layout) -> torch.Tensor:
+        """After routing (e.h, e.weights, e.ids hold the bucket's rows): the cache's acquire, then
+        the experts graph (or the eager combine where it cannot run); x: the half's input rows."""
+        from engine.layers.moe import Routing
+
+        provider = mlp.provider
         h, ids = e.h[:rows], e.ids[:rows]
         for observe in mlp.observers:
             observe(mlp.layer, ids)
@@ -479,7 +557,8 @@ class GraphSet:
                 cos=torch.zeros(bucket, cos.shape[1], dtype=cos.dtype, device=device),
                 sin=torch.zeros(bucket, sin.shape[1], dtype=sin.dtype, device=device),
                 tables=torch.zeros(bucket, width, **i32), lens=torch.zeros(bucket, **i32),
-                slots=torch.zeros(bucket, dtype=torch.int64, device=device))
+                slots=torch.zeros(bucket, dtype=torch.int64, device=device),
+                pad=torch.zeros(bucket, dtype=torch.int64, device=device))
         host_tables = torch.zeros(bucket, width, dtype=torch.int32)
         host_tables[:rows, :tables.shape[1]] = tables
         host_tables[rows:, 0] = scratch
@@ -492,6 +571,7 @@ class GraphSet:
         s.lens.copy_(lens)
         s.slots.copy_(slots)
         pad = self.pad_index(bucket, rows, device)
+        s.pad.copy_(pad)
         torch.index_select(cos, 0, pad, out=s.cos)
         torch.index_select(sin, 0, pad, out=s.sin)
         self._staged = (layout, kv, bucket, s)
@@ -552,6 +632,19 @@ def prepare(model, device: torch.device) -> GraphSet | None:
 def graph_set(model) -> GraphSet | None:
     """The model's GraphSet (counters), if graphs are on."""
     return model.__dict__.get("_graph_set") or None
+
+
+def decoder_layer(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  layout, kv) -> torch.Tensor:
+    """A standard decoder layer's step: on a pure decode step through its merged graphs
+    (attention + route, the acquire, experts; or attention + MLP) when graphs are on and can run,
+    else the two halves (:func:`attention_residual`, :func:`mlp_residual`)."""
+    graphs = layer.__dict__.get("_layer_graphs")
+    if graphs is not None:
+        out = graphs.run_layer(x, cos, sin, layout, kv)
+        if out is not None:
+            return out
+    return mlp_residual(layer, attention_residual(layer, x, cos, sin, layout, kv))
 
 
 def attention_residual(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

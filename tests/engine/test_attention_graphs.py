@@ -71,8 +71,11 @@ def check_attention_graphs(store, factory, device: str, kv_dtype: torch.dtype) -
         assert tokens == ref_tokens
         layers = sm_g.model.model.layers
         assert [sorted(k[0] for k in l._layer_graphs.attn_entries) for l in layers] == [[2, 4]] * len(layers)
-        attn_graphs = sum(len(e.graphs) for l in layers for e in l._layer_graphs.attn_entries.values())
-        assert attn_graphs == 2 * len(layers)  # buckets 4 and 2, once each, over 8 steps
+        attn_graphs = [sorted(e.graphs) for l in layers for e in l._layer_graphs.attn_entries.values()]
+        assert attn_graphs == [["attention+route"]] * 2 * len(layers)  # buckets 4 and 2, once each
+        for l in layers:  # the padding row's feed-forward input copies row 0: it routes like row 0
+            e4 = l._layer_graphs.entries[(4, torch.float32)]
+            assert torch.equal(e4.ids[3], e4.ids[0])
         assert gs.counters.capture_failures == 0
         assert gs.counters.attention_eager == len(PROMPTS) * len(layers)  # the prefills only
 
@@ -118,3 +121,38 @@ def test_steps_that_are_not_pure_decode_run_attention_eager(store, float_options
         assert gs.counters.attention_eager == c.num_layers and gs.counters.captures > 0
     finally:
         sm.close()
+
+
+@needs_triton
+def test_a_failed_merged_capture_runs_that_layers_attention_eager(store, float_options):  # noqa: F811
+    """The first layer's attention + route capture raises (an op CUDA cannot capture): logged and
+    counted, that layer's attention runs eager from then on and its feed-forward half through
+    its own route and experts graphs; every step still gives the eager logits."""
+
+    class MergedCaptureFails(CG.RecordedGraph):
+        made = 0
+
+        def capture(self, fn):
+            if "run_layer" in fn.__qualname__:  # a merged graph
+                MergedCaptureFails.made += 1
+                if MergedCaptureFails.made == 1:  # the first: layer 0's attention + route
+                    raise RuntimeError("operation not permitted when stream is capturing")
+            super().capture(fn)
+
+    sm_e, sm_g = _load(store, slots=32), _load(store, slots=32)
+    try:
+        c = sm_e.model.config
+        make = lambda: PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=24,  # noqa: E731
+                                    block_size=4, dtype=torch.float32)
+        ref_logits, ref_tokens, _ = run_decode(sm_e.model, make(), 3, None)
+        logits, tokens, gs = run_decode(sm_g.model, make(), 3, MergedCaptureFails)
+        for got, want in zip(logits, ref_logits):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert tokens == ref_tokens and gs.counters.capture_failures == 1
+        first, second = (l._layer_graphs for l in sm_g.model.model.layers)
+        assert [e.broken for e in first.attn_entries.values()] == [True]
+        assert sorted(first.entries[(4, torch.float32)].graphs) == ["experts", "route"]
+        assert [sorted(e.graphs) for e in second.attn_entries.values()] == [["attention+route"]]
+    finally:
+        sm_e.close()
+        sm_g.close()
