@@ -7,26 +7,30 @@ half another ~20. Here the static parts are captured once per (layer, bucket) an
 graph launches. A whole-step graph is not the goal: it would replay only when every one of a
 step's ~480 expert lookups were resident.
 
-A layer of a pure decode step (every sequence one new token) on a paged KV cache is three
+A sparse layer of a pure decode step (every sequence one new token) on a paged KV cache is two
 graphs, split where the host must see the routing:
 
-    attention  h = input_layernorm(x); q, k, v (+ q/k norm, RoPE from the step's cos/sin rows);
-               k, v written at the step's slots; paged decode attention through the step's block
-               tables and context lengths (engine.layers.paged_attention_triton); x + o_proj
-    route      h = post_attention_layernorm(x);  weights, ids = router(h)        [B rows]
+    attention  a = input_layernorm(x); q, k, v (+ q/k norm, RoPE from the step's cos/sin rows);
+    + route    k, v written at the step's slots; paged decode attention through the step's block
+               tables and context lengths (engine.layers.paged_attention_triton); x = x + o_proj;
+               h = post_attention_layernorm(x);  weights, ids = router(h)        [B rows]
     (host)     the expert cache acquires the distinct ids: misses are copied in (and the device
                slot map updated) before the replay below; prefetch for the next layers starts
     experts    pair = slot_map[layer][ids];  y = grouped_moe(h, weights, pair) (+ shared expert);
                out = x + y
 
-The slot map is read by the replay, on the device, so a graph follows whatever slots the cache
-chose this step. A dense (SwiGLU) layer's feed-forward half is one graph: out = x + mlp(norm(x)).
+A dense (SwiGLU) layer of such a step is one graph (attention + MLP). Other steps (prefill,
+mixed, verify: see below for attention) run the halves apart: an attention graph where it can,
+else eager attention, then a route graph (or, for a dense layer, one graph: x + mlp(norm(x)))
+and the experts graph. The slot map is read by the replay, on the device, so a graph follows
+whatever slots the cache chose this step.
 The attention graph reads the step's inputs from static buffers shared by every layer
 (:class:`StepInputs`: cos/sin rows, block tables padded to a power-of-two width, context
 lengths, KV slots), staged once per step before the first layer replays, so one graph per
 (layer, bucket, width) serves every context length up to width x block size. Padding rows
 attend over the KV cache's scratch block and write their k/v there, never into a sequence's
-blocks. Prefill, mixed and verify steps, other attention modules (sinks, MLA, gated, linear
+blocks, and the merged graph's padding rows of x copy row 0 before the route, so they route
+like row 0. Prefill, mixed and verify steps, other attention modules (sinks, MLA, gated, linear
 attention) and other KV caches (contiguous, FP8) run the attention half eager.
 
 Buckets: rows 1, 2, 4, ..., 64 and the speculative verify shapes n (k + 1) for draft lengths k;
