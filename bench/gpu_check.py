@@ -18,10 +18,11 @@
    cache moving experts between slots; the compiled DeltaNet step; the kernel tests compiled
    instead of interpreted).
 4. Per-layer CUDA graphs (engine.cuda_graphs) on a random Qwen3-MoE store (8 layers, hidden
-   1024, 64 experts top-8, int4 experts, bf16 dense) with every expert resident: greedy tokens
-   and logits eager vs graphed (must agree), then per decoded token the host kernel launches
-   (CUDA launch and graph-launch API calls, torch profiler) and the kernels executed, and decode
-   tok/s, eager beside graphed (on CPU with --smoke: dispatcher ops, the CPU seam).
+   1024, 64 experts top-8, int4 experts, bf16 dense, bf16 paged KV cache) with every expert
+   resident: greedy tokens and logits eager vs graphed (must agree), then per decoded token the
+   host kernel launches (CUDA launch and graph-launch API calls, torch profiler) and the kernels
+   executed, and decode tok/s: eager, feed-forward halves graphed, and feed-forward + attention
+   halves graphed (on CPU with --smoke: dispatcher ops, the CPU seam).
 5. With ``--e2e``: ``bench/expert_cache.py --device cuda`` on an 8-layer random Qwen3-MoE store
    (tok/s, hit rates and bytes per token at 25% and 100% device budgets; builds the store first).
 
@@ -179,6 +180,7 @@ def deltanet_table(device: torch.device, smoke: bool, iters: int) -> bool:
     return ok
 
 
+MODES = ("eager", "graphs (feed-forward)", "graphs (feed-forward + attention)")
 LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
                "cudaGraphLaunch", "cuGraphLaunch")
 
@@ -197,6 +199,7 @@ def decode_profile(device: torch.device, smoke: bool) -> bool:
     from engine import cuda_graphs as CG
     from engine.experts.runtime import load_from_store
     from engine.generate import generate_ids
+    from engine.kv.paged import PagedKVCache
     from engine.layers.sampler import SamplingConfig
     from engine.options import configure
     from engine.quant.formats import QuantFormat
@@ -216,18 +219,22 @@ def decode_profile(device: torch.device, smoke: bool) -> bool:
         with tempfile.TemporaryDirectory() as tmp:
             T.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp + "/hf")
             convert(Path(tmp) / "hf", Path(tmp) / "store", fmt=QuantFormat("int4", 64), progress=False)
-            for mode in ("eager", "graphs"):
+            for mode in MODES:
                 sm = load_from_store(Path(tmp) / "store", device=device.type, dense="bf16", prefetch_depth=0)
                 try:
                     sm.cache.grouped = True  # CUDA: already; CPU: the same launches, interpreted
-                    if mode == "graphs":
-                        CG.enable(sm.model, CG.CudaGraph if cuda else CG.RecordedGraph)
-                    else:
+                    if mode == "eager":
                         CG.disable(sm.model)
+                    else:
+                        CG.enable(sm.model, CG.CudaGraph if cuda else CG.RecordedGraph,
+                                  attention=mode == MODES[2])
+                    # a paged KV cache (blocks of 16) at the model's dtype: the attention graphs read it
+                    kv = PagedKVCache(layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=64,
+                                      dtype=sm.model.model.embed_tokens.weight.dtype, device=device)
                     sampling = SamplingConfig(max_tokens=timed + 1, ignore_eos=True)
-                    out = [(t, l.float().cpu()) for t, l, _ in generate_ids(sm.model, prompt, sampling)]
+                    out = [(t, l.float().cpu()) for t, l, _ in generate_ids(sm.model, prompt, sampling, kv=kv)]
                     tokens[mode] = out  # also the warm-up: experts resident, graphs captured
-                    gen = generate_ids(sm.model, prompt, SamplingConfig(max_tokens=steps + 2, ignore_eos=True))
+                    gen = generate_ids(sm.model, prompt, SamplingConfig(max_tokens=steps + 2, ignore_eos=True), kv=kv)
                     next(gen)
                     act = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
                     with profile(activities=act) as prof:
@@ -242,7 +249,7 @@ def decode_profile(device: torch.device, smoke: bool) -> bool:
                         kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
                     else:
                         launches = kernels = len(events)
-                    gen = generate_ids(sm.model, prompt, sampling)
+                    gen = generate_ids(sm.model, prompt, sampling, kv=kv)
                     next(gen)
                     if cuda:
                         torch.cuda.synchronize()
@@ -254,8 +261,8 @@ def decode_profile(device: torch.device, smoke: bool) -> bool:
                     tps = timed / (time.perf_counter() - t0)
                     gen.close()
                     gs = CG.graph_set(sm.model)
-                    note = (f"{gs.counters.captures} graphs captured, {gs.counters.capture_failures} failed"
-                            if gs else "")
+                    note = (f"{gs.counters.captures} graphs captured, {gs.counters.capture_failures} failed, "
+                            f"{gs.counters.attention_eager} attention halves eager" if gs else "")
                     ok &= not gs or gs.counters.capture_failures == 0
                     rows.append((mode, launches / steps, kernels / steps, tps, note))
                 finally:
@@ -263,11 +270,12 @@ def decode_profile(device: torch.device, smoke: bool) -> bool:
     finally:
         if prev is not None:
             configure(prev)
-    same = [a for a, _ in tokens["eager"]] == [b for b, _ in tokens["graphs"]]
-    worst = max(float((a - b).abs().max() / a.abs().max()) for (_, a), (_, b) in zip(tokens["eager"], tokens["graphs"]))
-    ok &= same and worst <= 1e-2
-    print(f"per-layer graphs vs eager: {len(tokens['eager'])} greedy tokens {'identical' if same else 'DIFFER'}, "
-          f"max |logit diff| / max |logit| = {worst:.1e} {'ok' if same and worst <= 1e-2 else 'FAIL'}")
+    for mode in MODES[1:]:
+        same = [a for a, _ in tokens["eager"]] == [b for b, _ in tokens[mode]]
+        worst = max(float((a - b).abs().max() / a.abs().max()) for (_, a), (_, b) in zip(tokens["eager"], tokens[mode]))
+        ok &= same and worst <= 1e-2
+        print(f"per-layer {mode} vs eager: {len(tokens['eager'])} greedy tokens {'identical' if same else 'DIFFER'}, "
+              f"max |logit diff| / max |logit| = {worst:.1e} {'ok' if same and worst <= 1e-2 else 'FAIL'}")
     what = "host launches" if cuda else "dispatcher ops"
     print(f"decode of a random Qwen3-MoE store: {layers} layers, hidden {hidden}, top-{cfg.num_experts_per_tok} "
           f"of {experts} experts (int4 g64), bf16 dense, every expert resident, batch 1")
@@ -383,7 +391,8 @@ def main() -> int:
     ok &= deltanet_table(device, args.smoke, args.iters)
     if not args.no_tests:
         files = ["tests/gpu", "tests/engine/quant/test_triton_kernels.py",
-                 "tests/engine/experts/test_cache.py", "tests/engine/test_cuda_graphs.py"]
+                 "tests/engine/experts/test_cache.py", "tests/engine/test_cuda_graphs.py",
+                 "tests/engine/test_attention_graphs.py", "tests/engine/layers/test_paged_attention_triton.py"]
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
                            cwd=ROOT, capture_output=True, text=True)
         tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-500:]

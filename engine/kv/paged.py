@@ -131,6 +131,7 @@ class PagedKVCache(KVCache):
                                      device=device)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}  # tokens written per sequence (max end over layers)
+        self._scratch: int | None = None  # see scratch_block
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -174,6 +175,14 @@ class PagedKVCache(KVCache):
         self.tables.setdefault(seq_id, []).extend(new)
         self.lengths.setdefault(seq_id, 0)
         return new
+
+    def scratch_block(self) -> int | None:
+        """A block no sequence owns, where writes that must land nowhere go (the padding rows of
+        a captured decode step: engine.cuda_graphs): taken from the pool on first use and kept
+        for the cache's life; None while the pool has no free block."""
+        if self._scratch is None and self.pool.num_free:
+            self._scratch = self.pool.allocate(1)[0]
+        return self._scratch
 
     def block_table(self, seq_id: int) -> list[int]:
         return list(self.tables.get(seq_id, ()))

@@ -46,23 +46,29 @@ class Attention(nn.Module):
         return self.o_proj(out.view(t, self.nh * self.d))
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int) -> torch.Tensor:
-        """q [n, Nh, D] at positions [ctx, ctx+n); keys/values [ctx+n, Nkv, D] -> [n, Nh, D].
+        return attend(q, keys, values, ctx, self.nkv)
 
-        The g = Nh/Nkv query heads sharing a KV head are stacked into one matmul against that
-        head's keys ([Nkv, g*n, D] @ [Nkv, D, ctx+n]); no KV expansion, no copies of the cache.
-        (torch's SDPA with enable_gqa took ~7 ms per decode call here on strided cache views.)"""
-        n, total = q.shape[0], keys.shape[0]
-        g = self.nh // self.nkv
-        qh = q.view(n, self.nkv, g, self.d).permute(1, 2, 0, 3).reshape(self.nkv, g * n, self.d)
-        kh = keys.transpose(0, 1)  # [Nkv, total, D]
-        vh = values.transpose(0, 1)
-        scores = torch.matmul(qh, kh.transpose(1, 2)).float() * self.d ** -0.5  # [Nkv, g*n, total]
-        if n > 1:
-            # query i sits at absolute position ctx + i and may see keys 0 .. ctx + i
-            ar = torch.arange(total, device=q.device)
-            hidden = ar[None, :] > (ar[:n, None] + ctx)  # [n, total]
-            scores = scores.view(self.nkv, g, n, total).masked_fill(hidden, float("-inf"))
-            scores = scores.view(self.nkv, g * n, total)
-        probs = torch.softmax(scores, dim=-1).to(vh.dtype)
-        o = torch.matmul(probs, vh)  # [Nkv, g*n, D]
-        return o.view(self.nkv, g, n, self.d).permute(2, 0, 1, 3).reshape(n, self.nh, self.d)
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int, nkv: int) -> torch.Tensor:
+    """q [n, Nh, D] at positions [ctx, ctx+n); keys/values [ctx+n, Nkv, D] -> [n, Nh, D].
+
+    The g = Nh/Nkv query heads sharing a KV head are stacked into one matmul against that
+    head's keys ([Nkv, g*n, D] @ [Nkv, D, ctx+n]); no KV expansion, no copies of the cache.
+    (torch's SDPA with enable_gqa took ~7 ms per decode call here on strided cache views.)
+    The reference of the paged decode kernel (engine.layers.paged_attention_triton)."""
+    n, nh, d = q.shape
+    total = keys.shape[0]
+    g = nh // nkv
+    qh = q.view(n, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * n, d)
+    kh = keys.transpose(0, 1)  # [Nkv, total, D]
+    vh = values.transpose(0, 1)
+    scores = torch.matmul(qh, kh.transpose(1, 2)).float() * d ** -0.5  # [Nkv, g*n, total]
+    if n > 1:
+        # query i sits at absolute position ctx + i and may see keys 0 .. ctx + i
+        ar = torch.arange(total, device=q.device)
+        hidden = ar[None, :] > (ar[:n, None] + ctx)  # [n, total]
+        scores = scores.view(nkv, g, n, total).masked_fill(hidden, float("-inf"))
+        scores = scores.view(nkv, g * n, total)
+    probs = torch.softmax(scores, dim=-1).to(vh.dtype)
+    o = torch.matmul(probs, vh)  # [Nkv, g*n, D]
+    return o.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)

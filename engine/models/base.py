@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.cuda_graphs import mlp_residual, prepare as prepare_graphs
+from engine.cuda_graphs import decoder_layer, prepare as prepare_graphs
 from engine.cuda_graphs import reset as reset_graphs
 from engine.kv.base import BatchLayout, KVCache
 from engine.layers.attention import Attention
@@ -47,8 +47,8 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, x, cos, sin, layout, kv):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, kv)
-        return mlp_residual(self, x)  # x + mlp(norm(x)): per-layer graphs where they are on
+        # x + attn(norm(x)), then x + mlp(norm(x)): through per-layer graphs where they are on
+        return decoder_layer(self, x, cos, sin, layout, kv)
 
 
 LayerFactory = Callable[[ModelConfig, int], nn.Module]

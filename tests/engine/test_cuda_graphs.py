@@ -127,8 +127,15 @@ def check_model(store, factory, device: str) -> None:
     assert tokens == ref_tokens
     per_layer = [sorted(b for b, _ in l._layer_graphs.entries) for l in model.model.layers]
     assert per_layer[0] == per_layer[1] and {1, 2, 4, 10} <= set(per_layer[0])
-    graphs = sum(len(e.graphs) for l in model.model.layers for e in l._layer_graphs.entries.values())
-    assert gs.counters.captures == graphs == 2 * 2 * len(per_layer[0])  # route + experts per layer
+    # prefills (buckets 10 and 20): route + experts graphs; the engine's pure decode steps (3, 2
+    # and 1 sequences on its paged KV cache: buckets 4, 2, 1): attention + route, then experts
+    for l in model.model.layers:
+        names = {b: sorted(e.graphs) for (b, _), e in l._layer_graphs.entries.items()}
+        assert names == {10: ["experts", "route"], 20: ["experts", "route"], 1: ["experts"],
+                         2: ["experts"], 4: ["experts"]}
+        attn = {b: sorted(e.graphs) for (b, _, _), e in l._layer_graphs.attn_entries.items()}
+        assert attn == {1: ["attention+route"], 2: ["attention+route"], 4: ["attention+route"]}
+    assert gs.counters.captures == 2 * (4 + 3 + 3)
     assert gs.counters.replays > gs.counters.captures and gs.counters.capture_failures == 0
 
 
