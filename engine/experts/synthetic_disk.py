@@ -45,6 +45,7 @@ class SyntheticDiskStore:
         self.store = source.store
         self.out = Path(out)
         self.created = False
+        self.owned = False  # out checked to hold nothing but ours: cleanup may remove our names
         self.bytes_written = 0
         self.write_seconds = 0.0
         layers = range(self.store.shape.layers)
@@ -97,6 +98,7 @@ class SyntheticDiskStore:
         import time
 
         self._check_out()
+        self.owned = True
         t0 = time.perf_counter()
         if not self.out.exists():
             self.out.mkdir(parents=True)
@@ -118,8 +120,9 @@ class SyntheticDiskStore:
 
     def cleanup(self) -> None:
         """Remove what :meth:`write` created (the ledger's names), the ledger, and ``out`` if we
-        made it. Never anything else."""
-        if not self.out.is_dir():
+        made it. Never anything else: nothing at all when ``out`` was refused (a real store there
+        has files of the same names)."""
+        if not self.owned or not self.out.is_dir():
             return
         self._remove(self.names)
         self._remove([LEDGER])

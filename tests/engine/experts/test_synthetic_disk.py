@@ -62,6 +62,22 @@ def test_refuses_a_directory_with_other_files_and_touches_nothing(tmp_path, sour
         SyntheticDiskStore(source, f).write()
 
 
+def test_a_refused_real_store_keeps_its_files_of_the_same_names(tmp_path, source):
+    """--disk pointed at a user's expert store: refused, and the failed enter's clean-up must not
+    remove the store's manifest, dense file or layer files (they carry the names it writes)."""
+    from engine.experts.synthetic_disk import DENSE_NAME, MANIFEST_NAME
+    from engine.store.manifest import layer_file_name
+
+    names = [MANIFEST_NAME, DENSE_NAME, layer_file_name(0), "tokenizer.json"]
+    for n in names:
+        (tmp_path / n).write_text("the user's")
+    with pytest.raises(ConfigError, match="not empty"):
+        with SyntheticDiskStore(source, tmp_path):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+    assert all((tmp_path / n).read_text() == "the user's" for n in names)
+
+
 def test_own_leftovers_are_taken_over_but_not_a_stranger_beside_them(tmp_path, source):
     d = tmp_path / "s"
     d.mkdir()  # exists and is empty: used, and left in place afterwards
