@@ -249,8 +249,8 @@ class HFSource(TensorSource):
         return self._ref(name).stored_name
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor in its stored dtype. A zero-copy view of the read-only mapping: do not
-        modify it in place (clone first); see SafetensorsFile.get."""
+        """The tensor in its stored dtype. A zero-copy view of the file's copy-on-write mapping
+        (writes never reach the file); see SafetensorsFile.get."""
         r = self._ref(name)
         if r.load is not None:
             return r.load()

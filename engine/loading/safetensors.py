@@ -177,9 +177,11 @@ class SafetensorsFile:
             self._data_start = 8 + n  # absolute file offset of the data area
             self._data_len = size - self._data_start
             self._entries = self._parse_header(header_bytes)
-            # mmap of the whole file (size >= 8 > 0, so mmap accepts it). ACCESS_READ: the pages
-            # are shared with the page cache and cannot be written through this mapping.
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            # mmap of the whole file (size >= 8 > 0, so mmap accepts it). ACCESS_COPY (a private
+            # mapping): pages are shared with the page cache until written; a write makes a
+            # private copy of its page and never reaches the file. (ACCESS_READ would make any
+            # in-place write to a tensor view, e.g. a user editing a loaded weight, a SIGSEGV.)
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
     # ---- header ----------------------------------------------------------------------------
     def _parse_header(self, header_bytes: bytes) -> dict[str, _Entry]:
@@ -265,10 +267,10 @@ class SafetensorsFile:
     def get(self, name: str, *, copy: bool = False) -> torch.Tensor:
         """The tensor, shaped and typed as stored.
 
-        READ-ONLY SEMANTICS: unless ``copy`` is true, the result is a zero-copy view of the
-        read-only mapping. torch has no read-only tensors, so writing to it in place (``add_``,
-        ``copy_`` into it, ...) would crash the process with SIGSEGV: callers that mutate must
-        ``clone()`` (or ``.to(device)``, which copies). The view keeps the mapping alive after
+        Unless ``copy`` is true, the result is a zero-copy view of the file's private
+        (copy-on-write) mapping: writing to it in place changes this process's copy of the
+        touched pages only, never the file, and views of the same tensor from this object see the
+        write (as views of one storage do); ``copy=True`` gives an independent tensor. The view keeps the mapping alive after
         :meth:`close` (it holds a reference to the mmap object). Tensors whose offset is not a
         multiple of the itemsize (possible only in hand-made files, writers align the data
         area) are copied so kernels see aligned data.

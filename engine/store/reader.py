@@ -55,7 +55,7 @@ class StoreDenseSource(TensorSource):
         return TensorInfo(name=name, shape=shape, dtype=dtype)
 
     def get(self, name: str) -> torch.Tensor:
-        """Zero-copy view of the read-only mapping: clone before modifying in place."""
+        """Zero-copy view of the file's copy-on-write mapping (writes never reach the file)."""
         return self._file.get(name)
 
     def close(self) -> None:

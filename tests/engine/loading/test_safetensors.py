@@ -241,6 +241,27 @@ def test_round_trip_against_reference_writer(tmp_path):
     assert read_header(p)["f16"] == ((4, 2), "f16")
 
 
+def test_writing_a_view_in_place_never_crashes_or_reaches_the_file(tmp_path):
+    """A loaded weight edited in place (a DeepSeek router's correction bias zeroed, say) must not
+    kill the process (a read-only mapping made that a SIGSEGV) nor change the file; run in a
+    child so the old failure shows as an exit code, not a dead test run."""
+    import subprocess
+    import sys
+
+    p = tmp_path / "m.safetensors"
+    ref = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    save_file({"w": ref}, str(p))
+    before = p.read_bytes()
+    code = ("import sys, torch; from engine.loading.safetensors import SafetensorsFile\n"
+            f"f = SafetensorsFile({str(p)!r}); t = f.get('w'); t.zero_(); t2 = f.get('w')\n"
+            "assert float(t2.abs().sum()) == 0.0; f.close(); print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-500:])
+    assert p.read_bytes() == before
+    with SafetensorsFile(p) as f:
+        assert torch.equal(f.get("w"), ref)
+
+
 def test_zero_size_tensors_share_offsets(tmp_path):
     h = {"z1": entry(shape=(0,), offsets=(0, 0)), "a": entry(offsets=(0, 8)),
          "z2": entry(shape=(2, 0), offsets=(8, 8)), "z3": entry(shape=(0, 3), offsets=(8, 8))}
