@@ -1,4 +1,4 @@
-"""A validating reader of the safetensors format over a read-only memory map.
+"""A validating reader of the safetensors format over a private (copy-on-write) memory map: writes never reach the file.
 
 File layout (all integers little-endian)::
 
