@@ -136,6 +136,33 @@ def greedy(model, n=16, kv=None):
     return [t for t, _, _ in generate_ids(model, PROMPT, SamplingConfig(max_tokens=n, ignore_eos=True), kv=kv)]
 
 
+def check_minimal_caches(store, want, greedy, fused, native_call: str = "ffn_block") -> None:
+    """``greedy(model)`` through a device cache of top_k slots equals ``want``: once with chunked
+    prefill, misses and prefetch, once with misses computed on the CPU (the slot -1 path);
+    ``native_call`` ran, experts missed, and every pin is released after."""
+    with ExpertStore(store) as s:
+        slot, top_k = align_up(s.expert_nbytes), s.config.moe.top_k
+    for kw in (dict(device_budget=top_k * slot, prefetch_depth=1),  # chunked prefill, misses, prefetch
+               dict(device_budget=top_k * slot, prefetch_depth=0, miss_compute="cpu")):  # slot -1 path
+        with load_from_store(store, dense="int8", **kw) as sm:
+            calls = spy(sm.model, fused).calls
+            assert greedy(sm.model) == want, kw
+            assert calls[native_call] > 0
+            assert sm.cache.metrics.total().misses > 0
+            sm.cache.drain()
+            assert sm.cache.pins == {}, kw
+
+
+def decode_calls(sm, fused) -> dict[str, int]:
+    """The native calls of one decoded token after PROMPT (a contiguous KV cache)."""
+    cfg = sm.model.config
+    kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    sm.model(torch.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv)
+    calls = spy(sm.model, fused).calls
+    sm.model(torch.tensor([7]), BatchLayout.single(0, 1, len(PROMPT)), kv)
+    return dict(calls)
+
+
 def test_greedy_tokens_identical_through_the_expert_cache(store, fused):
     with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
         fused(False)
@@ -144,27 +171,14 @@ def test_greedy_tokens_identical_through_the_expert_cache(store, fused):
         calls = spy(sm.model, fused).calls
         assert greedy(sm.model) == want
         assert calls["ffn_block"] > 0
-    with ExpertStore(store) as s:
-        slot, top_k = align_up(s.expert_nbytes), s.config.moe.top_k
-    for kw in (dict(device_budget=top_k * slot, prefetch_depth=1),  # chunked prefill, misses, prefetch
-               dict(device_budget=top_k * slot, prefetch_depth=0, miss_compute="cpu")):  # slot -1 path
-        with load_from_store(store, dense="int8", **kw) as sm:
-            calls = spy(sm.model, fused).calls
-            assert greedy(sm.model) == want, kw
-            assert calls["ffn_block"] > 0
-            sm.cache.drain()
-            assert sm.cache.pins == {}, kw
+    check_minimal_caches(store, want, greedy, fused)
 
 
 def test_decode_is_three_native_calls_per_layer_and_one_for_the_head(store, fused):
     fused(True)
     with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
         cfg = sm.model.config
-        kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        sm.model(torch.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv)
-        calls = spy(sm.model, fused).calls
-        sm.model(torch.tensor([7]), BatchLayout.single(0, 1, len(PROMPT)), kv)
-        assert dict(calls) == {"attn_block": cfg.num_layers, "route": cfg.num_layers, "ffn_block": cfg.num_layers,
+        assert decode_calls(sm, fused) == {"attn_block": cfg.num_layers, "route": cfg.num_layers, "ffn_block": cfg.num_layers,
                                "head_block": 1}
 
 

@@ -16,8 +16,6 @@ import pytest
 import torch
 
 from engine.experts.runtime import load_from_store
-from engine.experts.tiers import align_up
-from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.kv.paged import PagedKVCache
 from engine.layers.routing import GroupLimitedSigmoidRouter
 from engine.loading import open_model_files
@@ -27,9 +25,10 @@ from engine.quant.formats import QuantFormat
 from engine.quant.kernels import load_extension
 from engine.quant.linear import quantize_dense
 from engine.step_deepseek import DeepseekNativeStep
-from engine.store import ExpertStore, convert
+from engine.store import convert
 from tests.engine.models.test_deepseek_v3 import YARN, make_deepseek
-from tests.engine.test_step import BOUND, PROMPT, close, fused, greedy, spy, steps  # noqa: F401 (fixture)
+from tests.engine.test_step import (BOUND, PROMPT, check_minimal_caches, close, decode_calls, fused,  # noqa: F401
+                                    greedy, spy, steps)  # (fused: a fixture)
 
 pytestmark = pytest.mark.skipif(load_extension() is None, reason="native kernels unavailable")
 
@@ -83,17 +82,7 @@ def test_greedy_tokens_identical_through_the_expert_cache(store, fused):
         calls = spy(sm.model, fused).calls
         assert greedy(sm.model, 32) == want
         assert calls["mla_block"] > 0
-    with ExpertStore(store) as s:
-        slot, top_k = align_up(s.expert_nbytes), s.config.moe.top_k
-    for kw in (dict(device_budget=top_k * slot, prefetch_depth=1),  # chunked prefill, misses, prefetch
-               dict(device_budget=top_k * slot, prefetch_depth=0, miss_compute="cpu")):  # slot -1 path
-        with load_from_store(store, dense="int8", **kw) as sm:
-            calls = spy(sm.model, fused).calls
-            assert greedy(sm.model, 32) == want, kw
-            assert calls["route_grouped"] > 0
-            assert sm.cache.metrics.total().misses > 0
-            sm.cache.drain()
-            assert sm.cache.pins == {}, kw
+    check_minimal_caches(store, want, lambda m: greedy(m, 32), fused, native_call="route_grouped")
 
 
 def test_eight_concurrent_requests_equal_each_alone(store, fused):
@@ -129,11 +118,7 @@ def test_decode_is_three_native_calls_per_layer_and_one_for_the_head(store, fuse
     fused(True)
     with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
         cfg = sm.model.config
-        kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        sm.model(torch.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv)
-        calls = spy(sm.model, fused).calls
-        sm.model(torch.tensor([7]), BatchLayout.single(0, 1, len(PROMPT)), kv)
-        assert dict(calls) == {"mla_block": cfg.num_layers, "route_grouped": len(sm.model.moe_blocks),
+        assert decode_calls(sm, fused) == {"mla_block": cfg.num_layers, "route_grouped": len(sm.model.moe_blocks),
                                "ffn_block": cfg.num_layers, "head_block": 1}
 
 

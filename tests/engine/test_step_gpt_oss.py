@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from engine.experts.runtime import load_from_store
-from engine.experts.tiers import align_up
 from engine.generate import generate_ids
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.kv.paged import PagedKVCache
@@ -23,9 +22,9 @@ from engine.options import configure
 from engine.quant import kernels as K
 from engine.quant.formats import QuantFormat
 from engine.quant.reference import dequantize, quantize
-from engine.store import ExpertStore, convert
+from engine.store import convert
 from tests.engine.models.test_gpt_oss import make_gpt_oss, make_mxfp4_checkpoint
-from tests.engine.test_step import BOUND, close, fused, spy, steps  # noqa: F401  (fused: a fixture)
+from tests.engine.test_step import BOUND, check_minimal_caches, close, fused, spy, steps  # noqa: F401  (fused: a fixture)
 
 pytestmark = pytest.mark.skipif(K.load_extension() is None, reason="native kernels unavailable")
 
@@ -88,16 +87,7 @@ def test_greedy_tokens_identical_over_32_tokens(store, fused):
         assert calls["route"] > 0 and calls["ffn_block"] > 0
         if "mxfp4" in str(store):  # the MXFP4 experts ran from slot rows of their own format
             assert K.FORMAT_IDS["mxfp4"] in sm.cache.slot_rows[:, 0].tolist()
-    with ExpertStore(store) as s:
-        slot, top_k = align_up(s.expert_nbytes), s.config.moe.top_k
-    for kw in (dict(device_budget=top_k * slot, prefetch_depth=1),
-               dict(device_budget=top_k * slot, prefetch_depth=0, miss_compute="cpu")):
-        with load_from_store(store, dense="int8", **kw) as sm:
-            calls = spy(sm.model, fused).calls
-            assert greedy(sm.model) == want, kw
-            assert calls["ffn_block"] > 0
-            sm.cache.drain()
-            assert sm.cache.pins == {}, kw
+    check_minimal_caches(store, want, greedy, fused)
 
 
 def test_decode_is_three_native_calls_and_few_ops_per_layer(store, fused):
