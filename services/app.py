@@ -339,9 +339,12 @@ def startup_error(exc: BaseException) -> Exception | None:
     if found is None:
         return None
     cls, message = found
-    if cls.__init__ is Exception.__init__:
-        return cls(message)
-    return errors.MoestreamError(f"{cls.__name__}: {message}")
+    try:  # the classes whose constructor takes the message alone
+        typed = cls(message)
+    except TypeError:
+        typed = None
+    return typed if typed is not None and str(typed) == message else errors.MoestreamError(
+        f"{cls.__name__}: {message}")
 
 
 def connect(address: str | None = None, namespace: str = "moestream") -> App:

@@ -132,6 +132,8 @@ def test_startup_error_is_the_typed_error_of_the_constructor():
     err = startup_error(RayActorError("00", text, actor_init_failed=True))
     assert isinstance(err, DeviceBudgetError) and str(err) == "budgets auto leave no memory: x"
     assert startup_error(RayActorError("00", text, actor_init_failed=False)) is None
+    other = startup_error(RayActorError("00", "x\nengine.errors.ModelFormatError: store/x: bad", actor_init_failed=True))
+    assert type(other).__name__ == "MoestreamError" and str(other) == "ModelFormatError: store/x: bad"
     assert startup_error(RuntimeError(text)) is None
 
 
