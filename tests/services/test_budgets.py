@@ -159,11 +159,21 @@ def test_serve_defaults_to_auto_prints_it_and_status_reports_it(ray_cluster, sto
         assert "budgets auto: device" in r.stderr and "headroom 4.00 GiB" in r.stderr
         shown = json.loads(r.stdout)["budgets"]
         assert (shown["device"], shown["ram"]) == (total, total)  # the tiny store fits this machine whole
-        status = connect(namespace=ns).status()  # what `moestream status` prints
+        app = connect(namespace=ns)
+        status = app.status()  # what `moestream status` prints
         assert status["budgets"] == shown and status["budgets"]["line"] in r.stderr
+        assert app.config.ram_budget == total  # the resolved tier, which a scale-up shares out
+        assert app.scale(2) == ["loader-0", "loader-1"]
     finally:
         connect(namespace=ns).shutdown()
     assert _actors(ns) == []
+
+
+@pytest.mark.ray
+def test_given_budgets_are_deployed_as_given(app, deploy_config):
+    b = app.status()["budgets"]
+    assert (b["device"], b["ram"]) == (deploy_config.device_budget, deploy_config.ram_budget)
+    assert b["line"].startswith("budgets given: device")
 
 
 @pytest.mark.ray
