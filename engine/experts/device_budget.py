@@ -145,6 +145,12 @@ def available_host_memory() -> int:
     return host_memory(available=True)
 
 
+def _short(n: int) -> str:
+    from engine.units import format_bytes
+
+    return format_bytes(n)
+
+
 @dataclass(frozen=True)
 class Budgets:
     """The two expert-tier budgets of a run and where each came from: ``device_from`` /
@@ -166,8 +172,8 @@ class Budgets:
     def line(self) -> str:
         """One line to print at start-up (``budgets auto: ...`` when either was resolved)."""
         total = max(self.experts, 1)
-        return (f"budgets {'auto' if self.auto else 'given'}: device {_fmt(self.device)} "
-                f"({self.device / total:.0%} of the experts; {self.device_from}), RAM tier {_fmt(self.ram)} "
+        return (f"budgets {'auto' if self.auto else 'given'}: device {_short(self.device)} "
+                f"({self.device / total:.0%} of the experts; {self.device_from}), RAM tier {_short(self.ram)} "
                 f"({self.ram / total:.0%}; {self.ram_from})" + (f"; {self.resident}" if self.resident else ""))
 
     def figures(self) -> dict[str, object]:
@@ -187,7 +193,7 @@ def auto_ram_budget(experts_total: int, *, headroom: int = HOST_HEADROOM,
     (``host_available``, default :func:`available_host_memory`) less ``headroom``, capped at
     ``experts_total``; ``(bytes, how)``."""
     avail = available_host_memory() if host_available is None else host_available
-    where = f"available host RAM {_fmt(avail)} - headroom {_fmt(headroom)}"
+    where = f"available host RAM {_short(avail)} - headroom {_short(headroom)}"
     if avail - headroom <= 0:
         raise _nothing_left("the RAM tier", where)
     return min(avail - headroom, experts_total), where
@@ -200,8 +206,8 @@ def auto_device_budget(experts_total: int, *, device: str | torch.device, reside
     ``workspace``, capped at ``experts_total``; ``(bytes, how)``."""
     if device_free is None:
         device_free = torch.cuda.mem_get_info(torch.device(device))[0]
-    where = (f"free device memory {_fmt(device_free)} - dense/KV/state {_fmt(resident)} - workspace "
-             f"{_fmt(workspace)}")
+    where = (f"free device memory {_short(device_free)} - dense/KV/state {_short(resident)} - workspace "
+             f"{_short(workspace)}")
     d = device_free - resident - workspace
     if d <= 0:
         raise _nothing_left("expert slots on the device", where)
@@ -235,15 +241,15 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
     elif device_budget is None or ram_budget is None:
         avail = available_host_memory() if host_available is None else host_available
         usable = avail - headroom - resident
-        where = f"available RAM {_fmt(avail)} - headroom {_fmt(headroom)} - dense/KV/state {_fmt(resident)}"
+        where = f"available RAM {_short(avail)} - headroom {_short(headroom)} - dense/KV/state {_short(resident)}"
         if ram_budget is None:
             ram_budget = min(experts_total, usable - (device_budget or 0))
-            r_from = where + (f" - device tier {_fmt(device_budget)}" if device_budget is not None else "")
+            r_from = where + (f" - device tier {_short(device_budget)}" if device_budget is not None else "")
             if ram_budget <= 0:
                 raise _nothing_left("the RAM tier", r_from)
         if device_budget is None:
             device_budget = min(experts_total, usable - ram_budget)
-            d_from = f"{where} - RAM tier {_fmt(ram_budget)} (the device tier is host memory on a CPU)"
+            d_from = f"{where} - the RAM tier: on a CPU the device tier is host memory too"
             if device_budget <= 0:
                 raise _nothing_left("expert slots (the device tier)", d_from)
     return Budgets(device_budget, ram_budget, experts_total, d_from, r_from, resident_note if counted else "")
