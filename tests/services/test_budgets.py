@@ -51,6 +51,16 @@ def test_config_budgets_default_to_auto_and_keep_bytes(store_path):
         DeployConfig(store=store_path).loader_ram_budget(4096, 10)
 
 
+def test_serve_takes_a_share_of_the_experts_as_bytes(store_path, figures):
+    from services.cli_serve import share_of_experts
+
+    total, _ = figures
+    assert share_of_experts(store_path, "50%", "--device-budget") == total // 2
+    assert [share_of_experts(store_path, t, "--ram-budget") for t in ("auto", "8MiB", None)] == ["auto", "8MiB", None]
+    with pytest.raises(ConfigError, match="--ram-budget"):
+        share_of_experts(store_path, "x%", "--ram-budget")
+
+
 def test_dense_resident_bytes_match_the_model_as_built(store_path):
     """The estimate from tensor headers is the bytes of the dense model load_from_store builds
     (linears in the dense or head format, embeddings, norms and routers in fp32)."""
