@@ -176,11 +176,6 @@ class Budgets:
                 f"({self.device / total:.0%} of the experts; {self.device_from}), RAM tier {_short(self.ram)} "
                 f"({self.ram / total:.0%}; {self.ram_from})" + (f"; {self.resident}" if self.resident else ""))
 
-    def figures(self) -> dict[str, object]:
-        """What ``moestream status`` shows."""
-        return {"device": self.device, "ram": self.ram, "experts": self.experts, "auto": self.auto,
-                "line": self.line}
-
 
 def _nothing_left(what: str, where: str) -> DeviceBudgetError:
     return DeviceBudgetError(f"budgets auto leave no memory for {what}: {where}. "
