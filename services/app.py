@@ -165,12 +165,19 @@ class App:
         return actors
 
     def status(self) -> dict[str, Any]:
+        """Namespace, store, loaders, cluster resources, the expert-tier budgets in effect
+        (``budgets``: device and RAM bytes and the line saying how budgets auto resolved them,
+        as the decode actor reports them) and every actor's health."""
         ray = _ray()
+        actors = self.health()
+        detail = actors.get(DECODE, {}).get("detail") or {}
         return {"namespace": self.namespace, "store": str(self.config.store),
                 "loaders": loader_names(self.namespace),
+                "budgets": {"device": detail.get("device_budget"), "ram": detail.get("ram_budget"),
+                            "line": detail.get("budgets")},
                 "cluster": {k: v for k, v in ray.cluster_resources().items()
                             if not k.startswith("node:")},
-                "actors": self.health()}
+                "actors": actors}
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop every actor of the deployment and unlink the loaders' shared memory; a local
@@ -260,6 +267,7 @@ def deploy(config: DeployConfig, timeout_s: float = STARTUP_TIMEOUT_S) -> App:
 
     from engine.experts.tiers import align_up
     from engine.store.reader import ExpertStore
+    from services.budgets import deployer_budgets, node_available_memory
     from services.decode import DecodeService
     from services.expert_loader import ExpertLoader, segment_prefix, sweep_segments
     from services.tokenizer_router import TokenizerRouter
@@ -276,25 +284,67 @@ def deploy(config: DeployConfig, timeout_s: float = STARTUP_TIMEOUT_S) -> App:
         num_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     node = _node_for_decode(num_gpus)
     affinity = NodeAffinitySchedulingStrategy(node, soft=False) if node else "DEFAULT"
+    # budgets "auto": the RAM tier (and on a CPU node the device tier) from the decode node's
+    # memory, before any actor starts; a GPU's slots are resolved by the decode actor
+    config, told = deployer_budgets(config, gpu=num_gpus > 0, host_available=node_available_memory(node))
     with ExpertStore(config.store) as store:
         slot, total = align_up(store.expert_nbytes), store.num_experts_total
     budget = config.loader_ram_budget(slot, total)
     sweep_segments(segment_prefix(ns, ""))  # leftovers of a crashed deployment
     common = dict(namespace=ns, lifetime="detached", max_restarts=-1, num_cpus=0)
     names = [f"{LOADER_PREFIX}{i}" for i in range(config.loaders)]
-    loaders = [ray.remote(ExpertLoader).options(name=n, max_task_retries=-1,
-                                                scheduling_strategy=affinity, **common)
-               .remote(n, str(config.store), budget, ns, config.ram_policy) for n in names]
-    ray.get([h.check_health.remote() for h in loaders], timeout=timeout_s)
-    cfg_json = config.model_dump_json()
-    decode = ray.remote(DecodeService).options(name=DECODE, num_gpus=num_gpus, max_task_retries=0,
-                                              scheduling_strategy=affinity, **common
-                                              ).remote(cfg_json, names)
-    ray.get(decode.check_health.remote(), timeout=timeout_s)
-    router = ray.remote(TokenizerRouter).options(name=ROUTER, max_task_retries=0, **common
-                                                 ).remote(cfg_json)
-    ray.get(router.check_health.remote(), timeout=timeout_s)
+    started: list[Any] = []
+    try:
+        started += [ray.remote(ExpertLoader).options(name=n, max_task_retries=-1,
+                                                     scheduling_strategy=affinity, **common)
+                    .remote(n, str(config.store), budget, ns, config.ram_policy) for n in names]
+        ray.get([h.check_health.remote() for h in started], timeout=timeout_s)
+        cfg_json = config.model_dump_json()
+        decode = ray.remote(DecodeService).options(name=DECODE, num_gpus=num_gpus, max_task_retries=0,
+                                                  scheduling_strategy=affinity, **common
+                                                  ).remote(cfg_json, names, told=told)
+        started.append(decode)
+        ray.get(decode.check_health.remote(), timeout=timeout_s)
+        router = ray.remote(TokenizerRouter).options(name=ROUTER, max_task_retries=0, **common
+                                                     ).remote(cfg_json)
+        started.append(router)
+        ray.get(router.check_health.remote(), timeout=timeout_s)
+    except BaseException as e:  # nothing of a failed start keeps running (or restarting)
+        for h in started:
+            ray.kill(h, no_restart=True)
+        sweep_segments(segment_prefix(ns, ""))
+        typed = startup_error(e)
+        if typed is not None:
+            raise typed from None
+        raise
     return App(ns, config, owns_cluster=owns)
+
+
+def startup_error(exc: BaseException) -> Exception | None:
+    """The moestream error an actor's constructor raised (a budget that cannot be met, a KV
+    budget that holds no block, ...), rebuilt from Ray's report of its death (which keeps only
+    the traceback text) so the caller gets the typed error with its one-line message; None for
+    any other failure."""
+    from ray.exceptions import RayActorError
+
+    import engine.errors as errors
+
+    if not isinstance(exc, RayActorError) or not exc.actor_init_failed:
+        return None
+    found = None
+    for m in re.finditer(r"^(?:[\w.]+\.)?(\w+): (.+)$", str(exc), re.M):
+        cls = getattr(errors, m.group(1), None)
+        if isinstance(cls, type) and issubclass(cls, errors.MoestreamError):
+            found = (cls, m.group(2))
+    if found is None:
+        return None
+    cls, message = found
+    try:  # the classes whose constructor takes the message alone
+        typed = cls(message)
+    except TypeError:
+        typed = None
+    return typed if typed is not None and str(typed) == message else errors.MoestreamError(
+        f"{cls.__name__}: {message}")
 
 
 def connect(address: str | None = None, namespace: str = "moestream") -> App:

@@ -1,6 +1,7 @@
 """``moestream serve | scale | status | shutdown`` and ``generate_remote`` (``generate --address``).
 
-    moestream serve store/ --loaders 2 --ram-budget 8GiB --device-budget 16GiB   # local cluster
+    moestream serve store/ --loaders 2           # local cluster; budgets auto (printed)
+    moestream serve store/ --ram-budget 8GiB --device-budget 25%   # given budgets
     moestream serve store/ --address auto        # into a running `ray start --head` cluster
     moestream scale --loaders 3 --address auto
     moestream status --address auto
@@ -29,8 +30,12 @@ from services.cli_checks import (check_budget, check_utf8, device_memory, fail a
               "start a local cluster that lives as long as this command.")
 @click.option("--namespace", default="moestream", show_default=True)
 @click.option("--loaders", type=int, default=2, show_default=True)
-@click.option("--device-budget", default=None, help="Device bytes for experts, e.g. 16GiB.")
-@click.option("--ram-budget", default=None, help="RAM-tier bytes, all loaders together.")
+@click.option("--device-budget", default="auto", show_default=True,
+              help="Device expert slots: bytes (16GiB), a share of the store's experts (25%), or auto: "
+              "the decode device's free memory less the dense weights, the KV budget and a workspace.")
+@click.option("--ram-budget", default="auto", show_default=True,
+              help="RAM tier, all loaders together: bytes, a share of the store's experts, or auto: the "
+              "decode node's available RAM less a 4 GiB headroom (on a CPU shared with the device tier).")
 @click.option("--kv-budget", default="256MiB", show_default=True)
 @click.option("--policy", default="sweep", show_default=True)
 @click.option("--prefetch-depth", type=int, default=None,
@@ -73,9 +78,12 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
     from services.app import deploy
     from services.config import DeployConfig
 
+    with one_line_errors():
+        dev, ram = (share_of_experts(store, text, option) for text, option in
+                    ((device_budget, "--device-budget"), (ram_budget, "--ram-budget")))
     try:
         cfg = DeployConfig(store=store, address=address, namespace=namespace, loaders=loaders,
-                           device_budget=device_budget, ram_budget=ram_budget, kv_budget=kv_budget,
+                           device_budget=dev, ram_budget=ram, kv_budget=kv_budget,
                            policy=policy, prefetch_depth=prefetch_depth, queue_size=queue_size,
                            request_timeout_s=request_timeout, dtype=dtype,
                            include_dashboard=dashboard, num_cpus=num_cpus,
@@ -86,15 +94,19 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
         _fail("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
     http = http_settings(http_address, api_key, served_model_name or cfg.store.name, namespace) \
         if http_address is not None else None
-    if address is None:  # a local cluster: the budgets must fit this machine
-        check_local_budgets(cfg, device_budget, ram_budget)
-    app = deploy(cfg)
+    with one_line_errors():  # a budget that cannot be met: one line, no actor left running
+        if address is None:  # a local cluster: the budgets must fit this machine
+            check_local_budgets(cfg, device_budget, ram_budget)
+        app = deploy(cfg)
+    status_now = app.status()
+    if status_now["budgets"]["line"]:
+        click.echo(status_now["budgets"]["line"], err=True)
     if http is not None:
         host, port = app.start_http(http)
         click.echo(f"OpenAI-compatible API on http://{host}:{port}/v1 (model "
                    f"{http.model_name!r}{', bearer key required' if http.api_key_sha256 else ''})",
                    err=True)
-    click.echo(json.dumps(app.status(), indent=2, default=str))
+    click.echo(json.dumps(status_now, indent=2, default=str))
     if app.owns_cluster:  # the cluster dies with this process: serve until interrupted
         click.echo("serving on a local cluster; Ctrl-C stops it", err=True)
         stop_on_signal(app)
@@ -146,13 +158,25 @@ def http_settings(address: str, api_key: str | None, model_name: str, namespace:
                         api_key_sha256=key_digest(api_key.strip()) if api_key else None)
 
 
+def share_of_experts(store, text: str | None, option: str) -> str | int | None:
+    """A budget ``N%`` -> bytes of the store's experts; 'auto', sizes and None pass through
+    (DeployConfig reads them)."""
+    if not isinstance(text, str) or not text.strip().endswith("%"):
+        return text
+    from engine.experts.runtime import store_expert_bytes
+    from engine.units import parse_bytes
+
+    return parse_bytes(text, total=store_expert_bytes(store), name=option)
+
+
 def check_local_budgets(cfg, device_text: object, ram_text: object) -> None:
-    """Refuse, before any actor starts, budgets larger than this machine (a local cluster)."""
+    """Refuse, before any actor starts, given budgets larger than this machine (a local
+    cluster); budgets auto fit it by construction (services/budgets.py)."""
     import torch
 
-    if cfg.ram_budget is not None:
+    if isinstance(cfg.ram_budget, int):
         check_budget("--ram-budget", ram_text, cfg.ram_budget, host_memory(), "RAM")
-    if cfg.device_budget is not None:
+    if isinstance(cfg.device_budget, int):
         gpu = cfg.num_gpus != 0 and torch.cuda.is_available()
         check_budget("--device-budget", device_text, cfg.device_budget,
                      *device_memory("cuda" if gpu else "cpu"))

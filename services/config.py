@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
+from engine.errors import ConfigError
 from engine.units import parse_bytes as _parse_bytes
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
@@ -19,8 +20,17 @@ def parse_bytes(value: int | str | None) -> int | None:
     return _parse_bytes(value, name="size")
 
 
+def parse_budget(value: int | str | None) -> int | str | None:
+    """An expert-tier budget: ``auto`` (resolved at deploy time, services/budgets.py), None
+    (every expert fits) or a size as :func:`parse_bytes` reads it."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return parse_bytes(value)
+
+
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
 OptBytes = Annotated[int | None, BeforeValidator(parse_bytes)]
+Budget = Annotated[int | Literal["auto"] | None, BeforeValidator(parse_budget)]
 
 
 class DeployConfig(BaseModel):
@@ -36,12 +46,15 @@ class DeployConfig(BaseModel):
         "machine), 'HOST:6379', or None to start a local cluster in this process.")
     loaders: int = Field(2, ge=1, le=64, description="Number of expert-loader actors; each owns "
                          "a shard of the store (rendezvous hash of (layer, expert)).")
-    device_budget: OptBytes = Field(
-        None, description="Bytes of device memory for expert slots (the device cache); None = "
-        "every expert fits.")
-    ram_budget: OptBytes = Field(
-        None, description="Bytes of host RAM for the loaders' shared-memory tier, split evenly "
-        "between the loaders; None = every expert fits.")
+    device_budget: Budget = Field(
+        "auto", description="Bytes of device memory for expert slots (the device cache); 'auto' = "
+        "the free device memory less the dense weights, the KV budget and a workspace, resolved "
+        "by the decode actor (on a CPU: host memory shared with the RAM tier); None = every "
+        "expert fits.")
+    ram_budget: Budget = Field(
+        "auto", description="Bytes of host RAM for the loaders' shared-memory tier, split evenly "
+        "between the loaders; 'auto' = the decode node's available RAM less a 4 GiB headroom, "
+        "resolved by the deployer; None = every expert fits.")
     kv_budget: Bytes = Field("256MiB", description="Bytes for the paged KV cache.")
     kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     policy: Literal["sweep", "lru", "lfu", "lfu-pure"] = Field(
@@ -114,5 +127,8 @@ class DeployConfig(BaseModel):
     def loader_ram_budget(self, slot_bytes: int, num_experts: int) -> int:
         """Each loader's share of the RAM tier (at least 4 slots, so a direct read racing an
         eviction cannot starve)."""
+        if self.ram_budget == "auto":
+            raise ConfigError("ram_budget 'auto' is resolved by the deployer (services.budgets) "
+                              "before loaders start")
         total = self.ram_budget if self.ram_budget is not None else num_experts * slot_bytes
         return max(total // self.loaders, 4 * slot_bytes)

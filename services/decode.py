@@ -250,7 +250,7 @@ class DecodeService:
     """
 
     def __init__(self, config_json: str, loader_names: list[str] | None = None, *,
-                 source=None) -> None:
+                 source=None, told: dict[str, Any] | None = None) -> None:
         from engine.experts.runtime import load_from_store
         from engine.kv.state import kv_cache_from_budget
         from engine.runner import Engine
@@ -273,7 +273,13 @@ class DecodeService:
                                       direct_reads=cfg.direct_reads)
         self.source = source
         dtype = DTYPES[cfg.dtype]
-        self.sm = load_from_store(cfg.store, device_budget=cfg.device_budget, policy=cfg.policy,
+        # budgets "auto": a device budget still auto is this device's (services/budgets.py);
+        # ``told`` is the deployer's account of what it resolved
+        from services.budgets import decode_budgets
+
+        self.budgets = decode_budgets(cfg, self.device, told)
+        log.info("%s", self.budgets.line)
+        self.sm = load_from_store(cfg.store, device_budget=self.budgets.device, policy=cfg.policy,
                                   prefetch_depth=cfg.prefetch_depth, source=source,
                                   device=self.device, dtype=dtype, dense=cfg.dense_format, head=cfg.head_format,
                                   io_threads=cfg.io_threads)
@@ -394,6 +400,8 @@ class DecodeService:
                     "source": self.source.stats() if hasattr(self.source, "stats") else {},
                     "device": self.device, "compute_threads": torch.get_num_threads(),
                     "io_threads": self.sm.cache.pool._max_workers,
+                    "device_budget": self.budgets.device, "ram_budget": self.budgets.ram,
+                    "budgets": self.budgets.line,
                     # additive: what the HTTP front end's /metrics exports (services/http)
                     "cache": summary, "engine": self._engine_totals()}
 

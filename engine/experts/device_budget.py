@@ -15,13 +15,15 @@ ledger is the enforcement.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from engine.errors import ConfigError, DeviceBudgetError
 
-__all__ = ["DeviceBudget", "GiB", "HOST_HEADROOM", "auto_budgets", "available_host_memory"]
+__all__ = ["Budgets", "DeviceBudget", "GiB", "HOST_HEADROOM", "auto_budgets", "auto_device_budget", "auto_ram_budget",
+           "available_host_memory", "resolve_budgets"]
 
 GiB = 2**30
 
@@ -143,39 +145,116 @@ def available_host_memory() -> int:
     return host_memory(available=True)
 
 
+def _short(n: int) -> str:
+    from engine.units import format_bytes
+
+    return format_bytes(n)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """The two expert-tier budgets of a run and where each came from: ``device_from`` /
+    ``ram_from`` say "given" or how budgets ``auto`` resolved it; ``resident`` what auto counted
+    beside the device slots. ``experts``: every expert's slot bytes (the 100% budget)."""
+
+    device: int
+    ram: int
+    experts: int
+    device_from: str = "given"
+    ram_from: str = "given"
+    resident: str = ""
+
+    @property
+    def auto(self) -> bool:
+        return self.device_from != "given" or self.ram_from != "given"
+
+    @property
+    def line(self) -> str:
+        """One line to print at start-up (``budgets auto: ...`` when either was resolved)."""
+        total = max(self.experts, 1)
+        return (f"budgets {'auto' if self.auto else 'given'}: device {_short(self.device)} "
+                f"({self.device / total:.0%} of the experts; {self.device_from}), RAM tier {_short(self.ram)} "
+                f"({self.ram / total:.0%}; {self.ram_from})" + (f"; {self.resident}" if self.resident else ""))
+
+
+def _nothing_left(what: str, where: str) -> DeviceBudgetError:
+    return DeviceBudgetError(f"budgets auto leave no memory for {what}: {where}. "
+                             f"Give --device-budget and --ram-budget explicitly")
+
+
+def auto_ram_budget(experts_total: int, *, headroom: int = HOST_HEADROOM,
+                    host_available: int | None = None) -> tuple[int, str]:
+    """The RAM tier ``auto`` beside a GPU's device tier: the available host RAM
+    (``host_available``, default :func:`available_host_memory`) less ``headroom``, capped at
+    ``experts_total``; ``(bytes, how)``."""
+    avail = available_host_memory() if host_available is None else host_available
+    where = f"available host RAM {_short(avail)} - headroom {_short(headroom)}"
+    if avail - headroom <= 0:
+        raise _nothing_left("the RAM tier", where)
+    return min(avail - headroom, experts_total), where
+
+
+def auto_device_budget(experts_total: int, *, device: str | torch.device, resident: int,
+                       workspace: int = DEVICE_WORKSPACE, device_free: int | None = None) -> tuple[int, str]:
+    """A GPU's expert slots ``auto``: the free device memory (``device_free``, default
+    ``torch.cuda.mem_get_info``) less ``resident`` (dense weights, KV cache, recurrent state) and
+    ``workspace``, capped at ``experts_total``; ``(bytes, how)``."""
+    if device_free is None:
+        device_free = torch.cuda.mem_get_info(torch.device(device))[0]
+    where = (f"free device memory {_short(device_free)} - dense/KV/state {_short(resident)} - workspace "
+             f"{_short(workspace)}")
+    d = device_free - resident - workspace
+    if d <= 0:
+        raise _nothing_left("expert slots on the device", where)
+    return min(d, experts_total), where
+
+
+def resolve_budgets(experts_total: int, *, device: str | torch.device, resident: int,
+                    headroom: int = HOST_HEADROOM, workspace: int = DEVICE_WORKSPACE,
+                    device_free: int | None = None, host_available: int | None = None,
+                    device_budget: int | None = None, ram_budget: int | None = None,
+                    ram_from: str = "given", resident_note: str = "") -> Budgets:
+    """Budgets ``auto`` for the tiers not given (``device_budget`` / ``ram_budget`` None), each
+    capped at ``experts_total``. On a GPU: :func:`auto_device_budget` and
+    :func:`auto_ram_budget`. On a CPU the device tier is host memory too: the available RAM
+    less ``headroom`` and ``resident`` is shared, the RAM tier (the source of every miss) served
+    first, the device slots getting the rest; a given budget is taken out of it before the
+    other is resolved, so nothing is counted twice. A budget that comes out <= 0 raises
+    DeviceBudgetError naming the figures. ``ram_from``: how a given RAM budget was chosen."""
+    dev = torch.device(device)
+    d_from = r_from = "given"
+    if ram_budget is not None:
+        r_from = ram_from
+    # the resident bytes count where the device tier is resolved, and on a CPU for both tiers
+    counted = device_budget is None or (dev.type != "cuda" and ram_budget is None)
+    if dev.type == "cuda":
+        if device_budget is None:
+            device_budget, d_from = auto_device_budget(experts_total, device=dev, resident=resident,
+                                                       workspace=workspace, device_free=device_free)
+        if ram_budget is None:
+            ram_budget, r_from = auto_ram_budget(experts_total, headroom=headroom, host_available=host_available)
+    elif device_budget is None or ram_budget is None:
+        avail = available_host_memory() if host_available is None else host_available
+        usable = avail - headroom - resident
+        where = f"available RAM {_short(avail)} - headroom {_short(headroom)} - dense/KV/state {_short(resident)}"
+        if ram_budget is None:
+            ram_budget = min(experts_total, usable - (device_budget or 0))
+            r_from = where + (f" - device tier {_short(device_budget)}" if device_budget is not None else "")
+            if ram_budget <= 0:
+                raise _nothing_left("the RAM tier", r_from)
+        if device_budget is None:
+            device_budget = min(experts_total, usable - ram_budget)
+            d_from = f"{where} - the RAM tier: on a CPU the device tier is host memory too"
+            if device_budget <= 0:
+                raise _nothing_left("expert slots (the device tier)", d_from)
+    return Budgets(device_budget, ram_budget, experts_total, d_from, r_from, resident_note if counted else "")
+
+
 def auto_budgets(experts_total: int, *, device: str | torch.device, resident: int,
                  headroom: int = HOST_HEADROOM, workspace: int = DEVICE_WORKSPACE,
                  device_free: int | None = None, host_available: int | None = None) -> tuple[int, int, str]:
-    """Budgets ``auto``: ``(device_budget, ram_budget, line to print)``, each capped at
-    ``experts_total`` (every expert's slot bytes).
-
-    ``resident``: the bytes the model keeps where the device tier lives besides expert slots
-    (dense weights, KV cache, recurrent state). On a GPU the device budget is the free device
-    memory (``device_free``, default ``torch.cuda.mem_get_info``) less ``resident`` and
-    ``workspace``, and the RAM tier is the available host RAM less ``headroom``. On a CPU the
-    device tier is host memory too: the available RAM less ``headroom`` and ``resident`` goes
-    to the RAM tier first (the source of every miss), the rest to device slots. A budget that
-    comes out <= 0 raises DeviceBudgetError naming the figures."""
-    dev = torch.device(device)
-    avail = available_host_memory() if host_available is None else host_available
-    if dev.type == "cuda":
-        if device_free is None:
-            device_free = torch.cuda.mem_get_info(dev)[0]
-        d = device_free - resident - workspace
-        r = avail - headroom
-        where = (f"free device memory {_fmt(device_free)} - dense/KV/state {_fmt(resident)} - workspace "
-                 f"{_fmt(workspace)}")
-    else:
-        usable = avail - headroom - resident
-        r = min(experts_total, usable)
-        d = usable - r
-        where = (f"available RAM {_fmt(avail)} - headroom {_fmt(headroom)} - dense/KV/state {_fmt(resident)}, "
-                 f"less the RAM tier (the device tier is host memory on a CPU)")
-    if d <= 0 or r <= 0:
-        raise DeviceBudgetError(
-            f"budgets auto leave no memory for expert slots (device {_fmt(max(d, 0))}, RAM tier {_fmt(max(r, 0))}): "
-            f"{where}; RAM headroom {_fmt(headroom)}. Give --device-budget and --ram-budget explicitly")
-    d, r = min(d, experts_total), min(r, experts_total)
-    line = (f"budgets auto: device {_fmt(d)} ({d / experts_total:.0%} of the experts; {where}), RAM tier {_fmt(r)} "
-            f"({r / experts_total:.0%}; available host RAM {_fmt(avail)} - headroom {_fmt(headroom)})")
-    return d, r, line
+    """Both budgets ``auto`` (:func:`resolve_budgets`): ``(device_budget, ram_budget, line to
+    print)``."""
+    b = resolve_budgets(experts_total, device=device, resident=resident, headroom=headroom,
+                        workspace=workspace, device_free=device_free, host_available=host_available)
+    return b.device, b.ram, b.line

@@ -92,28 +92,77 @@ def _slot_bytes(store) -> int:
     return align_up(store.expert_nbytes)
 
 
-def auto_store_budgets(store_path, *, device: str = "cpu", dense: str = "bf16", context: int = 4096,
-                       headroom: int | None = None) -> tuple[int, int, str]:
-    """Budgets ``auto`` for a store (engine.experts.device_budget.auto_budgets): the memory kept
-    beside the expert slots is the dense weights in ``dense`` format plus an fp32 KV cache of
-    ``context`` tokens. Returns (device budget, RAM budget, the line to print)."""
+HEAD_INT4_BYTES_PER_PARAM = 0.5 + 4 / 64  # int4 LM head: an fp16 scale and min per 64 weights
+
+
+def dense_resident_bytes(store, *, dense: str, head: str | None = None,
+                         dtype: torch.dtype = torch.float32) -> int:
+    """Bytes the dense (non-expert) weights of ``store`` (an open ExpertStore) take where the
+    model runs: the 2-D weights quantize_dense swaps in ``dense`` format (fp32: left in
+    ``dtype``), the LM head in ``head`` (None: as ``dense``), embeddings, routers, norms and
+    other vectors in ``dtype``. Read from the tensor headers, nothing loaded."""
     import math
 
     from engine.costmodel import DENSE_BYTES_PER_PARAM
-    from engine.experts.device_budget import HOST_HEADROOM, auto_budgets
     from engine.loading.source import parse_expert_name
+
+    as_dtype = torch.empty((), dtype=dtype).element_size()
+
+    def per_param(fmt: str) -> float:
+        if fmt == "fp32":
+            return as_dtype
+        return HEAD_INT4_BYTES_PER_PARAM if fmt == "int4" else DENSE_BYTES_PER_PARAM[fmt]
+
+    src = store.dense_source(verify=False)
+    try:
+        shapes = {n: src.info(n).shape for n in src.names() if parse_expert_name(n) is None}
+    finally:
+        src.close()
+    total = 0.0
+    for name, shape in shapes.items():
+        kept = len(shape) != 2 or "embed_tokens" in name or name.endswith("mlp.gate.weight")
+        fmt = (head or dense) if name == "lm_head.weight" else dense
+        total += math.prod(shape) * (as_dtype if kept else per_param(fmt))
+    if "lm_head.weight" not in shapes and store.config.tie_word_embeddings and (head or dense) != "fp32":
+        embed = next((s for n, s in shapes.items() if "embed_tokens" in n), ())
+        total += math.prod(embed) * per_param(head or dense)  # a quantized head is its own copy
+    return int(total)
+
+
+def store_budgets(store_path, *, device: str = "cpu", dense: str = "bf16", head: str | None = None,
+                  dtype: torch.dtype = torch.float32, kv_bytes: int | None = None, context: int = 4096,
+                  headroom: int | None = None, device_budget: int | None = None, ram_budget: int | None = None,
+                  ram_from: str = "given", device_free: int | None = None,
+                  host_available: int | None = None):
+    """Budgets ``auto`` for a store (engine.experts.device_budget.resolve_budgets) for the tiers
+    not given: the memory kept beside the expert slots is the dense weights
+    (:func:`dense_resident_bytes`) plus ``kv_bytes`` (a deployment's KV budget, which holds the
+    recurrent state of linear-attention layers too), or when None an fp32 KV cache of
+    ``context`` tokens in every layer. Returns a ``Budgets``."""
+    from engine.experts.device_budget import HOST_HEADROOM, resolve_budgets
     from engine.store.reader import ExpertStore
+    from engine.units import format_bytes
 
     with ExpertStore(store_path) as store:
         cfg = store.config
-        src = store.dense_source(verify=False)
-        try:
-            params = sum(math.prod(src.info(n).shape) for n in src.names() if parse_expert_name(n) is None)
-        finally:
-            src.close()
+        dense_bytes = dense_resident_bytes(store, dense=dense, head=head, dtype=dtype)
         total = store.num_experts_total * _slot_bytes(store) if cfg.moe else 0
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * 4
-    resident = int(params * DENSE_BYTES_PER_PARAM.get(dense, 4.0)) + kv
-    d, r, line = auto_budgets(max(total, 1), device=device, resident=resident,
-                              headroom=HOST_HEADROOM if headroom is None else headroom)
-    return d, r, line + f"; dense {dense} + KV({context} tokens) counted as resident"
+    if kv_bytes is None:
+        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * 4
+        kv_note = f"KV({context} tokens)"
+    else:
+        kv_note = f"KV budget {format_bytes(kv_bytes)}"
+    head_note = f", head {head}" if head else ""
+    return resolve_budgets(max(total, 1), device=device, resident=dense_bytes + kv_bytes,
+                           headroom=HOST_HEADROOM if headroom is None else headroom,
+                           device_free=device_free, host_available=host_available,
+                           device_budget=device_budget, ram_budget=ram_budget, ram_from=ram_from,
+                           resident_note=f"dense {dense}{head_note} + {kv_note} counted as resident")
+
+
+def auto_store_budgets(store_path, *, device: str = "cpu", dense: str = "bf16", context: int = 4096,
+                       headroom: int | None = None) -> tuple[int, int, str]:
+    """Both budgets ``auto`` for a store (:func:`store_budgets`, an fp32 KV cache of
+    ``context`` tokens): (device budget, RAM budget, the line to print)."""
+    b = store_budgets(store_path, device=device, dense=dense, context=context, headroom=headroom)
+    return b.device, b.ram, b.line
