@@ -1,0 +1,221 @@
+"""Admission control in the live expert cache: a miss the policy declines is served from a
+staging slot and freed at release. Live hits equal the simulator's ``bypass=True`` on the same
+access stream; declined misses never evict; staging slots are reused and never leak; tokens are
+identical with and without it; the budget counts the staging slots."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.costmodel import ModelShape
+from engine.errors import CacheCapacityError, ConfigError
+from engine.experts.cache import CacheConfig, ExpertCache
+from engine.experts.simulate import budgets_from_fractions, simulate
+from engine.experts.synthetic_store import SyntheticExpertStore
+from engine.experts.trace import RoutingTrace
+
+DECODE_TRACES = {  # the two real decode traces the README's policy table uses
+    "demo": "tests/data/smollm2_demo_generate.npz",  # sweep was tuned on it
+    "moe16": "tests/data/smollm2_moe16_top8_heldout_generate.npz",  # held out
+}
+_stores: dict = {}
+
+
+def store_for(layers: int, experts: int, top_k: int) -> SyntheticExpertStore:
+    """A disk-free store of small random int4 experts of a trace's shape (one per shape)."""
+    key = (layers, experts, top_k)
+    if key not in _stores:
+        shape = ModelShape(f"t{layers}x{experts}", layers=layers, hidden=64, experts=experts, expert_width=64,
+                           top_k=top_k, shared_width=0, vocab=64, heads=1, kv_heads=1, head_dim=64)
+        store = SyntheticExpertStore(shape, seed=7)
+        _stores[key] = (store, store.ram_source(pin_memory=False))
+    return _stores[key]
+
+
+def make_cache(tr: RoutingTrace, slots: int, admission: bool, **kw) -> ExpertCache:
+    """A cache of ``slots`` cache slots (plus top_k staging slots with admission control)."""
+    store, source = store_for(tr.num_layers, tr.num_experts, tr.top_k)
+    slot = source.slot_bytes
+    budget = (slots + (tr.top_k if admission else 0)) * slot
+    cache = ExpertCache(store, source, CacheConfig(device_budget=budget, prefetch_depth=0, admission=admission, **kw))
+    assert cache.num_slots == slots and cache.num_staging == (tr.top_k if admission else 0)
+    return cache
+
+
+def replay(cache: ExpertCache, tr: RoutingTrace, check=None) -> None:
+    """Acquire and release every record of ``tr`` in order (one decode token's layer each)."""
+    for l, ids in zip(tr.layer.tolist(), tr.experts.tolist()):
+        before = check and (set(cache.slot_of), cache.metrics.total())
+        cache.acquire(l, ids)
+        if check:
+            check(l, ids, *before)
+        cache.release(l, ids)
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_TRACES))
+def test_live_hits_equal_the_simulator_with_and_without_bypass(name):
+    """Live hit counts, declined misses and bytes moved equal simulate(bypass=...) exactly, and
+    admission control raises the hit rate at every budget (why it is the default)."""
+    tr = RoutingTrace.load(DECODE_TRACES[name])
+    nbytes = store_for(tr.num_layers, tr.num_experts, tr.top_k)[0].expert_nbytes
+    for cap in budgets_from_fractions(tr, [0.1, 0.25, 0.5]):
+        rates = {}
+        for admission in (False, True):
+            sim = simulate(tr, "sweep", cap, bypass=admission)
+            cache = make_cache(tr, cap, admission)
+            try:
+                replay(cache, tr)
+                t = cache.metrics.total()
+                assert (t.hits, t.misses, t.bypassed) == (sim.hits, sim.misses, sim.bypassed), (cap, admission)
+                assert t.bytes_to_device == sim.misses * nbytes  # a declined miss moves its bytes too
+                assert t.staging_full == 0  # a decode record never needs more than top_k staging slots
+                rates[admission] = t.hits / (t.hits + t.misses)
+            finally:
+                cache.close()
+        assert sim.bypassed > 0
+        assert rates[True] > rates[False], (name, cap, rates)
+
+
+def test_declined_misses_never_evict():
+    tr = RoutingTrace.load(DECODE_TRACES["demo"])
+    cap = budgets_from_fractions(tr, [0.25])[0]
+    cache = make_cache(tr, cap, admission=True)
+    seen = {"declined": 0}
+
+    def check(layer, ids, resident_before, m0):
+        m1 = cache.metrics.total()
+        resident = set(cache.slot_of)
+        staged = set(cache.staged)
+        assert len(staged) == m1.bypassed - m0.bypassed  # every declined miss, and only those
+        assert not staged & resident  # ... is not cached
+        admitted = resident - resident_before
+        evicted = resident_before - resident
+        assert admitted == {(layer, e) for e in ids} - resident_before - staged
+        assert len(evicted) <= len(admitted)  # only an admitted miss evicts
+        if staged and not admitted:
+            assert resident == resident_before
+            seen["declined"] += 1
+
+    try:
+        replay(cache, tr, check)
+        assert seen["declined"] > 10
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_staging_slots_are_reused_and_never_leak(batch):
+    """Random routing of ``batch`` tokens a step (more declined misses than staging slots at
+    batch 3: the rest are cached, never an error); after every release the staging area is
+    empty again; what an acquire returns from a staging slot computes like the expert's bytes."""
+    from engine.quant.kernels import expert_forward
+
+    tr = RoutingTrace.load(DECODE_TRACES["moe16"])  # its shape: 30 layers, 16 experts top-8
+    store, source = store_for(tr.num_layers, tr.num_experts, tr.top_k)
+    cache = make_cache(tr, 24, admission=True)
+    staging = set(range(cache.num_slots, cache.num_slots + cache.num_staging))
+    rng = random.Random(5)
+    x = torch.randn(2, store.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    used, checked = set(), 0
+    try:
+        for step in range(60):
+            for layer in range(tr.num_layers):
+                ids = sorted({e for _ in range(batch) for e in rng.sample(range(tr.num_experts), tr.top_k)})
+                out = cache.acquire(layer, ids)
+                _, slots = cache.slot_table(layer, ids, out)
+                for e, s in zip(ids, slots):
+                    if s in staging:
+                        used.add(s)
+                        assert (layer, e) in cache.staged and (layer, e) not in cache.slot_of
+                        if checked < 5:
+                            checked += 1
+                            want = expert_forward(x, *store.expert_tensors(layer, e, source.blob((layer, e)).clone()))
+                            assert torch.equal(out[e].forward(x), want)
+                assert len(cache.staged) <= cache.num_staging
+                cache.release(layer, ids)
+                assert not cache.staged and sorted(cache.staging_free) == sorted(staging)
+                assert cache.pins == {} and not cache.loading
+        t = cache.metrics.total()
+        assert used == staging  # every staging slot served
+        assert t.bypassed > 10 * cache.num_staging  # ... many times over
+        assert (t.staging_full > 0) == (batch > 1)
+    finally:
+        cache.close()
+
+
+def test_a_staged_expert_acquired_twice_is_shared_until_the_last_release():
+    tr = RoutingTrace.load(DECODE_TRACES["demo"])
+    cache = make_cache(tr, tr.top_k, admission=True)
+    try:
+        cache.acquire(0, list(range(6)))
+        cache.release(0, list(range(6)))  # the cache is full of layer 0
+        a = cache.acquire(1, [0])
+        assert (1, 0) in cache.staged  # never used before: declined
+        misses = cache.metrics.total().misses
+        b = cache.acquire(1, [0])  # shared, nothing moves
+        assert b[0] is a[0] and cache.metrics.total().misses == misses and cache.staged[(1, 0)].pins == 2
+        cache.release(1, [0])
+        assert (1, 0) in cache.staged
+        cache.release(1, [0])
+        assert not cache.staged and len(cache.staging_free) == cache.num_staging and cache.pins == {}
+    finally:
+        cache.close()
+
+
+def test_the_budget_counts_staging_slots():
+    tr = RoutingTrace.load(DECODE_TRACES["demo"])
+    store, source = store_for(tr.num_layers, tr.num_experts, tr.top_k)
+    slot, k = source.slot_bytes, tr.top_k
+    for budget_slots, admission, want in [(40, None, (34, 6)), (40, False, (40, 0)), (40, True, (34, 6)),
+                                          (2 * k - 1, None, (2 * k - 1, 0)),  # too small: auto is off
+                                          (2 * k, True, (k, k))]:
+        c = ExpertCache(store, source, CacheConfig(device_budget=budget_slots * slot + slot - 1, admission=admission))
+        try:
+            assert (c.num_slots, c.num_staging) == want
+            assert c.device_bytes == c.slots.numel() == budget_slots * slot <= c.config.device_budget
+            assert c.admission == (want[1] > 0) and c.slot_rows.shape[0] == budget_slots
+        finally:
+            c.close()
+    c = ExpertCache(store, source, CacheConfig(device_budget=40 * slot, staging_slots=10))
+    assert (c.num_slots, c.num_staging) == (30, 10)
+    c.close()
+    with pytest.raises(CacheCapacityError, match="staging"):
+        ExpertCache(store, source, CacheConfig(device_budget=(2 * k - 1) * slot, admission=True))
+    with pytest.raises(ConfigError, match="never declines"):
+        ExpertCache(store, source, CacheConfig(device_budget=40 * slot, policy="lru", admission=True))
+    c = ExpertCache(store, source, CacheConfig(device_budget=40 * slot, policy="lru"))  # auto: off for LRU
+    assert c.num_staging == 0
+    c.close()
+    with pytest.raises(ConfigError):
+        CacheConfig(device_budget=1, staging_slots=0)
+    with pytest.raises(ConfigError):
+        CacheConfig(device_budget=1, admission="yes")
+
+
+def test_a_failed_staging_copy_frees_its_slot():
+    tr = RoutingTrace.load(DECODE_TRACES["demo"])
+    cache = make_cache(tr, tr.top_k, admission=True)
+    real = cache.source.read_into
+
+    def failing(key, out):
+        if key == (1, 3):
+            raise OSError("layer 1 expert 3: simulated read failure")
+        return real(key, out)
+
+    try:
+        cache.acquire(0, list(range(6)))
+        cache.release(0, list(range(6)))
+        cache.source.read_into = failing
+        with pytest.raises(OSError, match="simulated"):
+            cache.acquire(1, [2, 3])
+        assert not cache.staged and len(cache.staging_free) == cache.num_staging and cache.pins == {}
+        cache.source.read_into = real
+        out = cache.acquire(1, [2, 3])
+        assert set(out) == {2, 3}
+        cache.release(1, [2, 3])
+    finally:
+        cache.source.read_into = real
+        cache.close()
