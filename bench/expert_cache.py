@@ -5,6 +5,7 @@
     python bench/expert_cache.py --device cuda            # device slots on the GPU, experts on
                                                           # the fused Triton kernels
     python bench/expert_cache.py --policy-table           # the simulator's policy table only
+    python bench/expert_cache.py --admission-table        # live cache with/without admission control
 
 Builds (once, cached under ~/.cache/moestream/bench) a random Qwen3-MoE checkpoint written
 layer by layer as a sharded safetensors directory, converts it to an int4 store, then generates
@@ -251,6 +252,49 @@ def policy_table(tokens: int = 144, samples: int = 1000) -> None:
             print(f"| {label} | {c / tr.num_keys:.0%} | " + " | ".join(cells) + f" | {ceiling} |")
 
 
+def admission_table(tokens: int = 144) -> None:
+    """The README's admission-control table: the live expert cache (engine.experts.cache, a
+    disk-free store of small random experts of each trace's shape) replaying the policy table's
+    traces with ``sweep`` at 10/25/50% of the experts, without and with admission control
+    (top_k staging slots beside the cache slots), beside the simulator's figures for the same
+    access stream (``bypass=False`` / ``True``)."""
+    from engine.costmodel import ModelShape
+    from engine.experts.cache import CacheConfig, ExpertCache
+    from engine.experts.simulate import budgets_from_fractions, simulate
+    from engine.experts.synthetic import synthetic_trace
+    from engine.experts.synthetic_store import SyntheticExpertStore
+    from engine.experts.trace import RoutingTrace
+
+    data = Path(__file__).resolve().parents[1] / "tests" / "data"
+    rows = [("demo model, decode (tuned on)", RoutingTrace.load(data / "smollm2_demo_generate.npz")),
+            ("moe16 top-8 model, decode (held out)", RoutingTrace.load(data / "smollm2_moe16_top8_heldout_generate.npz"))]
+    for zipf, seed in ((0.6, 1), (1.2, 2)):
+        rows.append((f"synthetic, zipf {zipf}, locality 0.3 (seed {seed})",
+                     synthetic_trace(tokens, 30, 12, 6, zipf=zipf, locality=0.3, seed=seed)))
+    print("| trace | budget | cache slots | live, every miss cached | live, admission control | declined misses "
+          "| simulated (no bypass / bypass) |")
+    print("|---|---|---|---|---|---|---|")
+    for label, tr in rows:
+        shape = ModelShape("replay", layers=tr.num_layers, hidden=64, experts=tr.num_experts, expert_width=64,
+                           top_k=tr.top_k, shared_width=0, vocab=64, heads=1, kv_heads=1, head_dim=64)
+        store = SyntheticExpertStore(shape, seed=0)
+        source = store.ram_source(pin_memory=False)
+        for cap in budgets_from_fractions(tr, [0.1, 0.25, 0.5]):
+            live = {}
+            for admission in (False, True):
+                budget = (cap + (tr.top_k if admission else 0)) * source.slot_bytes
+                cache = ExpertCache(store, source, CacheConfig(device_budget=budget, prefetch_depth=0,
+                                                               admission=admission))
+                try:
+                    live[admission] = cache.replay(tr)
+                finally:
+                    cache.close()
+            sim = [simulate(tr, "sweep", cap, bypass=b).hit_rate for b in (False, True)]
+            rate = {a: m.hits / (m.hits + m.misses) for a, m in live.items()}
+            print(f"| {label} | {cap / tr.num_keys:.0%} | {cap} | {rate[False]:.1%} | {rate[True]:.1%} | "
+                  f"{live[True].bypassed} of {live[True].misses} | {sim[0]:.1%} / {sim[1]:.1%} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
@@ -272,9 +316,14 @@ def main() -> None:
                     help="where the model and the device expert slots live")
     ap.add_argument("--policy-table", action="store_true",
                     help="only print the simulator's policy table (README) and exit")
+    ap.add_argument("--admission-table", action="store_true",
+                    help="only print the live cache's hit rates with and without admission control (README) and exit")
     args = ap.parse_args()
     if args.policy_table:
         policy_table()
+        return
+    if args.admission_table:
+        admission_table()
         return
 
     from engine.experts.runtime import store_expert_bytes

@@ -630,6 +630,15 @@ class ExpertCache(ExpertProvider):
                 except Exception:
                     pass  # the error belongs to whoever acquires that expert; drain only waits
 
+    def replay(self, trace) -> LayerMetrics:
+        """Acquire and release every record of a routing trace in order (one token's experts in
+        one layer each: what decode at batch 1 asks); the totals of the metrics after. Replays
+        the access stream ``engine.experts.simulate.simulate`` replays (``bypass`` = admission)."""
+        for layer, ids in zip(trace.layer.tolist(), trace.experts.tolist()):
+            self.acquire(layer, ids)
+            self.release(layer, ids)
+        return self.metrics.total()
+
     def resident_keys(self) -> set[Key]:
         with self.lock:
             return {k for k in self.slot_of if k not in self.loading}

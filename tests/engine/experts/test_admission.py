@@ -67,8 +67,7 @@ def test_live_hits_equal_the_simulator_with_and_without_bypass(name):
             sim = simulate(tr, "sweep", cap, bypass=admission)
             cache = make_cache(tr, cap, admission)
             try:
-                replay(cache, tr)
-                t = cache.metrics.total()
+                t = cache.replay(tr)
                 assert (t.hits, t.misses, t.bypassed) == (sim.hits, sim.misses, sim.bypassed), (cap, admission)
                 assert t.bytes_to_device == sim.misses * nbytes  # a declined miss moves its bytes too
                 assert t.staging_full == 0  # a decode record never needs more than top_k staging slots
@@ -219,3 +218,120 @@ def test_a_failed_staging_copy_frees_its_slot():
     finally:
         cache.source.read_into = real
         cache.close()
+
+
+PROMPT = [5, 17, 33, 8, 61, 12, 40, 3, 27]
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint (3 layers, 8 experts top-2) converted to an int4 store."""
+    from engine.quant.formats import QuantFormat
+    from engine.store import convert
+    from tests.engine.models.hf_tiny import make_checkpoint
+
+    d = tmp_path_factory.mktemp("admission")
+    make_checkpoint("qwen3_moe", d / "hf", hidden_size=64, num_hidden_layers=3, head_dim=16, num_experts=8,
+                    num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    convert(d / "hf", d / "store", fmt=QuantFormat("int4", 32), progress=False)
+    return d / "store"
+
+
+def greedy(model, prompt=PROMPT, n=16):
+    from engine.generate import generate_ids
+    from engine.layers.sampler import SamplingConfig
+
+    return [t for t, _, _ in generate_ids(model, prompt, SamplingConfig(max_tokens=n, ignore_eos=True))]
+
+
+def swap_cache(sm, **changes) -> None:
+    """Replace a StoreModel's expert cache by one with ``changes`` to its config."""
+    from dataclasses import replace
+
+    old = sm.cache
+    old.close()
+    sm.cache = ExpertCache(sm.store, old.source, replace(old.config, **changes), routers=old.routers, device=old.device)
+    for block in sm.model.moe_blocks:
+        block.provider = sm.cache
+    sm.model.invalidate_native_step()
+
+
+def staging_spy(cache) -> list[int]:
+    """Records the slots the step's slot table resolves (the native CPU step's view)."""
+    seen, real = [], cache.slot_table
+
+    def spying(layer, ids, experts):
+        got = real(layer, ids, experts)
+        if got is not None:
+            seen.extend(got[1])
+        return got
+    cache.slot_table = spying
+    return seen
+
+
+@pytest.mark.parametrize("dense", ["int8", "fp32"])  # int8: the native CPU step; fp32: the torch layers
+def test_greedy_tokens_identical_with_and_without_admission(tiny_store, dense):
+    from engine.experts.runtime import load_from_store
+    from engine.experts.tiers import align_up
+    from engine.store import ExpertStore
+
+    with ExpertStore(tiny_store) as s:
+        slot = align_up(s.expert_nbytes)
+    with load_from_store(tiny_store, prefetch_depth=0, dense=dense) as full:
+        want = greedy(full.model)
+    for kw in (dict(prefetch_depth=0), dict(prefetch_depth=1), dict(prefetch_depth=0, miss_compute="cpu")):
+        got = {}
+        for admission in (False, True):
+            with load_from_store(tiny_store, device_budget=7 * slot, dense=dense, **kw) as sm:
+                assert sm.cache.admission and (sm.cache.num_slots, sm.cache.num_staging) == (5, 2)  # the default
+                if not admission:
+                    swap_cache(sm, admission=False)
+                    assert (sm.cache.num_slots, sm.cache.num_staging) == (7, 0)
+                seen = staging_spy(sm.cache)
+                got[admission] = greedy(sm.model)
+                sm.cache.drain()
+                t = sm.cache.metrics.total()
+                assert sm.cache.pins == {} and not sm.cache.staged, kw
+                assert len(sm.cache.staging_free) == sm.cache.num_staging
+                if admission and kw.get("miss_compute") != "cpu":
+                    assert t.bypassed > 0, kw
+                    if dense == "int8":
+                        assert any(s >= sm.cache.num_slots for s in seen)  # staging slots reached the step
+        assert got[False] == got[True] == want, kw
+
+
+def test_grouped_triton_path_reads_staging_slots_through_the_slot_map(tiny_store, monkeypatch):
+    """The CUDA path's grouped launches (interpreted on the CPU): a declined miss's slot map
+    entry names its staging slot, and the tokens equal those without admission control."""
+    tk = pytest.importorskip("engine.quant.triton_kernels")
+    if not tk.supports(torch.device("cpu")):
+        pytest.skip("triton cannot interpret here (CUDA present: see tests/gpu)")
+    from engine.experts.runtime import load_from_store
+    from engine.experts.tiers import align_up
+    from engine.options import configure
+    from engine.quant import triton_moe as TM
+    from engine.store import ExpertStore
+
+    with ExpertStore(tiny_store) as s:
+        slot = align_up(s.expert_nbytes)
+    pairs: list[list[int]] = []
+    real = TM.grouped_moe
+    monkeypatch.setattr(TM, "grouped_moe", lambda x, w, pair, *a: pairs.append(pair.tolist()) or real(x, w, pair, *a))
+    prev = configure(int8_activations=False)
+    got = {}
+    try:
+        for admission in (False, True):
+            with load_from_store(tiny_store, device_budget=7 * slot, prefetch_depth=0, dense="fp32") as sm:
+                if not admission:
+                    swap_cache(sm, admission=False)
+                sm.cache.grouped = True  # before any copy: the slot map is written as experts land
+                pairs.clear()
+                got[admission] = greedy(sm.model, n=8)
+                assert pairs, "the grouped path did not run"
+                if admission:
+                    assert sm.cache.metrics.total().bypassed > 0
+                    assert any(p >= sm.cache.num_slots for pair in pairs for p in pair)
+                assert not sm.cache.staged and sm.cache.pins == {}
+    finally:
+        configure(prev)
+    assert got[True] == got[False]
