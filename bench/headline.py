@@ -25,8 +25,8 @@ of ``--ram-tier`` of the experts, so misses are O_DIRECT reads; ``--ray`` serves
 one in a temporary directory) through ``--loaders`` Ray expert loader actors.
 
 Steps: (1) plan: the memory split of ``--vram-budget`` (dense, KV, state, workspace, expert
-slots; ``--slots`` caps the slots at a share of the experts; the expert cache's top-k staging
-slots for admission control unless ``--no-admission``), the host RAM check; (2) build;
+slots; ``--slots`` caps the slots at a share of the experts; with ``--admission`` top-k of them
+are the cache's staging slots), the host RAM check; (2) build;
 (3) calibrate: every layer routed to its first top-k experts (all hits after the first token),
 which measures the step's fixed per-layer overhead; (4) warm up on the trace, then measure
 decode tok/s, the device hit rate, expert bytes per token from RAM and from disk, the achieved
@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 from engine.costmodel import (DENSE_BYTES_PER_PARAM, SHAPES, TARGETS, ModelShape, Target,  # noqa: E402
                               memory_split, predict)
-from engine.errors import CacheCapacityError, MoestreamError  # noqa: E402
+from engine.errors import CacheCapacityError, ConfigError, DeviceBudgetError, MoestreamError  # noqa: E402
 from engine.experts.policy import can_decline, make_policy  # noqa: E402
 from engine.units import format_bytes, parse_bytes  # noqa: E402
 from headline_variants import RayLoaders, Variant, disk_tier, print_table  # noqa: E402
@@ -229,9 +229,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dense", choices=sorted(DENSE_BYTES_PER_PARAM), default=None,
                     help="dense format (default: int8 on CPU, bf16 on a GPU)")
     ap.add_argument("--policy", default="sweep")
-    ap.add_argument("--no-admission", dest="admission", action="store_false",
-                    help="cache every miss (default: admission control, top-k staging slots in the budget, "
-                         "where the policy can decline and the slots allow)")
+    ap.add_argument("--admission", action="store_true",
+                    help="admission control: top-k of the expert slots become staging slots for misses the policy "
+                         "declines to cache (default: every miss cached)")
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--locality", type=float, default=0.3)
     ap.add_argument("--trace", default=None, help="routing trace (.npz) of the run's shape instead of a synthetic one")
@@ -284,8 +284,12 @@ def run(args) -> int:
     workspace += ledger.context if ledger is not None else 0
     split = memory_split(shape, budget, dense_format=dense, context=context, workspace=workspace)
     # admission control: top_k staging slots (one token's misses) out of the expert slots
-    staging = shape.top_k if args.admission and can_decline(make_policy(args.policy)) \
-        and split.num_slots >= 2 * shape.top_k else 0
+    staging = shape.top_k if args.admission else 0
+    if staging and not can_decline(make_policy(args.policy)):
+        raise ConfigError(f"--admission: policy {args.policy!r} never declines a miss (use sweep)")
+    if split.num_slots - staging < shape.top_k:
+        raise DeviceBudgetError(f"--admission: {split.num_slots} expert slots leave fewer than top_k={shape.top_k} "
+                                f"beside {staging} staging slots; raise --vram-budget or drop --admission")
     room = split.num_slots - staging
     slots = room if share is None else min(room, max(shape.top_k, int(share * shape.num_experts_total)))
     if scaled and share is None:  # the full model's share of experts resident, per layer
@@ -360,7 +364,7 @@ def run(args) -> int:
         # measured blocks (a shared machine's load changes over seconds; medians over blocks
         # spread through the run see the same load), without touching the measured cache.
         main_cache = sm.cache
-        calib_cache = make_cache(sm, calib_slots, admission=False)  # its bytes: the workspace's
+        calib_cache = make_cache(sm, calib_slots, admission=False)  # no staging: its bytes are the workspace's
         span = max(shape.top_k, min(shape.experts, 3 * calib_slots // (4 * shape.layers)))
         warm = 2 * -(-span // shape.top_k) + 1  # tokens until the hit rotation is resident
         rounds, hit_block, miss_block = 4, 6, 6

@@ -15,7 +15,7 @@ Misses are served by copying from the ExpertSource (RAM tier / loaders) into a s
 Prefetch applies the next sparse layers' routers to the current hidden state and starts loads
 for the experts they would pick, on worker threads, overlapping the current layer's compute.
 
-Admission control (``CacheConfig.admission``; on by default where the policy can decline, as
+Admission control (``CacheConfig.admission``, off by default; for a policy that can decline, as
 ``sweep`` does): when a demand miss would evict a victim, the policy's ``admit(key, victim)``
 decides whether it is cached; a declined miss is copied into a *staging slot* instead, used by
 that acquire's compute and freed at its release, without entering the cache or evicting
@@ -56,9 +56,9 @@ class CacheConfig:
     prefetch_depth: int = 1  # sparse layers ahead to predict; 0 = off
     miss_compute: str = "transfer"  # transfer | cpu | auto (cost model)
     io_threads: int = 2
-    # admission control (see the module docstring): None = on when the policy can decline and
-    # the budget holds top_k cache slots beside the staging slots; True = required; False = off
-    admission: bool | None = None
+    # admission control (see the module docstring); off by default: at the same device budget
+    # its staging slots cost more hits than declining wins (README "Expert cache policy")
+    admission: bool = False
     staging_slots: int | None = None  # staging slots with admission control; None: top_k
 
     def __post_init__(self) -> None:
@@ -70,33 +70,28 @@ class CacheConfig:
             raise ConfigError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.io_threads < 1:
             raise ConfigError(f"io_threads must be >= 1, got {self.io_threads}")
-        if self.admission not in (None, True, False):
-            raise ConfigError(f"admission must be True, False or None (auto), got {self.admission!r}")
+        if not isinstance(self.admission, bool):
+            raise ConfigError(f"admission must be True or False, got {self.admission!r}")
         if self.staging_slots is not None and (isinstance(self.staging_slots, bool)
                                                or not isinstance(self.staging_slots, int) or self.staging_slots < 1):
             raise ConfigError(f"staging_slots must be an int >= 1 (or None: top_k), got {self.staging_slots!r}")
 
 
 def plan_slots(config: CacheConfig, slot_bytes: int, top_k: int, policy_declines: bool) -> tuple[int, int]:
-    """(cache slots, staging slots) of ``config.device_budget``: the staging slots (admission
-    control) come out of the budget. ``admission=None`` turns them on only when the policy can
-    decline and at least ``top_k`` cache slots remain; ``True`` raises where it cannot be on."""
+    """(cache slots, staging slots) of ``config.device_budget``: with admission control the
+    staging slots come out of the budget, and at least ``top_k`` cache slots must remain."""
     total = config.device_budget // slot_bytes
-    if config.admission is False:
+    if not config.admission:
         return total, 0
     if not policy_declines:
-        if config.admission:
-            raise ConfigError(f"admission=True: policy {config.policy!r} never declines a miss "
-                              f"(admission control needs one with admit(), e.g. 'sweep')")
-        return total, 0
+        raise ConfigError(f"admission=True: policy {config.policy!r} never declines a miss "
+                          f"(admission control needs one with admit(), e.g. 'sweep')")
     staging = config.staging_slots or top_k
-    if total - staging >= top_k:
-        return total - staging, staging
-    if config.admission:
+    if total - staging < top_k:
         raise CacheCapacityError(
             f"admission control needs {staging} staging slots beside top_k={top_k} cache slots of "
             f"{slot_bytes} bytes: give at least {(staging + top_k) * slot_bytes} bytes, or admission=False")
-    return total, 0
+    return total - staging, staging
 
 
 @dataclass
@@ -629,6 +624,20 @@ class ExpertCache(ExpertProvider):
                     fut.result()
                 except Exception:
                     pass  # the error belongs to whoever acquires that expert; drain only waits
+
+    def reconfigured(self, **changes) -> "ExpertCache":
+        """A new, empty cache over the same store, source, routers and device, its config this
+        one's with ``changes`` (``dataclasses.replace``); this one is left as it is."""
+        from dataclasses import replace
+
+        return ExpertCache(self.store, self.source, replace(self.config, **changes), routers=self.routers,
+                           device=self.device)
+
+    def attach(self, model) -> None:
+        """Serve ``model``'s sparse layers from this cache (its native step is rebuilt)."""
+        for block in model.moe_blocks:
+            block.provider = self
+        model.invalidate_native_step()
 
     def replay(self, trace) -> LayerMetrics:
         """Acquire and release every record of a routing trace in order (one token's experts in

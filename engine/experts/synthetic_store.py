@@ -312,12 +312,12 @@ class SyntheticModel:
 
 def build_synthetic_model(shape: ModelShape, *, device_budget: int, device: str = "cpu", dense: str = "int8",
                           policy: str = "sweep", seed: int = 0, trace=None,
-                          source: RAMExpertSource | None = None, admission: bool | None = None) -> SyntheticModel:
+                          source: RAMExpertSource | None = None, admission: bool = False) -> SyntheticModel:
     """A runnable model of ``shape``: random dense weights quantized to ``dense``, routed experts
     from a :class:`RAMExpertSource` through the live expert cache with ``device_budget`` bytes
     of slots on ``device``; routing from ``trace`` if given (prefetch is then off: predictions
     of a random router say nothing about replayed routing). ``admission``: the cache's admission
-    control (:class:`~engine.experts.cache.CacheConfig`; None: on where the budget allows)."""
+    control (:class:`~engine.experts.cache.CacheConfig`: top_k staging slots out of the budget)."""
     from engine.experts.cache import CacheConfig, ExpertCache
     from engine.models.load import build_model
     from engine.quant.linear import quantize_dense
