@@ -337,3 +337,25 @@ def test_grouped_triton_path_reads_staging_slots_through_the_slot_map(tiny_store
     finally:
         configure(prev)
     assert got[True] == got[False]
+
+
+def test_headline_counts_staging_in_the_vram_split(tmp_path, capsys):
+    """bench/headline.py --admission: the staging slots are charged to the device ledger under
+    --vram-budget and printed in the split; the live hit rate is the simulator's with bypass."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    import headline
+
+    out = tmp_path / "tiny.json"
+    assert headline.main(["--shape", "tiny", "--device", "cpu", "--admission", "--predict-tokens", "8",
+                          "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "staging slots 2 x" in text and "staging slots" in text.split("device ledger:")[1]
+    f = json.loads(out.read_text())
+    assert f["admission"] and f["staging_slots"] == 2 and f["staging_bytes"] > 0
+    assert abs(f["hit_rate"] - f["sim_hit_rate"]) < 1e-9 and f["peak"] <= f["budget"]
+    assert headline.main(["--shape", "tiny", "--dry-run", "--admission", "--policy", "lru"]) == 2
+    assert "never declines" in capsys.readouterr().err
