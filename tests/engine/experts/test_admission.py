@@ -115,15 +115,18 @@ def test_declined_misses_never_evict():
         cache.close()
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_staging_slots_are_reused_and_never_leak(batch):
+@pytest.mark.parametrize("batch,in_ram", [(1, True), (3, True), (3, False)])
+def test_staging_slots_are_reused_and_never_leak(batch, in_ram, monkeypatch):
     """Random routing of ``batch`` tokens a step (more declined misses than staging slots at
     batch 3: the rest are cached, never an error); after every release the staging area is
-    empty again; what an acquire returns from a staging slot computes like the expert's bytes."""
+    empty again; what an acquire returns from a staging slot computes like the expert's bytes.
+    ``in_ram`` False: the source says every blob needs a disk read, so the copies (staging ones
+    included) run on the I/O pool."""
     from engine.quant.kernels import expert_forward
 
     tr = RoutingTrace.load(DECODE_TRACES["moe16"])  # its shape: 30 layers, 16 experts top-8
     store, source = store_for(tr.num_layers, tr.num_experts, tr.top_k)
+    monkeypatch.setattr(source, "likely_in_ram", lambda key: in_ram)
     cache = make_cache(tr, 24, admission=True)
     staging = set(range(cache.num_slots, cache.num_slots + cache.num_staging))
     rng = random.Random(5)
