@@ -99,7 +99,7 @@ class LayerMetrics:
     hits: int = 0
     misses: int = 0
     bypassed: int = 0  # misses the policy declined to cache: served from a staging slot
-    staging_full: int = 0  # misses cached because every staging slot was in use
+    staging_full: int = 0  # misses that evicted without asking the policy: every staging slot in use
     late_prefetch: int = 0  # needed while its prefetch was still in flight
     cpu_computed: int = 0  # misses computed on the CPU from RAM instead of transferred
     bytes_to_device: int = 0
@@ -325,20 +325,27 @@ class ExpertCache(ExpertProvider):
         in_ram, nvme = [], []
         for f in fills:
             (in_ram if self.source.likely_in_ram(f[0]) else nvme).append(f)
+        order = nvme[:-1] + in_ram + nvme[-1:]
+        started = 0
         try:
-            for f in nvme[:-1]:
+            for i, f in enumerate(order):
                 waits.append((f[0], f[2]))
-                self.pool.submit(self._fill, *f)
-            for f in in_ram + nvme[-1:]:
-                waits.append((f[0], f[2]))
-                self._fill(*f)
+                if i < len(nvme) - 1:
+                    self.pool.submit(self._fill, *f)
+                else:
+                    self._fill(*f)
+                started += 1
             for key in later:
                 waits.append((key, self._load_on_demand(key, needed, m)))
             for key, fut in waits:
                 fut.result()
         except BaseException:
-            for f in fills:  # a staging slot is freed at release: no copy may still write it
-                _settle(f[2])
+            # before release frees this acquire's staging slots, no copy may still write them
+            for i, (key, slot, fut, staged) in enumerate(order):
+                if i < started or fut.done():
+                    _settle(fut)
+                else:  # never started: its claim is undone here
+                    self._abandon(key, slot, fut, staged)
             self.release(layer, expert_ids)
             raise
         out = {key[1]: self._view_of(key) for key in keys if key not in cpu_keys}
@@ -386,6 +393,14 @@ class ExpertCache(ExpertProvider):
             with self.lock:
                 self.table.loaded(key)
         fut.set_result(None)
+
+    def _abandon(self, key: Key, slot: int, fut: Future, staged: bool) -> None:
+        """A claim whose copy never started (the acquire failed first): free its cache slot
+        (a staging slot is freed at release) and fail its future for anyone waiting on it."""
+        if not staged:
+            with self.lock:
+                self.table.rollback(key, slot)
+        fut.set_exception(CacheCapacityError(f"layer {key[0]} expert {key[1]}: the acquire failed before its copy"))
 
     def _load_on_demand(self, key: Key, needed: set[Key], m: LayerMetrics) -> Future:
         """A demand miss that found every slot pinned or loading: a prefetch may be holding the

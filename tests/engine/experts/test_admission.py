@@ -362,3 +362,22 @@ def test_headline_counts_staging_in_the_vram_split(tmp_path, capsys):
     assert abs(f["hit_rate"] - f["sim_hit_rate"]) < 1e-9 and f["peak"] <= f["budget"]
     assert headline.main(["--shape", "tiny", "--dry-run", "--admission", "--policy", "lru"]) == 2
     assert "never declines" in capsys.readouterr().err
+
+
+def test_an_acquire_failing_before_its_copies_start_undoes_their_claims(monkeypatch):
+    """Disk misses start on the I/O pool; a pool that refuses them fails the acquire with every
+    claim undone: no slot left loading, no staging slot held, nothing pinned."""
+    tr = RoutingTrace.load(DECODE_TRACES["demo"])
+    cache = make_cache(tr, tr.top_k, admission=True)
+    monkeypatch.setattr(cache.source, "likely_in_ram", lambda key: False)
+    try:
+        cache.acquire(0, list(range(6)))
+        cache.release(0, list(range(6)))
+        resident = set(cache.slot_of)
+        cache.pool.shutdown()
+        with pytest.raises(RuntimeError, match="shutdown"):
+            cache.acquire(1, [0, 1, 2])  # declined misses: staging slots claimed, none filled
+        assert not cache.loading and not cache.staged and cache.pins == {}
+        assert len(cache.staging_free) == cache.num_staging and set(cache.slot_of) == resident
+    finally:
+        cache.close()
