@@ -161,8 +161,11 @@ def rotating_trace(tokens: int, shape: ModelShape, span: int):
 def simulated_hit_rate(trace, slots: int, skip_tokens: int, policy: str, bypass: bool = False) -> float:
     """Hit rate of ``policy`` at ``slots`` on the trace after its first ``skip_tokens`` tokens
     (the replay is causal, so the hits of the prefix are the prefix's own); ``bypass``: with
-    admission control (the live cache's staging slots)."""
-    from engine.experts.simulate import simulate
+    admission control (the live cache's staging slots). Each record is replayed in the order the
+    MoE layer acquires its experts (ascending ids), which admission decisions depend on."""
+    from engine.experts.simulate import in_acquire_order, simulate
+
+    trace = in_acquire_order(trace)
 
     per_token = trace.num_layers
     full = simulate(trace, policy, slots, bypass=bypass)

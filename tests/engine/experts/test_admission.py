@@ -353,12 +353,13 @@ def test_headline_counts_staging_in_the_vram_split(tmp_path, capsys):
     import headline
 
     out = tmp_path / "tiny.json"
-    assert headline.main(["--shape", "tiny", "--device", "cpu", "--admission", "--predict-tokens", "8",
-                          "--json", str(out)]) == 0
+    # 4 cache slots and uniform routing: the policy declines misses
+    assert headline.main(["--shape", "tiny", "--device", "cpu", "--admission", "--slots", "0.25", "--zipf", "0",
+                          "--locality", "0", "--predict-tokens", "8", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "staging slots 2 x" in text and "staging slots" in text.split("device ledger:")[1]
     f = json.loads(out.read_text())
-    assert f["admission"] and f["staging_slots"] == 2 and f["staging_bytes"] > 0
+    assert f["admission"] and f["staging_slots"] == 2 and f["staging_bytes"] > 0 and f["bypassed"] > 0
     assert abs(f["hit_rate"] - f["sim_hit_rate"]) < 1e-9 and f["peak"] <= f["budget"]
     assert headline.main(["--shape", "tiny", "--dry-run", "--admission", "--policy", "lru"]) == 2
     assert "never declines" in capsys.readouterr().err
