@@ -5,6 +5,8 @@
     python bench/expert_cache.py --device cuda            # device slots on the GPU, experts on
                                                           # the fused Triton kernels
     python bench/expert_cache.py --policy-table           # the simulator's policy table only
+    python bench/expert_cache.py --admission-table        # live cache with/without admission control
+    python bench/expert_cache.py --admission-decode STORE --tokens 48   # decode a store, admission off/on
 
 Builds (once, cached under ~/.cache/moestream/bench) a random Qwen3-MoE checkpoint written
 layer by layer as a sharded safetensors directory, converts it to an int4 store, then generates
@@ -251,6 +253,93 @@ def policy_table(tokens: int = 144, samples: int = 1000) -> None:
             print(f"| {label} | {c / tr.num_keys:.0%} | " + " | ".join(cells) + f" | {ceiling} |")
 
 
+def admission_table(tokens: int = 144) -> None:
+    """The README's admission-control table: the live expert cache (engine.experts.cache, a
+    disk-free store of small random experts of each trace's shape) replaying the policy table's
+    traces with ``sweep`` at 10/25/50% of the experts: every miss cached; admission control with
+    top_k staging slots beside the same cache slots; and within the same device budget (top_k
+    fewer cache slots); beside the simulator's figures for the same three access streams."""
+    from engine.costmodel import ModelShape
+    from engine.experts.cache import CacheConfig, ExpertCache
+    from engine.experts.simulate import budgets_from_fractions, simulate
+    from engine.experts.synthetic import synthetic_trace
+    from engine.experts.synthetic_store import SyntheticExpertStore
+    from engine.experts.trace import RoutingTrace
+
+    data = Path(__file__).resolve().parents[1] / "tests" / "data"
+    rows = [("demo model, decode (tuned on)", RoutingTrace.load(data / "smollm2_demo_generate.npz")),
+            ("moe16 top-8 model, decode (held out)", RoutingTrace.load(data / "smollm2_moe16_top8_heldout_generate.npz"))]
+    for zipf, seed in ((0.6, 1), (1.2, 2)):
+        rows.append((f"synthetic, zipf {zipf}, locality 0.3 (seed {seed})",
+                     synthetic_trace(tokens, 30, 12, 6, zipf=zipf, locality=0.3, seed=seed)))
+    print("| trace | budget | slots | every miss cached | admission, same cache slots (+ top-k staging) "
+          "| admission, same device budget (top-k of the slots staging) | declined misses | simulated |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, tr in rows:
+        shape = ModelShape("replay", layers=tr.num_layers, hidden=64, experts=tr.num_experts, expert_width=64,
+                           top_k=tr.top_k, shared_width=0, vocab=64, heads=1, kv_heads=1, head_dim=64)
+        store = SyntheticExpertStore(shape, seed=0)
+        source = store.ram_source(pin_memory=False)
+        k = tr.top_k
+        for cap in budgets_from_fractions(tr, [0.1, 0.25, 0.5]):
+            live = {}
+            for name, cache_slots, admission in (("plain", cap, False), ("more", cap, True), ("same", cap - k, True)):
+                budget = (cache_slots + (k if admission else 0)) * source.slot_bytes
+                cache = ExpertCache(store, source, CacheConfig(device_budget=budget, prefetch_depth=0,
+                                                               admission=admission))
+                try:
+                    live[name] = cache.replay(tr)
+                finally:
+                    cache.close()
+            sim = [simulate(tr, "sweep", c, bypass=b).hit_rate for c, b in ((cap, False), (cap, True), (cap - k, True))]
+            rate = {n: m.hits / (m.hits + m.misses) for n, m in live.items()}
+            print(f"| {label} | {cap / tr.num_keys:.0%} | {cap} | {rate['plain']:.1%} | {rate['more']:.1%} | "
+                  f"{rate['same']:.1%} | {live['more'].bypassed} of {live['more'].misses} | "
+                  f"{sim[0]:.1%} / {sim[1]:.1%} / {sim[2]:.1%} |")
+
+
+def admission_decode(store, tokens: int = 48, fractions=(0.1, 0.25, 0.5), dense: str = "int8") -> None:
+    """Greedy decode of a real store through the live cache at each budget (a share of the
+    experts' bytes), admission control off and on at the same device budget (on: top_k of its
+    slots are staging slots), blocks interleaved; tok/s from the median step, the device hit
+    rate, declined misses. The tokens must be identical."""
+    import statistics
+
+    from engine.experts.runtime import load_from_store, store_expert_bytes
+    from engine.layers.sampler import SamplingConfig
+    from engine.runner import stream_request
+
+    total = store_expert_bytes(store)
+    prompt = list(range(100, 116))
+    print("| budget | admission | cache + staging slots | tok/s (median step) | hit rate | declined misses |")
+    print("|---|---|---|---|---|---|")
+    for frac in fractions:
+        with load_from_store(store, device_budget=int(frac * total), dense=dense, prefetch_depth=0) as sm:
+            caches = {False: sm.cache, True: sm.cache.reconfigured(admission=True)}
+            rows, outs = {}, {}
+            try:
+                for on in (False, True):
+                    cache = caches[on]
+                    cache.attach(sm.model)
+                    ids, times, t = [], [], time.perf_counter()
+                    for out, _ in stream_request(sm.model, prompt, SamplingConfig(max_tokens=tokens, ignore_eos=True)):
+                        now = time.perf_counter()
+                        ids += out.new_token_ids
+                        times.append(now - t)
+                        t = now
+                    m = cache.metrics.total()
+                    outs[on] = ids
+                    rows[on] = (f"{cache.num_slots} + {cache.num_staging}", 1 / statistics.median(times[1:]),
+                                m.hits / max(m.hits + m.misses, 1), f"{m.bypassed} of {m.misses}")
+            finally:
+                caches[True].close()
+            if outs[True] != outs[False]:
+                raise AssertionError(f"budget {frac:.0%}: tokens differ with admission control")
+            for on in (False, True):
+                slots, tps, hit, declined = rows[on]
+                print(f"| {frac:.0%} | {'on' if on else 'off'} | {slots} | {tps:.1f} | {hit:.1%} | {declined} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
@@ -272,9 +361,19 @@ def main() -> None:
                     help="where the model and the device expert slots live")
     ap.add_argument("--policy-table", action="store_true",
                     help="only print the simulator's policy table (README) and exit")
+    ap.add_argument("--admission-decode", default=None, metavar="STORE",
+                    help="only decode STORE at 10/25/50%% budgets with admission control off and on, and exit")
+    ap.add_argument("--admission-table", action="store_true",
+                    help="only print the live cache's hit rates with and without admission control (README) and exit")
     args = ap.parse_args()
     if args.policy_table:
         policy_table()
+        return
+    if args.admission_table:
+        admission_table()
+        return
+    if args.admission_decode:
+        admission_decode(args.admission_decode, tokens=args.tokens, dense=args.dense)
         return
 
     from engine.experts.runtime import store_expert_bytes

@@ -25,7 +25,8 @@ of ``--ram-tier`` of the experts, so misses are O_DIRECT reads; ``--ray`` serves
 one in a temporary directory) through ``--loaders`` Ray expert loader actors.
 
 Steps: (1) plan: the memory split of ``--vram-budget`` (dense, KV, state, workspace, expert
-slots; ``--slots`` caps the slots at a share of the experts), the host RAM check; (2) build;
+slots; ``--slots`` caps the slots at a share of the experts; with ``--admission`` top-k of them
+are the cache's staging slots), the host RAM check; (2) build;
 (3) calibrate: every layer routed to its first top-k experts (all hits after the first token),
 which measures the step's fixed per-layer overhead; (4) warm up on the trace, then measure
 decode tok/s, the device hit rate, expert bytes per token from RAM and from disk, the achieved
@@ -54,7 +55,8 @@ import torch  # noqa: E402
 
 from engine.costmodel import (DENSE_BYTES_PER_PARAM, SHAPES, TARGETS, ModelShape, Target,  # noqa: E402
                               memory_split, predict)
-from engine.errors import CacheCapacityError, MoestreamError  # noqa: E402
+from engine.errors import CacheCapacityError, ConfigError, DeviceBudgetError, MoestreamError  # noqa: E402
+from engine.experts.policy import can_decline, make_policy  # noqa: E402
 from engine.units import format_bytes, parse_bytes  # noqa: E402
 from headline_variants import RayLoaders, Variant, disk_tier, print_table  # noqa: E402
 
@@ -156,16 +158,20 @@ def rotating_trace(tokens: int, shape: ModelShape, span: int):
     return RoutingTrace(L, shape.experts, K, [t for t in range(tokens) for _ in range(L)], list(range(L)) * tokens, ex)
 
 
-def simulated_hit_rate(trace, slots: int, skip_tokens: int, policy: str) -> float:
+def simulated_hit_rate(trace, slots: int, skip_tokens: int, policy: str, bypass: bool = False) -> float:
     """Hit rate of ``policy`` at ``slots`` on the trace after its first ``skip_tokens`` tokens
-    (the replay is causal, so the hits of the prefix are the prefix's own)."""
-    from engine.experts.simulate import simulate
+    (the replay is causal, so the hits of the prefix are the prefix's own); ``bypass``: with
+    admission control (the live cache's staging slots). Each record is replayed in the order the
+    MoE layer acquires its experts (ascending ids), which admission decisions depend on."""
+    from engine.experts.simulate import in_acquire_order, simulate
+
+    trace = in_acquire_order(trace)
 
     per_token = trace.num_layers
-    full = simulate(trace, policy, slots)
+    full = simulate(trace, policy, slots, bypass=bypass)
     if not skip_tokens:
         return full.hit_rate
-    head = simulate(trace[:skip_tokens * per_token], policy, slots)
+    head = simulate(trace[:skip_tokens * per_token], policy, slots, bypass=bypass)
     return (full.hits - head.hits) / (full.accesses - head.accesses)
 
 
@@ -226,6 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dense", choices=sorted(DENSE_BYTES_PER_PARAM), default=None,
                     help="dense format (default: int8 on CPU, bf16 on a GPU)")
     ap.add_argument("--policy", default="sweep")
+    ap.add_argument("--admission", action="store_true",
+                    help="admission control: top-k of the expert slots become staging slots for misses the policy "
+                         "declines to cache (default: every miss cached)")
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--locality", type=float, default=0.3)
     ap.add_argument("--trace", default=None, help="routing trace (.npz) of the run's shape instead of a synthetic one")
@@ -277,12 +286,23 @@ def run(args) -> int:
     ledger = None if args.dry_run else DeviceBudget(budget, device)
     workspace += ledger.context if ledger is not None else 0
     split = memory_split(shape, budget, dense_format=dense, context=context, workspace=workspace)
-    slots = split.num_slots if share is None else min(split.num_slots, max(shape.top_k, int(share * shape.num_experts_total)))
+    # admission control: top_k staging slots (one token's misses) out of the expert slots
+    staging = shape.top_k if args.admission else 0
+    if staging and not can_decline(make_policy(args.policy)):
+        raise ConfigError(f"--admission: policy {args.policy!r} never declines a miss (use sweep)")
+    if split.num_slots - staging < shape.top_k:
+        raise DeviceBudgetError(f"--admission: {split.num_slots} expert slots leave fewer than top_k={shape.top_k} "
+                                f"beside {staging} staging slots; raise --vram-budget or drop --admission")
+    room = split.num_slots - staging
+    slots = room if share is None else min(room, max(shape.top_k, int(share * shape.num_experts_total)))
     if scaled and share is None:  # the full model's share of experts resident, per layer
         whole = memory_split(SHAPES[name], budget, dense_format=dense, context=context, workspace=workspace)
-        slots = min(split.num_slots, max(shape.top_k, whole.num_slots * shape.layers // SHAPES[name].layers))
+        slots = min(room, max(shape.top_k, (whole.num_slots - staging) * shape.layers // SHAPES[name].layers))
     slot_note = (", the full model's share per layer" if scaled and share is None
-                 else ", capped by --slots" if slots < split.num_slots else "")
+                 else ", capped by --slots" if slots < room else "")
+    staging_note = (f" + staging slots {staging} x {format_bytes(shape.slot_bytes)} = "
+                    f"{format_bytes(staging * shape.slot_bytes)} (admission control)" if staging else
+                    " (no staging: every miss cached)")
     ram_need = shape.num_experts_total * shape.slot_bytes
     headroom = parse_bytes(args.ram_headroom, name="--ram-headroom")
     avail = host_available()
@@ -292,14 +312,14 @@ def run(args) -> int:
     print(f"budgets: device {format_bytes(budget)} = dense {format_bytes(split.dense)} + KV({context} tok) "
           f"{format_bytes(split.kv)} + state {format_bytes(split.state)} + workspace {format_bytes(workspace)} + "
           f"expert slots {slots} x {format_bytes(shape.slot_bytes)} = {format_bytes(slots * shape.slot_bytes)} "
-          f"({slots / shape.num_experts_total:.1%} of the experts{slot_note}); "
+          f"({slots / shape.num_experts_total:.1%} of the experts{slot_note}){staging_note}; "
           f"host RAM: available {format_bytes(avail)}, headroom {format_bytes(headroom)}, RAM tier (every expert) "
           f"{format_bytes(ram_need)}")
     if ram_need + headroom > avail:
         raise CacheCapacityError(
             f"the RAM tier needs {format_bytes(ram_need)} + {format_bytes(headroom)} headroom but the host has "
             f"{format_bytes(avail)} available; run fewer layers (--layers) and scale per layer")
-    figures.update(slots=slots, budget=budget)
+    figures.update(slots=slots, budget=budget, staging_slots=staging, admission=bool(staging))
     predictions: list = []
     if args.dry_run:
         full_shape_predictions(args, None, predictions)
@@ -317,12 +337,16 @@ def run(args) -> int:
     print(f"RAM tier: {format_bytes(source.nbytes)} generated in {source.fill_seconds:.1f} s "
           f"({'pinned' if source.pinned else 'pageable'})")
     ledger.charge("expert slots", slots * shape.slot_bytes)
+    if staging:
+        ledger.charge("staging slots", staging * shape.slot_bytes)
     ledger.charge("KV cache", split.kv)
     ledger.charge("calibration slots", calib_slots * shape.slot_bytes)
     ledger.charge("workspace", workspace - ledger.context - calib_slots * shape.slot_bytes)
     with ledger.guard("building the model"):
-        sm = build_synthetic_model(shape, device_budget=slots * shape.slot_bytes, device=args.device, dense=dense,
-                                   policy=args.policy, seed=args.seed, trace=trace, source=source)
+        sm = build_synthetic_model(shape, device_budget=(slots + staging) * shape.slot_bytes, device=args.device,
+                                   dense=dense, policy=args.policy, seed=args.seed, trace=trace, source=source,
+                                   admission=bool(staging))
+        assert (sm.cache.num_slots, sm.cache.num_staging) == (slots, staging)
     extras = contextlib.ExitStack()
     try:
         model, cache = sm.model, sm.cache
@@ -343,7 +367,7 @@ def run(args) -> int:
         # measured blocks (a shared machine's load changes over seconds; medians over blocks
         # spread through the run see the same load), without touching the measured cache.
         main_cache = sm.cache
-        calib_cache = make_cache(sm, calib_slots)
+        calib_cache = make_cache(sm, calib_slots, admission=False)  # no staging: its bytes are the workspace's
         span = max(shape.top_k, min(shape.experts, 3 * calib_slots // (4 * shape.layers)))
         warm = 2 * -(-span // shape.top_k) + 1  # tokens until the hit rotation is resident
         rounds, hit_block, miss_block = 4, 6, 6
@@ -421,7 +445,8 @@ def run(args) -> int:
                   f"overhead taken as 0")
         overhead = max(overhead, 0.0)
         miss_overhead = max(0.0, (t_miss - t_res) / max(miss_per_token, 1e-9) - shape.expert_bytes / link_bw)
-        sim_hit = simulated_hit_rate(trace[:(warmup + tokens) * shape.layers], slots, warmup, args.policy)
+        sim_hit = simulated_hit_rate(trace[:(warmup + tokens) * shape.layers], slots, warmup, args.policy,
+                                     bypass=bool(staging))
         target = Target("this device", mem_bw, link_bw, budget, overhead, miss_overhead_s=miss_overhead)
         pred = predict(shape, target, sim_hit, dense_format=dense)
         err = pred.tok_s / tps - 1
@@ -435,16 +460,19 @@ def run(args) -> int:
             ("decode tok/s (median step / mean)", f"{tps:.2f} / {mean_tps:.2f}"
              + (f" (per-layer scaled to {SHAPES[name].layers} layers: {tps * shape.layers / SHAPES[name].layers:.2f})"
                 if scaled else "")),
-            ("device expert hit rate (live / simulated)", f"{live_hit:.1%} / {sim_hit:.1%}"),
+            ("device expert hit rate (live / simulated)", f"{live_hit:.1%} / {sim_hit:.1%}"
+             + (f" (admission control: {m.bypassed} of {m.misses} misses served from staging)" if staging
+                else " (every miss cached)")),
             ("expert bytes per token from RAM", format_bytes(to_device)),
             ("expert bytes per token from disk", "0 B (the RAM tier holds every expert)" + disk_note(rows_v)),
             ("host-to-device GB/s achieved (copies) / measured link", f"{achieved_link / 1e9:.2f} / {link_bw / 1e9:.2f}"),
             ("stall fraction (waiting for experts)", f"{stall:.1%}"),
             ("kernel launches per token" if device.type == "cuda" else "native calls per token",
              f"{launches:.0f}" if launches is not None else (f"{calls:.0f}" if calls is not None else "n/a (torch path)")),
-            ("device memory: dense / KV / state / expert slots",
+            ("device memory: dense / KV / state / expert slots / staging slots",
              f"{format_bytes(dense_bytes)} / {format_bytes(split.kv)} / {format_bytes(split.state)} / "
-             f"{format_bytes(slots * shape.slot_bytes)} (peak {format_bytes(peak)} of {format_bytes(budget)})"),
+             f"{format_bytes(slots * shape.slot_bytes)} / {format_bytes(staging * shape.slot_bytes)} "
+             f"(peak {format_bytes(peak)} of {format_bytes(budget)})"),
             ("calibration: device read GB/s / overhead per layer / per miss",
              f"{mem_bw / 1e9:.1f} / {overhead * 1e6:.0f} µs / {miss_overhead * 1e6:.0f} µs "
              f"(all-hit {1 / t_res:.1f} tok/s, all-miss {1 / t_miss:.1f} tok/s at {miss_per_token:.1f} misses/token)"),
@@ -460,7 +488,8 @@ def run(args) -> int:
         figures.update(decode_tps=tps, decode_tps_mean=mean_tps, hit_rate=live_hit, sim_hit_rate=sim_hit, ram_bytes_per_token=to_device,
                        disk_bytes_per_token=0, link_gbs=achieved_link / 1e9, stall_fraction=stall,
                        calls_per_token=calls, launches_per_token=launches, dense_bytes=dense_bytes, kv_bytes=split.kv,
-                       state_bytes=split.state, slot_bytes=slots * shape.slot_bytes, peak=peak,
+                       state_bytes=split.state, slot_bytes=slots * shape.slot_bytes,
+                       staging_bytes=staging * shape.slot_bytes, bypassed=m.bypassed, peak=peak,
                        overhead_s=overhead, miss_overhead_s=miss_overhead, mem_bw=mem_bw, link_bw=link_bw, predicted_tps=pred.tok_s, model_error=err)
     finally:
         extras.close()
@@ -471,16 +500,19 @@ def run(args) -> int:
     return 0
 
 
-def make_cache(sm, slots: int, store=None, source=None):
-    """Another expert cache like the model's, with ``slots`` slots (over another store and
-    source when given)."""
+def make_cache(sm, slots: int, store=None, source=None, admission: bool | None = None):
+    """Another expert cache like the model's, with ``slots`` cache slots and its staging slots
+    (over another store and source when given; ``admission`` False: none)."""
     from dataclasses import replace
 
     from engine.experts.cache import ExpertCache
 
     c = sm.cache
-    return ExpertCache(store or sm.store, source or sm.source, replace(c.config, device_budget=slots * c.slot_bytes),
-                       routers=c.routers, device=c.device)
+    on = c.admission if admission is None else admission
+    staging = c.num_staging if on else 0
+    cfg = replace(c.config, device_budget=(slots + staging) * c.slot_bytes, admission=on,
+                  staging_slots=staging or None)
+    return ExpertCache(store or sm.store, source or sm.source, cfg, routers=c.routers, device=c.device)
 
 
 def other_sources(args, sm, store, source, trace, slots, ledger, extras) -> list:
@@ -503,7 +535,7 @@ def other_sources(args, sm, store, source, trace, slots, ledger, extras) -> list
     out = []
 
     def add(label, src):
-        ledger.charge(f"expert slots ({label})", slots * store.shape.slot_bytes)
+        ledger.charge(f"expert slots ({label})", (slots + sm.cache.num_staging) * store.shape.slot_bytes)
         cache = make_cache(sm, slots, store=es, source=src)
         extras.callback(cache.close)
         out.append(Variant(label, cache, TraceRouting(trace, store.config.moe_layers), src))

@@ -14,20 +14,32 @@ Misses are served by copying from the ExpertSource (RAM tier / loaders) into a s
 ``miss_compute`` says so, computed on the CPU straight from the RAM tier's bytes (no transfer).
 Prefetch applies the next sparse layers' routers to the current hidden state and starts loads
 for the experts they would pick, on worker threads, overlapping the current layer's compute.
+
+Admission control (``CacheConfig.admission``, off by default; for a policy that can decline, as
+``sweep`` does): when a demand miss would evict a victim, the policy's ``admit(key, victim)``
+decides whether it is cached; a declined miss is copied into a *staging slot* instead, used by
+that acquire's compute and freed at its release, without entering the cache or evicting
+anything (``simulate(bypass=True)`` replays the same rule). Staging slots are rows of the same
+pool after the cache slots (``slots[num_slots:]``), so the slot map, the slot table and the
+views address them like cache slots; their bytes come out of ``device_budget``. There are
+``staging_slots`` of them (default ``top_k``: every miss of one token's acquire); a miss that
+finds them all in use is cached as without admission control (``staging_full`` counts it), so
+a full staging area never fails an acquire. Prefetches are always cached: the next layer's
+router predicted them, a stronger signal than the policy's estimate of their next use.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
 
 from engine.errors import CacheCapacityError, ConfigError
-from engine.experts.policy import PinnedPolicy, make_policy
+from engine.experts.policy import PinnedPolicy, can_decline, make_policy
 from engine.experts.slots import Key, SlotTable
 from engine.experts.tiers import ExpertSource, TierCounters, align_up
 from engine.layers.moe import ExpertProvider
@@ -44,6 +56,10 @@ class CacheConfig:
     prefetch_depth: int = 1  # sparse layers ahead to predict; 0 = off
     miss_compute: str = "transfer"  # transfer | cpu | auto (cost model)
     io_threads: int = 2
+    # admission control (see the module docstring); off by default: at the same device budget
+    # its staging slots cost more hits than declining wins (README "Expert cache policy")
+    admission: bool = False
+    staging_slots: int | None = None  # staging slots with admission control; None: top_k
 
     def __post_init__(self) -> None:
         if self.device_budget <= 0:
@@ -54,12 +70,36 @@ class CacheConfig:
             raise ConfigError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.io_threads < 1:
             raise ConfigError(f"io_threads must be >= 1, got {self.io_threads}")
+        if not isinstance(self.admission, bool):
+            raise ConfigError(f"admission must be True or False, got {self.admission!r}")
+        if self.staging_slots is not None and (isinstance(self.staging_slots, bool)
+                                               or not isinstance(self.staging_slots, int) or self.staging_slots < 1):
+            raise ConfigError(f"staging_slots must be an int >= 1 (or None: top_k), got {self.staging_slots!r}")
+
+
+def plan_slots(config: CacheConfig, slot_bytes: int, top_k: int, policy_declines: bool) -> tuple[int, int]:
+    """(cache slots, staging slots) of ``config.device_budget``: with admission control the
+    staging slots come out of the budget, and at least ``top_k`` cache slots must remain."""
+    total = config.device_budget // slot_bytes
+    if not config.admission:
+        return total, 0
+    if not policy_declines:
+        raise ConfigError(f"admission=True: policy {config.policy!r} never declines a miss "
+                          f"(admission control needs one with admit(), e.g. 'sweep')")
+    staging = config.staging_slots or top_k
+    if total - staging < top_k:
+        raise CacheCapacityError(
+            f"admission control needs {staging} staging slots beside top_k={top_k} cache slots of "
+            f"{slot_bytes} bytes: give at least {(staging + top_k) * slot_bytes} bytes, or admission=False")
+    return total - staging, staging
 
 
 @dataclass
 class LayerMetrics:
     hits: int = 0
     misses: int = 0
+    bypassed: int = 0  # misses the policy declined to cache: served from a staging slot
+    staging_full: int = 0  # misses that evicted without asking the policy: every staging slot in use
     late_prefetch: int = 0  # needed while its prefetch was still in flight
     cpu_computed: int = 0  # misses computed on the CPU from RAM instead of transferred
     bytes_to_device: int = 0
@@ -94,6 +134,7 @@ class CacheMetrics:
         out = {
             "device_hit_rate": t.hits / acc if acc else 0.0,
             "device_hits": t.hits, "device_misses": t.misses,
+            "device_bypassed": t.bypassed, "staging_full": t.staging_full,
             "cpu_computed": t.cpu_computed,
             "bytes_to_device_per_token": t.bytes_to_device / tok,
             "stall_s": t.stall_s,
@@ -124,6 +165,15 @@ class QuantizedExpert:
         return expert_forward(x, self.gate, self.up, self.down).to(x.dtype)
 
 
+@dataclass
+class _Staged:
+    """A declined miss in a staging slot: held by ``pins`` acquires, filled when ``future`` is."""
+
+    slot: int
+    pins: int
+    future: Future
+
+
 class ExpertCache(ExpertProvider):
     def __init__(self, store, source: ExpertSource, config: CacheConfig,
                  routers: Mapping[int, torch.Tensor] | None = None,
@@ -131,21 +181,28 @@ class ExpertCache(ExpertProvider):
         self.store, self.source, self.config = store, source, config
         self.device = torch.device(device)
         self.slot_bytes = align_up(store.expert_nbytes)
-        self.num_slots = config.device_budget // self.slot_bytes
         top_k = store.config.moe.top_k
+        policy = make_policy(config.policy, num_experts=store.config.moe.num_experts, top_k=top_k)
+        if config.pinned:
+            policy = PinnedPolicy(policy, config.pinned)
+        # cache slots, then the staging slots of admission control (rows num_slots.. of the pool)
+        self.num_slots, self.num_staging = plan_slots(config, self.slot_bytes, top_k, can_decline(policy))
         if self.num_slots < top_k:
             raise CacheCapacityError(
                 f"device budget {config.device_budget} bytes holds {self.num_slots} expert slots of "
                 f"{self.slot_bytes} bytes; one token needs top_k={top_k}: give at least "
                 f"{top_k * self.slot_bytes} bytes")
-        self.slots = torch.empty(self.num_slots, self.slot_bytes, dtype=torch.uint8, device=self.device)
-        policy = make_policy(config.policy, num_experts=store.config.moe.num_experts, top_k=top_k)
+        total = self.num_slots + self.num_staging
+        self.slots = torch.empty(total, self.slot_bytes, dtype=torch.uint8, device=self.device)
         # which key each slot holds, pins, loads in flight, the policy: under self.lock
-        self.table = SlotTable(self.num_slots, PinnedPolicy(policy, config.pinned) if config.pinned else policy)
+        self.table = SlotTable(self.num_slots, policy)
+        # staging: free staging slots (pop() hands out the first) and the declined misses held
+        self.staging_free: list[int] = list(range(total - 1, self.num_slots - 1, -1))
+        self.staged: dict[Key, _Staged] = {}
         self.views: dict[int, QuantizedExpert] = {}
         self._slot_views: dict[int, tuple[int, QuantizedExpert]] = {}  # slot -> (layout key, views)
         # the fused step's view of the same slots: one row per slot (engine.quant.kernels.slot_row)
-        self.slot_rows = torch.zeros(self.num_slots, SLOT_ROW, dtype=torch.int64)
+        self.slot_rows = torch.zeros(total, SLOT_ROW, dtype=torch.int64)
         self.prefetched: set[Key] = set()  # loaded by prefetch and not used yet
         self.needed: set[Key] = set()  # routed by the running layer: never a prefetch victim
         self.predicted: dict[int, set[int]] = {}
@@ -197,6 +254,16 @@ class ExpertCache(ExpertProvider):
     def max_experts_per_acquire(self) -> int:
         return self.num_slots - len(self.config.pinned)
 
+    @property
+    def admission(self) -> bool:
+        """Whether admission control is on (staging slots exist)."""
+        return self.num_staging > 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes of the slot pool: cache and staging slots."""
+        return (self.num_slots + self.num_staging) * self.slot_bytes
+
     def _fill_pinned(self, keys) -> None:
         if len(keys) > self.num_slots - self.store.config.moe.top_k:
             raise CacheCapacityError(
@@ -212,12 +279,15 @@ class ExpertCache(ExpertProvider):
         t0 = time.perf_counter()
         waits: list[tuple[Key, Future]] = []
         cpu_keys: list[Key] = []
-        to_load: list[Key] = []
+        fills: list[tuple[Key, int, Future, bool]] = []  # demand misses this acquire copies in
+        later: list[Key] = []  # misses that found every slot pinned or loading
         with self.lock:
             self.table.tick()
             self.needed = set(keys)
             for key in keys:
                 self.table.pin(key)
+            # one pass in routing order, as the simulator replays a record: hits, and a slot
+            # (cache or staging) for each miss, so the policy sees the same sequence of calls
             for key in keys:
                 if self.table.resident(key):
                     m.hits += 1
@@ -230,45 +300,113 @@ class ExpertCache(ExpertProvider):
                     m.misses += 1
                     self.prefetched.discard(key)
                     waits.append((key, self.loading[key]))
+                elif key in self.staged:  # staged by another acquire still running: shared
+                    st = self.staged[key]
+                    st.pins += 1
+                    m.hits += 1  # its bytes are on the device: nothing moves
+                    waits.append((key, st.future))
                 elif self._compute_on_cpu(len(keys)):
                     m.misses += 1
                     m.cpu_computed += 1
                     cpu_keys.append(key)
                 else:
                     m.misses += 1
-                    to_load.append(key)
+                    claim = self._claim(key, self.needed, m)
+                    if claim is None:
+                        later.append(key)
+                    else:
+                        fills.append(claim)
         # Misses whose blob is in host RAM are a memcpy: this thread copies them (a pool thread
         # would only add a hand-off). The others need NVMe reads, which overlap best in parallel:
         # all but the last start first, on the pool; this thread copies the RAM ones meanwhile,
         # then reads the last. (Demo store, 60% budget, 1 thread: 35 -> 38-40 tok/s; 1.3B store,
         # 10% RAM, synthetic routing: every miss on the pool 8.5, every miss inline 7.3, this 9.5.)
         needed = set(keys)
-        in_ram = [k for k in to_load if self.source.likely_in_ram(k)]
-        nvme = [k for k in to_load if k not in in_ram]
-        for key in nvme[:-1]:
-            waits.append((key, self._load_on_demand(key, needed)))
-        for key in in_ram + nvme[-1:]:
-            waits.append((key, self._load_on_demand(key, needed, inline=True)))
+        in_ram, nvme = [], []
+        for f in fills:
+            (in_ram if self.source.likely_in_ram(f[0]) else nvme).append(f)
+        order = nvme[:-1] + in_ram + nvme[-1:]
+        started = 0
         try:
+            for i, f in enumerate(order):
+                waits.append((f[0], f[2]))
+                if i < len(nvme) - 1:
+                    self.pool.submit(self._fill, *f)
+                else:
+                    self._fill(*f)
+                started += 1
+            for key in later:
+                waits.append((key, self._load_on_demand(key, needed, m)))
             for key, fut in waits:
                 fut.result()
         except BaseException:
+            # before release frees this acquire's staging slots, no copy may still write them
+            for i, (key, slot, fut, staged) in enumerate(order):
+                if i < started or fut.done():
+                    _settle(fut)
+                else:  # never started: its claim is undone here
+                    self._abandon(key, slot, fut, staged)
             self.release(layer, expert_ids)
             raise
-        out = {key[1]: self.views[self.slot_of[key]] for key in keys if key not in cpu_keys}
+        out = {key[1]: self._view_of(key) for key in keys if key not in cpu_keys}
         for key in cpu_keys:
             out[key[1]] = self._cpu_expert(key)
         if waits:
             m.stall_s += time.perf_counter() - t0
         return out
 
-    def _load_on_demand(self, key: Key, needed: set[Key], inline: bool = False) -> Future:
-        """Start loading a demand miss; ``inline``: copy it in this thread (the step would only
-        wait for a pool thread otherwise; the hand-off cost ~50 µs per miss, more than copying a
-        small expert) and return a finished future. When every slot is pinned or loading, a
-        prefetch may be holding the slot this step needs: wait for one to land (it becomes
-        evictable) and retry; only when nothing but this step's own experts is in the way is it
-        a capacity error."""
+    def _claim(self, key: Key, protect: set[Key], m: LayerMetrics) -> tuple[Key, int, Future, bool] | None:
+        """Under the lock: a slot for the demand miss ``key``, as (key, slot, future, staged) for
+        :meth:`_fill`: a cache slot (free, or the policy's victim's), or, when the policy
+        declines to evict the victim for it, a staging slot. None: every slot is pinned or
+        loading. The policy is asked only while a staging slot is free."""
+        ask = bool(self.staging_free)
+        taken = self.table.reserve(key, protect, admit=ask)
+        if taken is None:
+            return None
+        slot, victim = taken
+        fut: Future = Future()
+        if slot is None:  # declined: used once from a staging slot, never cached
+            slot = self.staging_free.pop()
+            self.staged[key] = _Staged(slot, 1, fut)
+            m.bypassed += 1
+            return key, slot, fut, True
+        if victim is not None and self.num_staging and not ask:
+            m.staging_full += 1
+        self.prefetched.discard(victim)
+        self.loading[key] = fut
+        return key, slot, fut, False
+
+    def _fill(self, key: Key, slot: int, fut: Future, staged: bool) -> None:
+        """Copy ``key`` into its claimed slot and settle ``fut`` (its waiters re-raise an error).
+        A failed copy into a cache slot frees the slot; a staging slot is freed at release."""
+        try:
+            self._copy_in(key, slot)
+        except BaseException as e:
+            if not staged:
+                with self.lock:
+                    self.table.rollback(key, slot)
+                    self.prefetched.discard(key)
+            fut.set_exception(e)
+            return
+        if not staged:
+            with self.lock:
+                self.table.loaded(key)
+        fut.set_result(None)
+
+    def _abandon(self, key: Key, slot: int, fut: Future, staged: bool) -> None:
+        """A claim whose copy never started (the acquire failed first): free its cache slot
+        (a staging slot is freed at release) and fail its future for anyone waiting on it."""
+        if not staged:
+            with self.lock:
+                self.table.rollback(key, slot)
+        fut.set_exception(CacheCapacityError(f"layer {key[0]} expert {key[1]}: the acquire failed before its copy"))
+
+    def _load_on_demand(self, key: Key, needed: set[Key], m: LayerMetrics) -> Future:
+        """A demand miss that found every slot pinned or loading: a prefetch may be holding the
+        slot this step needs, so wait for one to land (it becomes evictable) and retry; only when
+        nothing but this step's own experts is in the way is it a capacity error. The copy runs
+        in this thread; returns its finished future."""
         while True:
             with self.lock:
                 if key in self.loading:  # someone started it meanwhile
@@ -277,28 +415,22 @@ class ExpertCache(ExpertProvider):
                     done: Future = Future()
                     done.set_result(None)
                     return done
-                try:
-                    slot = self._reserve(key, protect=needed)
-                except CacheCapacityError:
-                    others = [f for k, f in self.loading.items() if k not in needed]
-                    if not others:
-                        self._unpin(list(needed))  # nothing of this acquire stays pinned
-                        raise
-                else:
-                    if not inline:
-                        return self._start_load(key, slot)
-                    fut = self.loading[key] = Future()
+                claim = self._claim(key, needed, m)
+                if claim is not None:
                     break
-            try:
-                others[0].result()
-            except Exception:
-                pass  # that prefetch's error belongs to whoever needs its expert
-        try:
-            self._load(key, slot)
-            fut.set_result(None)
-        except BaseException as e:  # the waiter (this acquire, or a prefetch's) re-raises it
-            fut.set_exception(e)
-        return fut
+                others = [f for k, f in self.loading.items() if k not in needed]
+                if not others:
+                    raise CacheCapacityError(
+                        f"all {self.num_slots} device slots are pinned or loading; a step needs more "
+                        f"distinct experts at once than the device budget holds")
+            _settle(others[0])  # that prefetch's error belongs to whoever needs its expert
+        self._fill(*claim)
+        return claim[2]
+
+    def _view_of(self, key: Key) -> QuantizedExpert:
+        """Under a pin: the views of an acquired expert's slot (staging or cache)."""
+        st = self.staged.get(key)
+        return self.views[st.slot if st is not None else self.slot_of[key]]
 
     def release(self, layer: int, expert_ids: list[int]) -> None:
         keys = [(layer, e) for e in expert_ids]
@@ -307,10 +439,16 @@ class ExpertCache(ExpertProvider):
             fence = torch.cuda.Event()
             fence.record(torch.cuda.current_stream(self.device))
         with self.lock:
-            if fence is not None:
-                for key in keys:
-                    if key in self.slot_of:
-                        self._slot_fence[self.slot_of[key]] = fence
+            for key in keys:
+                st = self.staged.get(key)
+                slot = st.slot if st is not None else self.slot_of.get(key)
+                if fence is not None and slot is not None:
+                    self._slot_fence[slot] = fence
+                if st is not None:
+                    st.pins -= 1
+                    if st.pins == 0:  # the last acquire holding it: the staging slot is free
+                        del self.staged[key]
+                        self.staging_free.append(st.slot)
             self._unpin(keys)
 
     def _unpin(self, keys: list[Key]) -> None:
@@ -342,7 +480,7 @@ class ExpertCache(ExpertProvider):
             with self.lock:
                 for e in picks:
                     key = (nxt, e)
-                    if key in self.slot_of:
+                    if key in self.slot_of or key in self.staged:  # a staged key is never cached too
                         continue
                     try:
                         slot = self._reserve(key, protect=self.needed | {(nxt, p) for p in picks})
@@ -374,20 +512,10 @@ class ExpertCache(ExpertProvider):
         return slot
 
     def _start_load(self, key: Key, slot: int) -> Future:
-        fut = self.pool.submit(self._load, key, slot)
-        self.loading[key] = fut
+        """Under the lock: copy ``key`` into its reserved cache slot on the pool (a prefetch)."""
+        fut = self.loading[key] = Future()
+        self.pool.submit(self._fill, key, slot, fut, False)
         return fut
-
-    def _load(self, key: Key, slot: int) -> None:
-        try:
-            self._copy_in(key, slot)
-        except BaseException:
-            with self.lock:
-                self.table.rollback(key, slot)
-                self.prefetched.discard(key)
-            raise
-        with self.lock:
-            self.table.loaded(key)
 
     @torch.inference_mode()  # grad mode is per thread: slots made under inference_mode stay writable
     def _copy_in(self, key: Key, slot: int) -> None:
@@ -450,8 +578,13 @@ class ExpertCache(ExpertProvider):
         if self.device.type != "cpu":
             return None
         with self.lock:
-            slots = [-1 if experts[e].on_cpu else self.slot_of[(layer, e)] for e in expert_ids]
+            slots = [-1 if experts[e].on_cpu else self._slot_of_acquired((layer, e)) for e in expert_ids]
         return self.slot_rows, slots
+
+    def _slot_of_acquired(self, key: Key) -> int:
+        """Under the lock: the slot (staging or cache) of an acquired expert."""
+        st = self.staged.get(key)
+        return st.slot if st is not None else self.slot_of[key]
 
     def _unpack(self, key: Key, buf: torch.Tensor, on_cpu: bool = False) -> QuantizedExpert:
         g, u, d = self.store.expert_tensors(*key, buf)
@@ -466,13 +599,16 @@ class ExpertCache(ExpertProvider):
         # auto: moving the blob costs bytes * transfer; computing on the CPU costs one pass over
         # the weights (memory-bound at small token counts). Both are measured: the transfer on
         # every copy (EMA), the CPU pass once, on the first resident expert.
-        if not self._cpu_calibrated and self.views:
+        if not self._cpu_calibrated and self.slot_of:
             self._calibrate_cpu()
         return self._cpu_s_per_byte < self._transfer_s_per_byte
 
     def _calibrate_cpu(self) -> None:
-        slot, view = next(iter(self.views.items()))
-        key = next(k for k, s in self.slot_of.items() if s == slot)
+        """Under the lock: time one CPU pass over a resident cache slot's expert (none yet: later)."""
+        key, slot = next(((k, s) for k, s in self.slot_of.items()
+                          if k not in self.loading and s in self.views), (None, None))
+        if key is None:
+            return
         nbytes = self.store.entry(*key).nbytes
         cpu_view = self._unpack(key, self.slots[slot].cpu(), on_cpu=True)
         x = torch.zeros(1, self.store.config.hidden_size)
@@ -504,6 +640,29 @@ class ExpertCache(ExpertProvider):
                 except Exception:
                     pass  # the error belongs to whoever acquires that expert; drain only waits
 
+    def reconfigured(self, **changes) -> "ExpertCache":
+        """A new, empty cache over the same store, source, routers and device, its config this
+        one's with ``changes`` (``dataclasses.replace``); this one is left as it is."""
+        from dataclasses import replace
+
+        return ExpertCache(self.store, self.source, replace(self.config, **changes), routers=self.routers,
+                           device=self.device)
+
+    def attach(self, model) -> None:
+        """Serve ``model``'s sparse layers from this cache (its native step is rebuilt)."""
+        for block in model.moe_blocks:
+            block.provider = self
+        model.invalidate_native_step()
+
+    def replay(self, trace) -> LayerMetrics:
+        """Acquire and release every record of a routing trace in order (one token's experts in
+        one layer each: what decode at batch 1 asks); the totals of the metrics after. Replays
+        the access stream ``engine.experts.simulate.simulate`` replays (``bypass`` = admission)."""
+        for layer, ids in zip(trace.layer.tolist(), trace.experts.tolist()):
+            self.acquire(layer, ids)
+            self.release(layer, ids)
+        return self.metrics.total()
+
     def resident_keys(self) -> set[Key]:
         with self.lock:
             return {k for k in self.slot_of if k not in self.loading}
@@ -511,3 +670,8 @@ class ExpertCache(ExpertProvider):
     def close(self) -> None:
         self.drain()
         self.pool.shutdown(wait=True)
+
+
+def _settle(fut: Future) -> None:
+    """Wait for ``fut`` to finish; its error is its owner's to raise."""
+    wait([fut])

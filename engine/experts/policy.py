@@ -52,6 +52,7 @@ __all__ = [
     "PinnedPolicy",
     "POLICY_NAMES",
     "make_policy",
+    "can_decline",
     "next_use_indices",
     "top_keys",
 ]
@@ -391,6 +392,14 @@ class PinnedPolicy(EvictionPolicy):
         """The inner policy's admission decision; always admit when it has none."""
         admit = getattr(self.inner, "admit", None)
         return True if admit is None else admit(key, victim, now)
+
+
+def can_decline(policy: EvictionPolicy) -> bool:
+    """Whether ``policy`` may decline to cache a miss (admission control: it has an
+    ``admit(key, victim, now)``; a pinned set counts its inner policy's)."""
+    if isinstance(policy, PinnedPolicy):
+        return can_decline(policy.inner)
+    return callable(getattr(policy, "admit", None))
 
 
 def top_keys(source: "RoutingTrace | Iterable[Key]", n: int, *, per_layer: bool = False) -> set[Key]:

@@ -35,7 +35,7 @@ as a ratio to the bound of its run (Belady, or Belady with bypass).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -304,6 +304,16 @@ def simulate(
         bypass=bypass,
         bypassed=bypassed,
     )
+
+
+def in_acquire_order(trace: RoutingTrace) -> RoutingTrace:
+    """``trace`` with each record's experts in ascending order: the order in which the MoE layer
+    asks the live cache for them (it acquires a layer's distinct routed experts sorted), so
+    ``simulate(in_acquire_order(trace), ...)`` replays the access stream the live cache sees.
+    Without admission control the order within a record hardly matters (the whole record is
+    protected while its misses are filled); with ``bypass=True`` it does: each miss is weighed
+    against the victim of that moment."""
+    return replace(trace, experts=np.sort(trace.experts, axis=1))
 
 
 def _layer_stream(keys: Sequence[Key], layer: int) -> list[Key]:

@@ -9,6 +9,7 @@ one event loop, and keeps its own futures in ``loading`` (concurrent.futures or 
 
 Life of a key:  reserve -> loading[key] = future -> loaded  (resident; a hit: hit)
                                                  -> rollback (a failed load: slot freed)
+                reserve(admit=True) -> (None, victim): declined, never recorded here
                 a resident key is evicted by a later reserve that picks it as the victim.
 """
 
@@ -52,11 +53,17 @@ class SlotTable:
         self.pins.pop(key, None)
         return True
 
-    def reserve(self, key: Key, protect: Iterable[Key] = ()) -> tuple[int, Key | None] | None:
+    def reserve(self, key: Key, protect: Iterable[Key] = (),
+                admit: bool = False) -> tuple[int | None, Key | None] | None:
         """A slot for ``key``: a free one, else the policy's victim among the resident keys that
         are neither pinned, loading nor in ``protect`` (forgotten: returned as the second item).
         ``key`` is recorded in the slot; the caller marks it loading and fills the bytes.
-        None: every resident key is protected."""
+        None: every resident key is protected.
+
+        ``admit``: admission control. Before a victim is evicted the policy's
+        ``admit(key, victim, clock)`` (policies without one always admit) decides; a declined
+        ``key`` returns ``(None, victim)`` and changes nothing here (the victim stays; the policy
+        has counted the use of ``key``): the caller serves it without caching it."""
         victim = None
         if self.free_slots:
             slot = self.free_slots.pop()
@@ -66,6 +73,9 @@ class SlotTable:
             victim = self.policy.victim(self.slot_of.keys(), guarded, self.clock)
             if victim is None:
                 return None
+            decide = getattr(self.policy, "admit", None) if admit else None
+            if decide is not None and not decide(key, victim, self.clock):
+                return None, victim
             slot = self.slot_of.pop(victim)
             self.policy.on_remove(victim)
         self.slot_of[key] = slot

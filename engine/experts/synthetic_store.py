@@ -312,11 +312,12 @@ class SyntheticModel:
 
 def build_synthetic_model(shape: ModelShape, *, device_budget: int, device: str = "cpu", dense: str = "int8",
                           policy: str = "sweep", seed: int = 0, trace=None,
-                          source: RAMExpertSource | None = None) -> SyntheticModel:
+                          source: RAMExpertSource | None = None, admission: bool = False) -> SyntheticModel:
     """A runnable model of ``shape``: random dense weights quantized to ``dense``, routed experts
     from a :class:`RAMExpertSource` through the live expert cache with ``device_budget`` bytes
     of slots on ``device``; routing from ``trace`` if given (prefetch is then off: predictions
-    of a random router say nothing about replayed routing)."""
+    of a random router say nothing about replayed routing). ``admission``: the cache's admission
+    control (:class:`~engine.experts.cache.CacheConfig`: top_k staging slots out of the budget)."""
     from engine.experts.cache import CacheConfig, ExpertCache
     from engine.models.load import build_model
     from engine.quant.linear import quantize_dense
@@ -326,7 +327,7 @@ def build_synthetic_model(shape: ModelShape, *, device_budget: int, device: str 
     cfg = store.config
     dense_source = store.dense_source()
     routers = {l: dense_source.get(f"model.layers.{l}.mlp.gate.weight") for l in cfg.moe_layers}
-    cache = ExpertCache(store, source, CacheConfig(device_budget=device_budget, policy=policy,
+    cache = ExpertCache(store, source, CacheConfig(device_budget=device_budget, policy=policy, admission=admission,
                                                    prefetch_depth=0 if trace is not None else 1),
                         routers=routers, device=device)
     try:
