@@ -47,6 +47,10 @@ def main() -> None:
                    "headroom (printed at start-up).")
 @click.option("--policy", type=click.Choice(["sweep", "lru", "lfu"]), default="sweep", show_default=True,
               help="Device cache eviction: sweep (farthest expected next use under the layer sweep), lru, lfu.")
+@click.option("--admission/--no-admission", default=False, show_default=True,
+              help="Admission control: a miss the policy (sweep) expects to reuse later than its "
+                   "victim runs from a staging slot instead of evicting (slots out of --device-budget; "
+                   "off by default: at the same budget it measured no better, README \"Expert cache policy\").")
 @click.option("--prefetch", "prefetch_depth", type=int, default=None,
               help="Sparse layers ahead to predict and prefetch (0 = off). Default: 1 on a GPU, 0 "
                    "when the device tier is CPU memory (prefetch then competes with compute).")
@@ -78,7 +82,7 @@ def main() -> None:
 @click.option("--speculative", default=None, metavar="ngram|self|draft:PATH",
               help="Lossless speculative decoding: prompt-lookup n-grams, self-speculation on the "
                    "device-resident experts (--store), or a draft model sharing the tokenizer.")
-def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, prefetch_depth,
+def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, admission, prefetch_depth,
              miss_compute, address, namespace, as_json, chat, max_tokens, temperature, top_k, top_p,
              min_p, seed, stop, dtype, dense, head_format, device_name, speculative):
     """Generate text from PROMPT, streaming it, then print one line of figures."""
@@ -112,8 +116,11 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
 
             raise TokenizerNotFoundError(f"store {store_path} has no tokenizer (its source had none); "
                                          "generate text needs one: re-convert from a checkpoint with a tokenizer")
+        from engine.experts.cache import check_admission
+
+        check_admission(policy, admission)
         loaded = _open_store(store_path, device_budget, ram_budget, policy, prefetch_depth,
-                             miss_compute, _dtype(dtype), dense, device, head_format)
+                             miss_compute, _dtype(dtype), dense, device, head_format, admission)
         model, tok = loaded.model, loaded.tokenizer
     else:
         from engine.loading import load_model
@@ -196,7 +203,7 @@ def _speculative_config(mode, draft, model, loaded, dtype, device="cpu"):
 
 
 def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype, dense,
-                device="cpu", head=None):
+                device="cpu", head=None, admission=False):
     from engine.experts.runtime import load_from_store, store_expert_bytes
     from engine.units import parse_bytes
 
@@ -208,17 +215,17 @@ def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_co
         check_budget("--device-budget", device_budget, dev, *device_memory(device))
     if ram is not None:
         check_budget("--ram-budget", ram_budget, ram, host_memory(), "RAM")
-    if dev is None or ram is None:
-        from engine.experts.runtime import auto_store_budgets
+    if dev is None or ram is None:  # a given one is taken out first, then the other resolved
+        from engine.experts.runtime import store_budgets
 
-        auto_dev, auto_ram, line = auto_store_budgets(path, device=device, dense=dense)
-        click.echo(line, err=True)
-        dev = auto_dev if dev is None else dev
-        ram = auto_ram if ram is None else ram
+        b = store_budgets(path, device=device, dense=dense, head=head, dtype=dtype,
+                          device_budget=dev, ram_budget=ram)
+        click.echo(b.line, err=True)
+        dev, ram = b.device, b.ram
     return load_from_store(
         path, device_budget=dev, ram_budget=ram, policy=policy,
         prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype, dense=dense, device=device,
-        head=head)
+        head=head, admission=admission)
 
 
 def _cache_line(loaded, tokens: int) -> str:
@@ -230,7 +237,8 @@ def _cache_line(loaded, tokens: int) -> str:
     return (f"expert hit rate {s['device_hit_rate']:.1%}, "
             f"{format_bytes(s['bytes_to_device_per_token'])}/token to device, "
             f"{format_bytes(s.get('nvme_bytes_per_token', 0))}/token from NVMe, "
-            f"stall {s['stall_s']:.2f} s")
+            f"stall {s['stall_s']:.2f} s"
+            + (f", {int(s.get('device_bypassed', 0))} misses staged" if loaded.cache.admission else ""))
 
 
 @main.command()

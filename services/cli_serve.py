@@ -38,6 +38,9 @@ from services.cli_checks import (check_budget, check_utf8, device_memory, fail a
               "decode node's available RAM less a 4 GiB headroom (on a CPU shared with the device tier).")
 @click.option("--kv-budget", default="256MiB", show_default=True)
 @click.option("--policy", default="sweep", show_default=True)
+@click.option("--admission/--no-admission", default=False, show_default=True,
+              help="Admission control in the device cache (sweep): declined misses run from "
+                   "staging slots instead of evicting.")
 @click.option("--prefetch-depth", type=int, default=None,
               help="Sparse layers ahead to prefetch; default 1 on a GPU, 0 on CPU.")
 @click.option("--queue-size", type=int, default=64, show_default=True)
@@ -69,7 +72,7 @@ from services.cli_checks import (check_budget, check_utf8, device_memory, fail a
 @click.option("--max-draft", type=int, default=8, show_default=True,
               help="Most draft tokens verified per request and step (1..16).")
 def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budget, policy,
-          prefetch_depth, queue_size, request_timeout, dtype, dashboard, num_cpus,
+          admission, prefetch_depth, queue_size, request_timeout, dtype, dashboard, num_cpus,
           object_store_memory, compute_threads, io_threads, http_address=None, api_key=None,
           served_model_name=None, max_waiting=None, speculative=None, max_draft=8):
     """Deploy the pipeline (router, decode, N loaders) for STORE."""
@@ -84,7 +87,7 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
     try:
         cfg = DeployConfig(store=store, address=address, namespace=namespace, loaders=loaders,
                            device_budget=dev, ram_budget=ram, kv_budget=kv_budget,
-                           policy=policy, prefetch_depth=prefetch_depth, queue_size=queue_size,
+                           policy=policy, admission=admission, prefetch_depth=prefetch_depth, queue_size=queue_size,
                            request_timeout_s=request_timeout, dtype=dtype,
                            include_dashboard=dashboard, num_cpus=num_cpus,
                            object_store_memory=object_store_memory, compute_threads=compute_threads,

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from engine.errors import ConfigError
 from engine.units import parse_bytes as _parse_bytes
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 def parse_bytes(value: int | str | None) -> int | None:
     """``2GiB`` -> 2147483648; ints pass through; None stays None (engine.units.parse_bytes)."""
@@ -59,6 +59,9 @@ class DeployConfig(BaseModel):
     kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     policy: Literal["sweep", "lru", "lfu", "lfu-pure"] = Field(
         "sweep", description="Eviction policy of the device expert cache.")
+    admission: bool = Field(False, description="Admission control in the device cache: a miss the "
+                            "policy expects to reuse later than its victim runs from a staging slot "
+                            "instead of evicting (sweep only; slots out of device_budget).")
     ram_policy: Literal["lru", "lfu", "lfu-pure"] = Field(
         "lru", description="Eviction policy of each loader's RAM tier.")
     dense_format: Literal["fp32", "bf16", "int8"] = Field(
@@ -123,6 +126,16 @@ class DeployConfig(BaseModel):
             raise ValueError(f"store {str(v)!r} has no manifest.json; make one with "
                              f"`moestream convert <model> --out {v}`")
         return v.resolve()
+
+    @model_validator(mode="after")
+    def _admission_needs_a_declining_policy(self) -> "DeployConfig":
+        from engine.experts.cache import check_admission
+
+        try:
+            check_admission(self.policy, self.admission)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return self
 
     def loader_ram_budget(self, slot_bytes: int, num_experts: int) -> int:
         """Each loader's share of the RAM tier (at least 4 slots, so a direct read racing an

@@ -280,6 +280,7 @@ class DecodeService:
         self.budgets = decode_budgets(cfg, self.device, told)
         log.info("%s", self.budgets.line)
         self.sm = load_from_store(cfg.store, device_budget=self.budgets.device, policy=cfg.policy,
+                                  admission=cfg.admission,
                                   prefetch_depth=cfg.prefetch_depth, source=source,
                                   device=self.device, dtype=dtype, dense=cfg.dense_format, head=cfg.head_format,
                                   io_threads=cfg.io_threads)

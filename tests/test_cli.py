@@ -37,6 +37,14 @@ def test_convert_then_generate_from_store_matches_checkpoint(tiny_mixtral, tmp_p
         assert streamed.exit_code == 0, streamed.output
         assert streamed.stdout == direct.stdout  # bf16 experts of a random model: same greedy text
         assert "expert hit rate" in streamed.stderr and "/token to device" in streamed.stderr
+    # admission control: declined misses run from staging slots; the text is the same
+    admitted = run("generate", "--store", store, "--device-budget", "25%", "--ram-budget", "50%",
+                   "--admission", "--max-tokens", 12, "Hello there")
+    assert admitted.exit_code == 0, admitted.output
+    assert admitted.stdout == direct.stdout
+    assert re.search(r"\d+ misses staged", admitted.stderr), admitted.stderr
+    bad = run("generate", "--store", store, "--device-budget", "25%", "--admission", "--policy", "lru", "hi")
+    assert bad.exit_code == 2 and "admission" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_info_reports_parameters_and_bytes_per_token(tiny_mixtral):

@@ -75,17 +75,23 @@ class CacheConfig:
         if self.staging_slots is not None and (isinstance(self.staging_slots, bool)
                                                or not isinstance(self.staging_slots, int) or self.staging_slots < 1):
             raise ConfigError(f"staging_slots must be an int >= 1 (or None: top_k), got {self.staging_slots!r}")
+        check_admission(self.policy, self.admission)
 
 
-def plan_slots(config: CacheConfig, slot_bytes: int, top_k: int, policy_declines: bool) -> tuple[int, int]:
+def check_admission(policy: str, admission: bool) -> None:
+    """ConfigError when admission control is asked of a policy that never declines a miss (one
+    without ``admit``: LRU, LFU); the CLI calls it before anything is sized or loaded."""
+    if admission and not can_decline(make_policy(policy)):
+        raise ConfigError(f"admission=True: policy {policy!r} never declines a miss "
+                          f"(admission control needs one with admit(), e.g. 'sweep')")
+
+
+def plan_slots(config: CacheConfig, slot_bytes: int, top_k: int) -> tuple[int, int]:
     """(cache slots, staging slots) of ``config.device_budget``: with admission control the
     staging slots come out of the budget, and at least ``top_k`` cache slots must remain."""
     total = config.device_budget // slot_bytes
     if not config.admission:
         return total, 0
-    if not policy_declines:
-        raise ConfigError(f"admission=True: policy {config.policy!r} never declines a miss "
-                          f"(admission control needs one with admit(), e.g. 'sweep')")
     staging = config.staging_slots or top_k
     if total - staging < top_k:
         raise CacheCapacityError(
@@ -186,7 +192,7 @@ class ExpertCache(ExpertProvider):
         if config.pinned:
             policy = PinnedPolicy(policy, config.pinned)
         # cache slots, then the staging slots of admission control (rows num_slots.. of the pool)
-        self.num_slots, self.num_staging = plan_slots(config, self.slot_bytes, top_k, can_decline(policy))
+        self.num_slots, self.num_staging = plan_slots(config, self.slot_bytes, top_k)
         if self.num_slots < top_k:
             raise CacheCapacityError(
                 f"device budget {config.device_budget} bytes holds {self.num_slots} expert slots of "

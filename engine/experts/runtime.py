@@ -37,7 +37,8 @@ def load_from_store(store_path, *, device_budget: int | None = None, ram_budget:
                     policy: str = "sweep", prefetch_depth: int | None = None, miss_compute: str = "transfer",
                     pinned=frozenset(), dtype: torch.dtype = torch.float32,
                     source: ExpertSource | None = None, device: str = "cpu",
-                    dense: str = "fp32", io_threads: int = 2, head: str | None = None) -> StoreModel:
+                    dense: str = "fp32", io_threads: int = 2, head: str | None = None,
+                    admission: bool = False) -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
     format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8), ``head``
     the LM head's (None: as ``dense``; int4 too). ``device``:
@@ -58,7 +59,8 @@ def load_from_store(store_path, *, device_budget: int | None = None, ram_budget:
         source = source or HostTier(store, ram_budget if ram_budget is not None else total * slot)
         cache_cfg = CacheConfig(device_budget=device_budget if device_budget is not None else total * slot,
                                 policy=policy, prefetch_depth=prefetch_depth,
-                                miss_compute=miss_compute, pinned=frozenset(pinned), io_threads=io_threads)
+                                miss_compute=miss_compute, pinned=frozenset(pinned), io_threads=io_threads,
+                                admission=admission)
         routers = {l: dense_source.get(f"model.layers.{l}.mlp.gate.weight").float() for l in cfg.moe_layers}
         cache = ExpertCache(store, source, cache_cfg, routers=routers, device=device)
     model = quantize_dense(build_model(cfg, dense_source, dtype=dtype, provider=cache), dense, head=head)
@@ -158,11 +160,3 @@ def store_budgets(store_path, *, device: str = "cpu", dense: str = "bf16", head:
                            device_free=device_free, host_available=host_available,
                            device_budget=device_budget, ram_budget=ram_budget, ram_from=ram_from,
                            resident_note=f"dense {dense}{head_note} + {kv_note} counted as resident")
-
-
-def auto_store_budgets(store_path, *, device: str = "cpu", dense: str = "bf16", context: int = 4096,
-                       headroom: int | None = None) -> tuple[int, int, str]:
-    """Both budgets ``auto`` for a store (:func:`store_budgets`, an fp32 KV cache of
-    ``context`` tokens): (device budget, RAM budget, the line to print)."""
-    b = store_budgets(store_path, device=device, dense=dense, context=context, headroom=headroom)
-    return b.device, b.ram, b.line

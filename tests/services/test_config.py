@@ -35,3 +35,10 @@ def test_config_validation(store_path):
         DeployConfig(store=store_path, loaders=0)
     with pytest.raises(ValidationError):
         DeployConfig(store=store_path, surprise=1)
+
+
+def test_admission_needs_a_policy_that_declines(tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")
+    assert DeployConfig(store=tmp_path, admission=True).admission  # sweep, the default policy
+    with pytest.raises(ValidationError, match="never declines"):
+        DeployConfig(store=tmp_path, admission=True, policy="lru")
