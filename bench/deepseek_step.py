@@ -1,7 +1,12 @@
 """DeepSeek-V3 decode on the CPU: the torch layers against the native step (engine.step_deepseek:
-MLA, the group-limited router and the expert FFN as three native calls per layer), same weights,
-same process, alternating rounds, median; greedy tokens checked equal on the exact path (float
-activations: int8 activations round differently in the two paths' summation orders).
+MLA, the group-limited router and the expert FFN as three native calls per layer), the native step
+twice: kv_b read as float32 copies (the reference path, the code before kv_b was read in its dense
+format) and in the dense format (int8 / bf16, engine/csrc/mla_kvb.cpp). Same weights, same process,
+alternating rounds, median; greedy tokens checked equal on the exact path (float activations: int8
+activations round differently in the paths' summation orders). Weight bytes read per decoded token
+of each native row (every dense linear, kv_b as that row reads it, the LM head, the routers, top-k
+routed experts per sparse layer), and kv_b's bytes per layer at DeepSeek-V3's published shape
+(computed: engine.step_deepseek.kv_b_bytes).
 
     python bench/deepseek_step.py                         # the default shape below
     python bench/deepseek_step.py --layers 2 --prompt 32 --new 16 --rounds 1   # a quick run
@@ -27,6 +32,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_llama_cpp import make_prompt, moestream_greedy, op_counts  # noqa: E402
 
+PATHS = (("torch layers", False, False), ("native step, float32 kv_b", True, True),
+         ("native step", True, False))  # (row, fused_step, float_kv_b)
+MIB = 2**20
+
+
+def weight_bytes_per_token(model, float_kv_b: bool, expert_fmt) -> int:
+    """Weight bytes one decoded token reads on the native step: every dense linear (kv_b as float32
+    copies or in its format), the LM head, the routers and top-k routed experts per sparse layer."""
+    from engine.quant.formats import payload_bytes
+    from engine.quant.linear import dense_linears
+    from engine.step_deepseek import kv_b_bytes
+
+    total = 0
+    for parent, name in dense_linears(model):
+        m = getattr(parent, name)
+        if name == "kv_b_proj" and float_kv_b:
+            total += kv_b_bytes(parent.nh, parent.nope, parent.vd, parent.rank)
+        else:
+            total += m.q.nbytes if hasattr(m, "q") else m.weight.numel() * m.weight.element_size()
+    for mlp in model.moe_blocks:
+        g = mlp.gate
+        total += g.weight.numel() * 4
+        i, h = model.config.moe.expert_intermediate_size, model.config.hidden_size
+        total += g.top_k * (2 * payload_bytes((i, h), expert_fmt) + payload_bytes((h, i), expert_fmt))
+    return total
+
 SHAPE = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
              num_key_value_heads=16, intermediate_size=2816, moe_intermediate_size=512, n_routed_experts=32,
              num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
@@ -49,6 +80,7 @@ def main() -> None:
     from engine.options import configure
     from engine.quant.formats import QuantFormat
     from engine.quant.kernels import int8_activations
+    from engine.step_deepseek import DeepseekNativeStep, kv_b_bytes
     from engine.store import convert
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -60,38 +92,54 @@ def main() -> None:
         prompt = make_prompt(args.prompt, SHAPE["vocab_size"])
         prev = configure()
         i8a = int8_activations()
-        rows: dict[str, list[tuple[float, float]]] = {"torch layers": [], "native step": []}
-        tokens = {}
+        rows: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in PATHS}
+        tokens, ops, nbytes = {}, {}, {}
+
+        def use(on: bool, float_kv_b: bool, **opts) -> None:
+            DeepseekNativeStep.float_kv_b = float_kv_b
+            configure(fused_step=on, **opts)  # an option change rebuilds the step (with float_kv_b)
+
         try:
             with load_from_store(Path(tmp) / "store", prefetch_depth=0, dense=args.dense) as sm:
-                for name, on in (("torch layers", False), ("native step", True)):  # warm-up, exact path
-                    configure(fused_step=on, int8_activations=False)
+                for name, on, fk in PATHS:  # warm-up, exact path
+                    use(on, fk, int8_activations=False)
                     tokens[name] = moestream_greedy(sm.model, prompt, args.new)[0]
+                    nbytes[name] = weight_bytes_per_token(sm.model, fk, QuantFormat("int4", 64)) if on else None
                 configure(prev)
                 for _ in range(args.rounds):
-                    for name, on in (("torch layers", False), ("native step", True)):
-                        configure(fused_step=on)
+                    for name, on, fk in PATHS:
+                        use(on, fk)
                         sm.model.native_step()  # built on an option change: not inside the timing
                         _, pre, dec = moestream_greedy(sm.model, prompt, args.new)
                         rows[name].append((pre, dec))
-                ops = {}
-                for name, on in (("torch layers", False), ("native step", True)):
-                    configure(fused_step=on)
+                for name, on, fk in PATHS:
+                    use(on, fk)
                     ops[name] = op_counts(sm.model, prompt[:16], 4)
+                cfg = sm.model.config
         finally:
+            DeepseekNativeStep.float_kv_b = False
             configure(prev)
     print(f"DeepSeek-V3 random, {args.layers} layers, int4 g64 experts, {args.dense} dense, prompt {args.prompt}, "
           f"{args.new} greedy tokens, batch 1, {torch.get_num_threads()} torch threads, median of {args.rounds}")
-    print("| path | prefill tok/s | decode tok/s | dispatcher ops + native calls per decoded token |")
-    print("|---|---|---|---|")
+    print("| path | prefill tok/s | decode tok/s | weight MiB read per decoded token | "
+          "dispatcher ops + native calls per decoded token |")
+    print("|---|---|---|---|---|")
     for name, r in rows.items():
-        c = ops[name]
+        c, b = ops[name], nbytes[name]
         print(f"| {name} | {statistics.median(p for p, _ in r):.1f} | {statistics.median(d for _, d in r):.1f} | "
+              f"{'-' if b is None else f'{b / MIB:.2f}'} | "
               f"{c['ops']:.0f} + {c['native']:.0f} ({(c['ops'] + c['native']) / args.layers:.1f} per layer) |")
-    same = tokens["torch layers"] == tokens["native step"]
-    print(f"greedy tokens identical with float activations: {'yes' if same else 'NO'} ({args.new} tokens); "
-          f"timed with int8 activations {'on' if i8a else 'off'} (both rows)")
-
+    same = all(t == tokens["torch layers"] for t in tokens.values())
+    print(f"greedy tokens identical with float activations: {'yes' if same else 'NO'} ({args.new} tokens, "
+          f"all three rows); timed with int8 activations {'on' if i8a else 'off'} (every row)")
+    a = cfg.arch_params
+    fmt = "int8" if args.dense == "int8" else "bf16"
+    print(f"kv_b per layer, this shape: {kv_b_bytes(cfg.num_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank) / MIB:.2f}"
+          f" MiB float32 -> {kv_b_bytes(cfg.num_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank, fmt) / MIB:.2f}"
+          f" MiB {fmt}; DeepSeek-V3 (128 heads x (128 + 128) x 512, 61 layers): "
+          f"{kv_b_bytes(128, 128, 128, 512) / MIB:.1f} -> {kv_b_bytes(128, 128, 128, 512, fmt) / MIB:.1f} MiB per layer, "
+          f"{61 * kv_b_bytes(128, 128, 128, 512) / 2**30:.2f} -> {61 * kv_b_bytes(128, 128, 128, 512, fmt) / 2**30:.2f} "
+          f"GiB per decoded token")
 
 if __name__ == "__main__":
     main()
