@@ -10,6 +10,7 @@ routed experts per sparse layer), and kv_b's bytes per layer at DeepSeek-V3's pu
 
     python bench/deepseek_step.py                         # the default shape below
     python bench/deepseek_step.py --layers 2 --prompt 32 --new 16 --rounds 1   # a quick run
+    python bench/deepseek_step.py --real-mla-layer    # one MLA layer at DeepSeek-V3's shape (below)
 
 Weights: a random DeepSeek-V3 built by transformers with ``torch.manual_seed(0)`` (SHAPE: hidden
 1024, 12 layers, the first dense, 16 heads, q LoRA 384, latent 256 + 32 RoPE dims, 32 experts
@@ -17,6 +18,12 @@ top-4 in 4 groups (2 kept) of width 512, one shared expert, vocab 32000), conver
 store (int4 g64 experts), dense linears int8 (``--dense``), every expert resident. Both rows
 run the same loaded model; only the ``fused_step`` option differs (off: the torch layers).
 Prompt: ``--prompt`` random ids (seed 1234), then ``--new`` greedy tokens, batch 1.
+
+``--real-mla-layer``: one decode ``mla_block`` call of one layer at DeepSeek-V3's published
+attention shape (hidden 7168, 128 heads, q LoRA 1536, latent 512 + 64 RoPE dims, nope / v 128;
+random weights, seed 0, every linear int8 g64, ~190 MB), over ``--ctx`` random cached latents
+(bf16 paged cache): kv_b as float32 copies against kv_b int8, alternating calls, median of
+``--calls``; weight bytes per call and the rate they are read at.
 """
 
 from __future__ import annotations
@@ -65,6 +72,66 @@ SHAPE = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=12, num_atten
              routed_scaling_factor=2.5, max_position_embeddings=4096, tie_word_embeddings=False)
 
 
+def real_mla_layer(ctx: int, calls: int) -> None:
+    """One decode mla_block at DeepSeek-V3's attention shape: float32 kv_b copies vs int8 kv_b."""
+    import time
+    from types import SimpleNamespace
+
+    from engine.kv.base import BatchLayout
+    from engine.kv.paged import PagedKVCache
+    from engine.layers.mla import MLAttention
+    from engine.layers.norm import RMSNorm
+    from engine.quant.formats import QuantFormat
+    from engine.quant.kernels import DIRECT_MAX_T, int8_activations, load_extension
+    from engine.quant.linear import QuantLinear
+    from engine.step_deepseek import _mla, kv_b_bytes
+
+    H, nh, q_lora, R, r, dn, dv = 7168, 128, 1536, 512, 64, 128, 128
+    torch.manual_seed(0)
+    a = MLAttention(H, nh, q_lora, R, dn, r, dv, False, (dn + r) ** -0.5, True, 0)
+    weight = 0
+    for name in a.linear_names():  # one at a time: the float32 copies are ~750 MB together
+        lin = getattr(a, name)
+        torch.nn.init.normal_(lin.weight, std=lin.in_features ** -0.5)
+        q = QuantLinear.from_linear(lin, QuantFormat("int8", 64))
+        setattr(a, name, q)
+        weight += q.q.nbytes
+        del lin
+    layer = SimpleNamespace(self_attn=a, input_layernorm=RMSNorm(H, 1e-6), post_attention_layernorm=RMSNorm(H, 1e-6))
+    ext = load_extension()
+    handles = {"float32 kv_b": _mla(ext, layer, 1e-6, float_kv_b=True), "int8 kv_b": _mla(ext, layer, 1e-6)}
+    kvb = {"float32 kv_b": kv_b_bytes(nh, dn, dv, R), "int8 kv_b": kv_b_bytes(nh, dn, dv, R, "int8")}
+    int8_kvb = a.kv_b_proj.q.nbytes
+    kv = PagedKVCache(1, 1, a.half, num_blocks=ctx // 16 + 2, block_size=16, dtype=torch.bfloat16)
+    storage, tables = kv.native_view(BatchLayout((0,), (1,), (ctx,)), torch.device("cpu"))
+    storage.normal_()
+    inv = 10000.0 ** (-torch.arange(0, r, 2, dtype=torch.float32) / r)
+    ang = torch.arange(ctx + 1, dtype=torch.float32)[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], 1).contiguous(), torch.cat([ang.sin(), ang.sin()], 1).contiguous()
+    x0 = torch.randn(1, H)
+    times: dict[str, list[float]] = {k: [] for k in handles}
+    outs = {}
+    for i in range(calls + 2):  # two warm-up calls each
+        for name, h in handles.items():
+            x = x0.clone()
+            t = time.perf_counter()
+            ext.mla_block(h, x, cos, sin, [ctx], storage, 0, tables, [1], [ctx], DIRECT_MAX_T, int8_activations())
+            if i >= 2:
+                times[name].append(time.perf_counter() - t)
+            outs[name] = x - x0
+    diff = ((outs["int8 kv_b"] - outs["float32 kv_b"]).norm() / outs["float32 kv_b"].norm()).item()
+    print(f"one MLA layer at DeepSeek-V3's shape (hidden {H}, {nh} heads, q LoRA {q_lora}, latent {R} + {r}, "
+          f"nope/v {dn}/{dv}), int8 g64 linears, decode over {ctx} cached latents, {ext.num_threads()} threads, "
+          f"median of {calls}")
+    print("| kv_b | ms per call (median, best) | weight MiB per call (kv_b) | GB/s of weights (median) |")
+    print("|---|---|---|---|")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        b = weight - int8_kvb + kvb[name]
+        print(f"| {name} | {med * 1e3:.2f}, {min(ts) * 1e3:.2f} | {b / MIB:.1f} ({kvb[name] / MIB:.1f}) | {b / med / 1e9:.1f} |")
+    print(f"attention output: int8 kv_b vs float32 copies of the same int8 weights, relative RMS {diff:.1e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
@@ -72,7 +139,13 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dense", default="int8", help="dense linears' format (int8 or bf16: the native step)")
+    ap.add_argument("--real-mla-layer", action="store_true", help="time one MLA layer at DeepSeek-V3's shape")
+    ap.add_argument("--ctx", type=int, default=512, help="cached latents (--real-mla-layer)")
+    ap.add_argument("--calls", type=int, default=20, help="timed calls per kv_b form (--real-mla-layer)")
     args = ap.parse_args()
+    if args.real_mla_layer:
+        real_mla_layer(args.ctx, args.calls)
+        return
 
     import transformers as T
 

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace ms {
 
@@ -69,68 +70,102 @@ template <int F> Row<F> row(const KvbRows& w, int64_t r) {
   return Row<F>{(const float*)w.data + r * R, nullptr};
 }
 
-template <int F>
-void absorb(const KvbRows& w, int64_t h, const float* q, int64_t qs, int64_t nt, float* qlat, int64_t nd) {
+// NT tokens (a compile-time count, so the accumulators below stay in registers)
+template <int F, int NT>
+void absorb(const KvbRows& w, int64_t h, const float* q, int64_t qs, float* qlat, int64_t nd) {
   const int64_t R = w.R, G = F == F_INT8 ? w.G : R;
-  for (int64_t t = 0; t < nt; t++) std::fill(qlat + t * R, qlat + (t + 1) * R, 0.f);
+  for (int64_t t = 0; t < NT; t++) std::fill(qlat + t * R, qlat + (t + 1) * R, 0.f);
   for (int64_t d = 0; d < nd; d++) {
     Row<F> rw = row<F>(w, h * w.stride + w.first + d);
+    vf c[NT];
+    for (int t = 0; t < NT; t++) c[t] = vset(q[t * qs + d]);
     for (int64_t g = 0; g < R / G; g++) {
       rw.group(g);
       const int64_t ke = (g + 1) * G;
       int64_t k = g * G;
       for (; k + LANES <= ke; k += LANES) {
         const vf wv = rw.vec(k);
-        for (int64_t t = 0; t < nt; t++) {
-          float* o = qlat + t * R + k;
-          vstore(o, vfma(vset(q[t * qs + d]), wv, vload(o)));
-        }
+        for (int t = 0; t < NT; t++) vstore(qlat + t * R + k, vfma(c[t], wv, vload(qlat + t * R + k)));
       }
       for (; k < ke; k++) {
         const float wk = rw.one(k);
-        for (int64_t t = 0; t < nt; t++) qlat[t * R + k] += q[t * qs + d] * wk;
+        for (int t = 0; t < NT; t++) qlat[t * R + k] += q[t * qs + d] * wk;
       }
     }
   }
 }
 
-template <int F>
-void expand(const KvbRows& w, int64_t h, const float* olat, int64_t nt, float* out, int64_t os, int64_t nv) {
+// two accumulators per token (even and odd vectors), so one token's sum is two FMA chains
+template <int F, int NT>
+void expand(const KvbRows& w, int64_t h, const float* olat, float* out, int64_t os, int64_t nv) {
   const int64_t R = w.R, G = F == F_INT8 ? w.G : R;
   for (int64_t v = 0; v < nv; v++) {
     Row<F> rw = row<F>(w, h * w.stride + w.first + v);
-    vf acc[KVB_TILE];
-    float tail[KVB_TILE] = {};
-    for (int64_t t = 0; t < nt; t++) acc[t] = vzero();
+    vf a0[NT], a1[NT];
+    float tail[NT] = {};
+    for (int t = 0; t < NT; t++) a0[t] = a1[t] = vzero();
     for (int64_t g = 0; g < R / G; g++) {
       rw.group(g);
       const int64_t ke = (g + 1) * G;
       int64_t k = g * G;
+      for (; k + 2 * LANES <= ke; k += 2 * LANES) {
+        const vf w0 = rw.vec(k), w1 = rw.vec(k + LANES);
+        for (int t = 0; t < NT; t++) {
+          a0[t] = vfma(w0, vload(olat + t * R + k), a0[t]);
+          a1[t] = vfma(w1, vload(olat + t * R + k + LANES), a1[t]);
+        }
+      }
       for (; k + LANES <= ke; k += LANES) {
-        const vf wv = rw.vec(k);
-        for (int64_t t = 0; t < nt; t++) acc[t] = vfma(wv, vload(olat + t * R + k), acc[t]);
+        const vf w0 = rw.vec(k);
+        for (int t = 0; t < NT; t++) a0[t] = vfma(w0, vload(olat + t * R + k), a0[t]);
       }
       for (; k < ke; k++) {
         const float wk = rw.one(k);
-        for (int64_t t = 0; t < nt; t++) tail[t] += wk * olat[t * R + k];
+        for (int t = 0; t < NT; t++) tail[t] += wk * olat[t * R + k];
       }
     }
-    for (int64_t t = 0; t < nt; t++) out[t * os + v] = vsum(acc[t]) + tail[t];
+    for (int t = 0; t < NT; t++) out[t * os + v] = vsum(vadd(a0[t], a1[t])) + tail[t];
   }
+}
+
+// f<NT>() for the runtime token count nt (1 .. KVB_TILE)
+template <typename Fn>
+void by_tile(int64_t nt, Fn&& f) {
+  switch (nt) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    default: f(std::integral_constant<int, 8>()); break;
+  }
+}
+static_assert(KVB_TILE == 8, "by_tile covers 1 .. 8 tokens");
+
+template <int F>
+void absorb_f(const KvbRows& w, int64_t h, const float* q, int64_t qs, int64_t nt, float* qlat, int64_t nd) {
+  by_tile(nt, [&](auto n) { absorb<F, decltype(n)::value>(w, h, q, qs, qlat, nd); });
+}
+
+template <int F>
+void expand_f(const KvbRows& w, int64_t h, const float* olat, int64_t nt, float* out, int64_t os, int64_t nv) {
+  by_tile(nt, [&](auto n) { expand<F, decltype(n)::value>(w, h, olat, out, os, nv); });
 }
 
 }  // namespace
 
 void absorb_query(const KvbRows& w, int64_t h, const float* q, int64_t qs, int64_t nt, float* qlat, int64_t nd) {
-  if (w.fmt == F_INT8) absorb<F_INT8>(w, h, q, qs, nt, qlat, nd);
-  else if (w.fmt == F_BF16) absorb<F_BF16>(w, h, q, qs, nt, qlat, nd);
-  else absorb<KVB_F32>(w, h, q, qs, nt, qlat, nd);
+  if (w.fmt == F_INT8) absorb_f<F_INT8>(w, h, q, qs, nt, qlat, nd);
+  else if (w.fmt == F_BF16) absorb_f<F_BF16>(w, h, q, qs, nt, qlat, nd);
+  else absorb_f<KVB_F32>(w, h, q, qs, nt, qlat, nd);
 }
 
 void expand_value(const KvbRows& w, int64_t h, const float* olat, int64_t nt, float* out, int64_t os, int64_t nv) {
-  if (w.fmt == F_INT8) expand<F_INT8>(w, h, olat, nt, out, os, nv);
-  else if (w.fmt == F_BF16) expand<F_BF16>(w, h, olat, nt, out, os, nv);
-  else expand<KVB_F32>(w, h, olat, nt, out, os, nv);
+  if (w.fmt == F_INT8) expand_f<F_INT8>(w, h, olat, nt, out, os, nv);
+  else if (w.fmt == F_BF16) expand_f<F_BF16>(w, h, olat, nt, out, os, nv);
+  else expand_f<KVB_F32>(w, h, olat, nt, out, os, nv);
 }
 
 }  // namespace ms
