@@ -84,7 +84,7 @@ def real_mla_layer(ctx: int, calls: int) -> None:
     from engine.quant.formats import QuantFormat
     from engine.quant.kernels import DIRECT_MAX_T, int8_activations, load_extension
     from engine.quant.linear import QuantLinear
-    from engine.step_deepseek import _mla, kv_b_bytes
+    from engine.step_deepseek import kv_b_bytes, mla_handle
 
     H, nh, q_lora, R, r, dn, dv = 7168, 128, 1536, 512, 64, 128, 128
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def real_mla_layer(ctx: int, calls: int) -> None:
         del lin
     layer = SimpleNamespace(self_attn=a, input_layernorm=RMSNorm(H, 1e-6), post_attention_layernorm=RMSNorm(H, 1e-6))
     ext = load_extension()
-    handles = {"float32 kv_b": _mla(ext, layer, 1e-6, float_kv_b=True), "int8 kv_b": _mla(ext, layer, 1e-6)}
+    handles = {"float32 kv_b": mla_handle(ext, layer, 1e-6, float_kv_b=True), "int8 kv_b": mla_handle(ext, layer, 1e-6)}
     kvb = {"float32 kv_b": kv_b_bytes(nh, dn, dv, R), "int8 kv_b": kv_b_bytes(nh, dn, dv, R, "int8")}
     int8_kvb = a.kv_b_proj.q.nbytes
     kv = PagedKVCache(1, 1, a.half, num_blocks=ctx // 16 + 2, block_size=16, dtype=torch.bfloat16)
@@ -128,7 +128,8 @@ def real_mla_layer(ctx: int, calls: int) -> None:
     for name, ts in times.items():
         med = statistics.median(ts)
         b = weight - int8_kvb + kvb[name]
-        print(f"| {name} | {med * 1e3:.2f}, {min(ts) * 1e3:.2f} | {b / MIB:.1f} ({kvb[name] / MIB:.1f}) | {b / med / 1e9:.1f} |")
+        print(f"| {name} | {med * 1e3:.2f}, {min(ts) * 1e3:.2f} | {b / MIB:.1f} ({kvb[name] / MIB:.1f}) | "
+              f"{b / med / 1e9:.1f} |")
     print(f"attention output: int8 kv_b vs float32 copies of the same int8 weights, relative RMS {diff:.1e}")
 
 
@@ -189,6 +190,7 @@ def main() -> None:
                     use(on, fk)
                     ops[name] = op_counts(sm.model, prompt[:16], 4)
                 cfg = sm.model.config
+                kvb_fmt = sm.model.model.layers[0].self_attn.kv_b_proj.q.fmt.name  # int8, or bf16 (fall-back)
         finally:
             DeepseekNativeStep.float_kv_b = False
             configure(prev)
@@ -206,13 +208,12 @@ def main() -> None:
     print(f"greedy tokens identical with float activations: {'yes' if same else 'NO'} ({args.new} tokens, "
           f"all three rows); timed with int8 activations {'on' if i8a else 'off'} (every row)")
     a = cfg.arch_params
-    fmt = "int8" if args.dense == "int8" else "bf16"
-    print(f"kv_b per layer, this shape: {kv_b_bytes(cfg.num_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank) / MIB:.2f}"
-          f" MiB float32 -> {kv_b_bytes(cfg.num_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank, fmt) / MIB:.2f}"
-          f" MiB {fmt}; DeepSeek-V3 (128 heads x (128 + 128) x 512, 61 layers): "
-          f"{kv_b_bytes(128, 128, 128, 512) / MIB:.1f} -> {kv_b_bytes(128, 128, 128, 512, fmt) / MIB:.1f} MiB per layer, "
-          f"{61 * kv_b_bytes(128, 128, 128, 512) / 2**30:.2f} -> {61 * kv_b_bytes(128, 128, 128, 512, fmt) / 2**30:.2f} "
-          f"GiB per decoded token")
+    here = (cfg.num_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank)
+    v3 = (128, 128, 128, 512)
+    print(f"kv_b per layer, this shape: {kv_b_bytes(*here) / MIB:.2f} MiB float32 -> "
+          f"{kv_b_bytes(*here, kvb_fmt) / MIB:.2f} MiB {kvb_fmt}; DeepSeek-V3 (128 heads x (128 + 128) x 512, "
+          f"61 layers): {kv_b_bytes(*v3) / MIB:.1f} -> {kv_b_bytes(*v3, kvb_fmt) / MIB:.1f} MiB per layer, "
+          f"{61 * kv_b_bytes(*v3) / 2**30:.2f} -> {61 * kv_b_bytes(*v3, kvb_fmt) / 2**30:.2f} GiB per decoded token")
 
 if __name__ == "__main__":
     main()

@@ -37,7 +37,7 @@ from engine.step import EMPTY, NativeStep, _f32, _lin
 KV_B_FORMATS = ("int8", "bf16")  # kv_b_proj formats mla_block reads in place (engine/csrc/mla_kvb.cpp)
 
 
-def _mla(ext: Any, layer, eps: float, float_kv_b: bool = False) -> Any:
+def mla_handle(ext: Any, layer, eps: float, float_kv_b: bool = False) -> Any:
     """Layer's MLA handle. kv_b_proj in a format of KV_B_FORMATS is read by the kernels as it is
     stored; otherwise (or with ``float_kv_b``: the reference path) its key and value parts are
     float32 copies (a dequantized kv_b, cached on the torch layer)."""
@@ -87,7 +87,7 @@ class DeepseekNativeStep(NativeStep):
     float_kv_b: bool = False
 
     def _mixer(self, layer) -> Any:
-        return _mla(self.ext, layer, self.eps, self.float_kv_b)
+        return mla_handle(self.ext, layer, self.eps, self.float_kv_b)
 
     def _router(self, mlp: SparseMoE) -> Any:
         g = mlp.gate

@@ -4,7 +4,8 @@ dense first layers, with and without shared experts, q LoRA or a plain q_proj, Y
 interleaved or plain RoPE, biases, a padded latent row): logits of mixed prefill/decode batches on
 paged bf16/fp32 latent caches, 32 greedy tokens identical (full residency, a minimal cache with
 chunked prefill and prefetch, misses computed on the CPU), the router against the torch router,
-and the calls per decoded layer."""
+and the calls per decoded layer. kv_b read in its dense format (int8 / bf16, engine/csrc/mla_kvb.cpp)
+by one mla_block against the torch layer, the float32 reference path and the original weights."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from engine.quant.formats import QuantFormat
 from engine.quant.kernels import DIRECT_MAX_T, load_extension
 from engine.quant.linear import QuantLinear, quantize_dense
 from engine.step import _lin
-from engine.step_deepseek import DeepseekNativeStep, _mla, kv_b_bytes
+from engine.step_deepseek import DeepseekNativeStep, kv_b_bytes, mla_handle
 from engine.store import convert
 from tests.engine.models.test_deepseek_v3 import YARN, make_deepseek
 from tests.engine.test_step import (BOUND, PROMPT, check_minimal_caches, close, decode_calls, fused,  # noqa: F401
@@ -280,15 +281,15 @@ def test_mla_block_reads_kv_b_in_its_format(tmp_path, fmt, group, rank, isa):
         quantize_dense(model, "int8")
         a.kv_b_proj = QuantLinear.from_linear(original, QuantFormat(fmt, group))
         layer = model.model.layers[0]
-        quantized = _mla(ext, layer, eps)
+        quantized = mla_handle(ext, layer, eps)
         assert quantized.kvb is not None
-        dequantized = _mla(ext, layer, eps, float_kv_b=True)
+        dequantized = mla_handle(ext, layer, eps, float_kv_b=True)
         assert dequantized.kvb is None
         got = mla_outputs(model, native_run(ext, quantized, model))
         same_weights = mla_outputs(model, native_run(ext, dequantized, model))
         want = mla_outputs(model, torch_run(model))
         a.kv_b_proj = original
-        before = mla_outputs(model, native_run(ext, _mla(ext, layer, eps), model))
+        before = mla_outputs(model, native_run(ext, mla_handle(ext, layer, eps), model))
     finally:
         configure(prev)
     for g, s, w in zip(got, same_weights, want):
@@ -318,7 +319,7 @@ def test_mla_block_float_kv_b_with_a_scalar_tail(tmp_path):
     a.kv_b_proj = kv_b  # float32: the reference path
     prev = configure(int8_activations=False)
     try:
-        handle = _mla(ext, model.model.layers[0], float(model.config.rms_norm_eps))
+        handle = mla_handle(ext, model.model.layers[0], float(model.config.rms_norm_eps))
         assert handle.kvb is None
         got = mla_outputs(model, native_run(ext, handle, model))
         want = mla_outputs(model, torch_run(model))
@@ -337,7 +338,7 @@ def test_bad_kv_b_is_refused(tmp_path):
     model = quantize_dense(build_model(files.config, files.source), "int8")
     layer, eps = model.model.layers[0], float(model.config.rms_norm_eps)
     a = layer.self_attn
-    h = _mla(ext, layer, eps)
+    h = mla_handle(ext, layer, eps)
     wrong = QuantLinear.from_linear(torch.nn.Linear(a.rank, 8, bias=False), QuantFormat("int8", 64))
     h.kvb = _lin(ext, wrong)
     with pytest.raises(RuntimeError, match="kv_b must be int8 or bf16"):
