@@ -15,10 +15,28 @@ struct MLA {  // one MLA block with the norms around it (engine.layers.mla.MLAtt
   Linear qb, kva, o;          // q_b_proj (or q_proj), kv_a_proj_with_mqa, o_proj
   at::Tensor ln1, ln2, qan, kvan;  // float32 [H], [H], [q_lora_rank] (empty without q LoRA), [R]
   at::Tensor wuk, wuv;        // kv_b_proj's key and value parts, float32 [Nh, dn, R], [Nh, dv, R]
+                              // (the reference path; empty when kvb is set)
   int64_t nh, rank, rope, nope, vd, half;
   double eps, eps_q, eps_kv, scale;
   bool interleave;            // RoPE on interleaved pairs (DeepSeek's released layout)
+  std::optional<Linear> kvb;  // kv_b_proj itself, int8 or bf16 [Nh * (dn + dv), R]: read in place of
+                              // wuk / wuv (head h's dn key rows, then its dv value rows)
 };
+
+// Rows of kv_b's key or value part as mla_kvb.cpp reads them: row (h, i) is row
+// h * stride + first + i of `data` ([rows, R]: float32, int8 with fp16 scales [rows, R / G], bf16).
+constexpr int KVB_F32 = -1;   // fmt of the float32 copy (beside quant.h's F_INT8, F_BF16)
+constexpr int64_t KVB_TILE = 8;  // tokens per call of absorb_query / expand_value at most
+struct KvbRows {
+  int fmt;
+  const void* data;
+  const uint16_t* scales;
+  int64_t R, G, stride, first;
+};
+// qlat[t, R] = sum_{d < nd} q[t * qs + d] * row(h, d), for t < nt <= KVB_TILE
+void absorb_query(const KvbRows& w, int64_t h, const float* q, int64_t qs, int64_t nt, float* qlat, int64_t nd);
+// out[t * os + v] = row(h, v) . olat[t, R], for v < nv, t < nt <= KVB_TILE
+void expand_value(const KvbRows& w, int64_t h, const float* olat, int64_t nt, float* out, int64_t os, int64_t nv);
 
 // x += o_proj(absorbed MLA over each sequence's cached latents); the new tokens' latents (R + r,
 // zero-padded to 2 * half) are written first, split over the cache's K and V halves

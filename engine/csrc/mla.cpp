@@ -5,7 +5,8 @@
 //   per head: q_lat = q_nope W_uk [R]; s_j = (q_lat . c_j + q_rot . k_rot_j) * scale over the
 //   sequence's cached latents (causal); o_lat = sum_j softmax(s)_j c_j; o = W_uv o_lat [dv]
 //   x += o_proj(o); returns rmsnorm(x) (post-attention)
-// W_uk / W_uv (kv_b_proj's key and value parts) are float32, [Nh, dn, R] and [Nh, dv, R].
+// W_uk / W_uv (kv_b_proj's key and value parts) are read from kv_b_proj's int8 / bf16 codes
+// (mla_kvb.cpp), or from float32 copies [Nh, dn, R] and [Nh, dv, R] (the reference path).
 // The context's latents are read from the cache once per call (float32), then the query heads
 // are split over the pool's threads.
 #include "deepseek.h"
@@ -17,6 +18,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 namespace ms {
@@ -36,46 +38,61 @@ void rope_interleaved(float* x, int64_t d, const float* cos, const float* sin) {
   }
 }
 
+// kv_b's key and value rows: the quantized kv_b_proj (int8 / bf16) when the block has it, else
+// the float32 copies [Nh, dn, R] and [Nh, dv, R]
+std::pair<KvbRows, KvbRows> kvb_rows(const MLA& a) {
+  if (a.kvb) {
+    const QW& w = a.kvb->w;
+    const int64_t stride = a.nope + a.vd;
+    return {KvbRows{w.fmt, w.codes, w.scales, a.rank, w.G, stride, 0},
+            KvbRows{w.fmt, w.codes, w.scales, a.rank, w.G, stride, a.nope}};
+  }
+  return {KvbRows{KVB_F32, a.wuk.data_ptr<float>(), nullptr, a.rank, a.rank, a.nope, 0},
+          KvbRows{KVB_F32, a.wuv.data_ptr<float>(), nullptr, a.rank, a.rank, a.vd, 0}};
+}
+
 inline void axpy(float a, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
 // q [n, Nh, dn + r] of positions ctx .. ctx+n-1 of one sequence over its latents lat [ctx + n,
-// 2 * half] (float32, new ones included) -> out [n, Nh, dv]
+// 2 * half] (float32, new ones included) -> out [n, Nh, dv]. Tokens go in tiles of KVB_TILE, so
+// kv_b's rows of a head are read once per tile.
 void attend_latent(const MLA& a, const float* lat, const float* q, int64_t n, int64_t ctx, float* out) {
   const int64_t nh = a.nh, R = a.rank, r = a.rope, dn = a.nope, dv = a.vd, qk = dn + r, w = 2 * a.half;
   const int64_t total = ctx + n;
   const float scale = (float)a.scale;
-  const float *wuk = a.wuk.data_ptr<float>(), *wuv = a.wuv.data_ptr<float>();
+  const std::pair<KvbRows, KvbRows> rows = kvb_rows(a);
+  const KvbRows &uk = rows.first, &uv = rows.second;
   parallel(nh, 1, 1, [&](int64_t hb, int64_t he) {
-    static thread_local std::vector<float> scores, qlat, olat;
+    static thread_local std::vector<float> scores, qlat, olat;  // [g, total], [g, KVB_TILE, R] each
     const int64_t g = he - hb;
     scores.resize(g * total);
-    qlat.resize(g * R);
-    olat.resize(g * R);
-    for (int64_t i = 0; i < n; i++) {
-      const int64_t seen = ctx + i + 1;  // causal: positions 0 .. ctx + i
-      std::fill(qlat.begin(), qlat.end(), 0.f);
-      for (int64_t h = hb; h < he; h++) {  // kv_b's key part folded into the query
-        const float* qh = q + (i * nh + h) * qk;
-        for (int64_t d = 0; d < dn; d++) axpy(qh[d], wuk + (h * dn + d) * R, qlat.data() + (h - hb) * R, R);
-      }
-      for (int64_t j = 0; j < seen; j++) {
-        const float* l = lat + j * w;
-        for (int64_t h = hb; h < he; h++) {
-          const float* qrot = q + (i * nh + h) * qk + dn;
-          scores[(h - hb) * total + j] = (dot(qlat.data() + (h - hb) * R, l, R) + dot(qrot, l + R, r)) * scale;
+    qlat.resize(g * KVB_TILE * R);
+    olat.resize(g * KVB_TILE * R);
+    for (int64_t i0 = 0; i0 < n; i0 += KVB_TILE) {
+      const int64_t nt = std::min(KVB_TILE, n - i0);
+      for (int64_t h = hb; h < he; h++)  // kv_b's key part folded into the query
+        absorb_query(uk, h, q + (i0 * nh + h) * qk, nh * qk, nt, qlat.data() + (h - hb) * KVB_TILE * R, dn);
+      for (int64_t t = 0; t < nt; t++) {
+        const int64_t i = i0 + t, seen = ctx + i + 1;  // causal: positions 0 .. ctx + i
+        for (int64_t j = 0; j < seen; j++) {
+          const float* l = lat + j * w;
+          for (int64_t h = hb; h < he; h++) {
+            const float* qrot = q + (i * nh + h) * qk + dn;
+            const float* ql = qlat.data() + ((h - hb) * KVB_TILE + t) * R;
+            scores[(h - hb) * total + j] = (dot(ql, l, R) + dot(qrot, l + R, r)) * scale;
+          }
         }
+        for (int64_t h = 0; h < g; h++) softmax(scores.data() + h * total, seen);
+        for (int64_t h = 0; h < g; h++) std::fill_n(olat.data() + (h * KVB_TILE + t) * R, R, 0.f);
+        for (int64_t j = 0; j < seen; j++)
+          for (int64_t h = 0; h < g; h++)
+            axpy(scores[h * total + j], lat + j * w, olat.data() + (h * KVB_TILE + t) * R, R);
       }
-      for (int64_t h = 0; h < g; h++) softmax(scores.data() + h * total, seen);
-      std::fill(olat.begin(), olat.end(), 0.f);
-      for (int64_t j = 0; j < seen; j++)
-        for (int64_t h = 0; h < g; h++) axpy(scores[h * total + j], lat + j * w, olat.data() + h * R, R);
-      for (int64_t h = hb; h < he; h++) {  // and its value part after the weighted sum
-        float* o = out + (i * nh + h) * dv;
-        for (int64_t v = 0; v < dv; v++) o[v] = dot(wuv + (h * dv + v) * R, olat.data() + (h - hb) * R, R);
-      }
+      for (int64_t h = hb; h < he; h++)  // and its value part after the weighted sum
+        expand_value(uv, h, olat.data() + (h - hb) * KVB_TILE * R, nt, out + (i0 * nh + h) * dv, nh * dv, dv);
     }
   });
 }
@@ -118,9 +135,17 @@ at::Tensor mla_block(const MLA& a, at::Tensor x, const at::Tensor& cos, const at
   TORCH_CHECK((int64_t)positions.size() == T, "one position per token");
   for (int64_t p : positions) TORCH_CHECK(p >= 0 && p < cos.size(0), "position ", p, " beyond the rotary table");
   TORCH_CHECK(a.qb.w.N == nh * qk && a.kva.w.N == kvw && a.o.w.K == nh * dv && a.o.w.N == H && a.kva.w.K == H &&
-              a.kvan.numel() == R && a.wuk.numel() == nh * dn * R && a.wuv.numel() == nh * dv * R &&
-              a.wuk.scalar_type() == at::kFloat && a.wuv.scalar_type() == at::kFloat && a.wuk.is_contiguous() &&
-              a.wuv.is_contiguous() && 2 * half >= kvw && r % 2 == 0, "MLA weights do not match its shapes");
+              a.kvan.numel() == R && 2 * half >= kvw && r % 2 == 0, "MLA weights do not match its shapes");
+  if (a.kvb) {
+    const QW& w = a.kvb->w;
+    TORCH_CHECK((w.fmt == F_INT8 || w.fmt == F_BF16) && w.N == nh * (dn + dv) && w.K == R &&
+                (w.fmt != F_INT8 || (w.G > 0 && R % w.G == 0)) && a.kvb->bias.numel() == 0,
+                "MLA kv_b must be int8 or bf16 [", nh * (dn + dv), ", ", R, "] without a bias");
+  } else {
+    TORCH_CHECK(a.wuk.numel() == nh * dn * R && a.wuv.numel() == nh * dv * R && a.wuk.scalar_type() == at::kFloat &&
+                a.wuv.scalar_type() == at::kFloat && a.wuk.is_contiguous() && a.wuv.is_contiguous(),
+                "MLA float32 kv_b parts must be contiguous [", nh, ", ", dn, " / ", dv, ", ", R, "]");
+  }
   TORCH_CHECK(a.qa ? a.qa->w.K == H && a.qb.w.K == a.qa->w.N && a.qan.numel() == a.qa->w.N : a.qb.w.K == H,
               "MLA q projections do not match");
   const auto st = storage.scalar_type();

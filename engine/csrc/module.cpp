@@ -49,7 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        double eps_kv, double scale, bool interleave) {
         return ms::MLA{qa, qb, kva, o, ln1, ln2, qan, kvan, wuk, wuv, nh, rank, rope, nope, vd, half,
                        eps, eps_q, eps_kv, scale, interleave};
-      }));
+      }))
+      .def_readwrite("kvb", &ms::MLA::kvb);
   py::class_<ms::GroupRouter>(m, "GroupRouter", py::module_local())
       .def(py::init([](at::Tensor w, at::Tensor bias, int64_t top_k, int64_t n_group, int64_t topk_group,
                        bool normalize, double scaling) {
