@@ -46,9 +46,11 @@ struct Pool {
   std::mutex busy;                // one job at a time; another caller runs serially
   int size = 1;
 
-  void work() {
+  // `seen` starts at the generation the worker was made in, not the one it first reads: a worker
+  // the OS starts late must still see a stop (or a job) signalled before it ran, or resize()
+  // would wait forever to join it.
+  void work(uint32_t seen) {
     in_job = true;
-    uint32_t seen = gen.load(std::memory_order_acquire);
     for (;;) {
       uint32_t g = gen.load(std::memory_order_acquire);
       for (int i = 0; g == seen && i < SPIN; i++) {
@@ -78,7 +80,8 @@ struct Pool {
       stop.store(false, std::memory_order_release);
     }
     size = n;
-    for (int i = 1; i < n; i++) workers.emplace_back([this] { work(); });
+    const uint32_t born = gen.load(std::memory_order_acquire);
+    for (int i = 1; i < n; i++) workers.emplace_back([this, born] { work(born); });
   }
 
   void run(Job& job) {

@@ -290,3 +290,22 @@ def test_rows_split_over_the_pool_match_the_reference_and_one_thread(name):
     for (y2, e2), (y1, e1), t in zip(two, one, (1, 5)):
         assert torch.equal(y2, y1) and torch.equal(e2, e1)
         assert_close_to_cpp_ref(y2, x[:t], q)
+
+
+def test_pool_resizes_back_to_back_never_hang():
+    """set_threads(n) right after set_threads(m), faster than the OS starts the new workers: each
+    resize must still stop and join the workers of the one before (a worker that first read the
+    generation after the stop signal waited for another signal forever). In a child process
+    with a timeout, so a hang fails the test instead of the run."""
+    import subprocess
+    import sys
+
+    code = ("from engine.quant import kernels as K\n"
+            "ext = K.load_extension()\n"
+            "for i in range(300):\n"
+            "    ext.set_threads(8)\n"
+            "    ext.set_threads(1 + i % 3)\n"
+            "ext.set_threads(1)\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
