@@ -169,13 +169,33 @@ def llama_cpp_converter() -> Path | None:
     return next((d / "convert_hf_to_gguf.py" for d in dirs if (d / "convert_hf_to_gguf.py").is_file()), None)
 
 
-def qwen3_next_rows(prompt_len: int, new: int, bw: float, scale: str = "full") -> list[dict]:
+QWEN3_NEXT_SYSTEMS = ("moestream", "transformers", "store", "torch-layers", "llama.cpp")
+
+
+def prefill_ops(model, prompt: list[int]) -> float:
+    """Torch dispatcher ops (torch's profiler, nested ones included; a native call is not one) of
+    one prefill of ``prompt`` (a fresh cache, the LM head included), per prompt token."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.kv.base import BatchLayout, ContiguousKVCache
+
+    cfg = model.config
+    kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv)
+    return sum(e.count for e in prof.key_averages()) / len(prompt)
+
+
+def qwen3_next_rows(prompt_len: int, new: int, bw: float, scale: str = "full",
+                    systems: tuple[str, ...] = QWEN3_NEXT_SYSTEMS) -> list[dict]:
     """A random Qwen3-Next (transformers' model, torch.manual_seed(0), SmolLM2's 49152-token
     vocabulary and tokenizer, which llama.cpp's converter recognises): moestream fp32 from the
     checkpoint and from an int4 store (bf16 dense), transformers fp32 (its torch fallback of the
     DeltaNet kernels), and llama.cpp on the converter's f32 GGUF when llama-cpp-python and the
     converter (:func:`llama_cpp_converter`) are here. The recurrent state one sequence keeps is in
-    the model's name."""
+    the model's name. ``systems``: the rows to run (of QWEN3_NEXT_SYSTEMS; "store" is the native
+    step, "torch-layers" the same store without it); for those two it also prints the torch
+    dispatcher ops one prefill of the prompt costs per token."""
     import subprocess
     import sys
 
@@ -208,27 +228,36 @@ def qwen3_next_rows(prompt_len: int, new: int, bw: float, scale: str = "full") -
         name = f"Qwen3-Next {total / 1e9:.1f}B (random; state {slot_bytes(cfg) / 2**20:.2f} MiB/seq)"
         fmt = QuantFormat("int4", 64)
         convert(Path(tmp) / "hf", Path(tmp) / "store", fmt=fmt, progress=False)
-        ours = build_model(cfg, files.source)
         roof32 = bw / active_weight_bytes(cfg, 4)
-        rows.append(run_row(name, "moestream", "fp32", lambda: time_ours(ours, prompt, new), roof32))
-        rows.append(run_row(name, "transformers", "fp32", lambda: time_hf(hf, prompt, new), roof32))
-        del ours
+        if "moestream" in systems:
+            ours = build_model(cfg, files.source)
+            rows.append(run_row(name, "moestream", "fp32", lambda: time_ours(ours, prompt, new), roof32))
+            del ours
+        if "transformers" in systems:
+            rows.append(run_row(name, "transformers", "fp32", lambda: time_hf(hf, prompt, new), roof32))
         sm = load_from_store(Path(tmp) / "store", prefetch_depth=0, dense="bf16")
         roof4 = bw / active_weight_bytes(cfg, 2, bits_per_weight(fmt) / 8)
-        rows.append(run_row(name, "moestream store", "int4 g64 experts, bf16 dense",
-                            lambda: time_ours(sm.model, prompt, new), roof4))
+        if "store" in systems:
+            rows.append(run_row(name, "moestream store", "int4 g64 experts, bf16 dense",
+                                lambda: time_ours(sm.model, prompt, new), roof4))
+            print(f"[qwen3next] native step: {prefill_ops(sm.model, prompt):.1f} dispatcher ops per prefilled token")
 
-        def torch_layers() -> tuple[float, float]:  # the same store without the native step
+        def torch_layers(fn):  # the same store without the native step
             from engine.options import configure
 
             prev = configure(fused_step=False)
             try:
-                return time_ours(sm.model, prompt, new)
+                return fn()
             finally:
                 configure(prev)
-        rows.append(run_row(name, "moestream store, torch layers", "int4 g64 experts, bf16 dense",
-                            torch_layers, roof4))
+        if "torch-layers" in systems:
+            rows.append(run_row(name, "moestream store, torch layers", "int4 g64 experts, bf16 dense",
+                                lambda: torch_layers(lambda: time_ours(sm.model, prompt, new)), roof4))
+            print(f"[qwen3next] torch layers: {torch_layers(lambda: prefill_ops(sm.model, prompt)):.1f} "
+                  "dispatcher ops per prefilled token")
         sm.close()
+        if "llama.cpp" not in systems:
+            return rows
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from vs_llama_cpp import LlamaCpp, have_llama_cpp
 
@@ -261,9 +290,15 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2,qwen3moe,qwen3next")
     ap.add_argument("--qwen3next-scale", choices=sorted(QWEN3_NEXT_SHAPES), default="full",
                     help="full: the ~1.3B random Qwen3-Next; small: 4 layers, for a quick run")
+    ap.add_argument("--qwen3next-systems", default=",".join(QWEN3_NEXT_SYSTEMS),
+                    help="comma-separated rows of the Qwen3-Next table: " + ", ".join(QWEN3_NEXT_SYSTEMS)
+                    + " (store: the int4 store on the native step; torch-layers: the same without it)")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
     args = ap.parse_args()
+    unknown = set(args.qwen3next_systems.split(",")) - set(QWEN3_NEXT_SYSTEMS)
+    if unknown:
+        ap.error(f"--qwen3next-systems: unknown {sorted(unknown)}; allowed: {', '.join(QWEN3_NEXT_SYSTEMS)}")
     bw = measure_bandwidth()
     print(f"threads {torch.get_num_threads()}, memory read bandwidth {bw / 1e9:.1f} GB/s, "
           f"prompt {args.prompt} tokens, {args.new} new tokens, batch 1, median of 3")
@@ -273,7 +308,8 @@ def main() -> None:
     if "qwen3moe" in args.models:
         rows += qwen3_moe_rows(args.prompt, args.new, bw)
     if "qwen3next" in args.models:
-        rows += qwen3_next_rows(args.prompt, args.new, bw, args.qwen3next_scale)
+        rows += qwen3_next_rows(args.prompt, args.new, bw, args.qwen3next_scale,
+                                tuple(args.qwen3next_systems.split(",")))
     print(f"\n| model | system | weights | prefill tok/s | decode tok/s | roofline tok/s | % of roofline |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -1,22 +1,24 @@
 """The native step of Qwen3-Next (engine.models.qwen3_next): gated attention and Gated DeltaNet
 layers, each followed by the MoE, as a few native calls per layer (engine.step's contract).
 
-Per layer, at decode:
+Per layer, for every row of the step (prefill chunks, decode rows and verify rows together):
 
     h = attn_block(x)        gated attention: the Attn of engine/csrc/step.cpp with q_proj's per-head
                              [q_h | gate_h] rows, output x sigmoid(gate), RoPE on the first
                              rotary_dim dims, KV at the layer's compact attention index
       | deltanet_block(x)    Gated DeltaNet (engine/csrc/deltanet_block.cpp): norm, in_proj_qkvz,
-                             in_proj_ba, conv step + gated delta rule on each sequence's state slot,
-                             gated RMSNorm x silu(z), out_proj, residual; returns the post-attention norm
+                             in_proj_ba, then per sequence the causal conv and the gated delta rule
+                             over its rows in order on its state slot (a verify row's state also
+                             written after each position into its checkpoint buffers, for
+                             KVCache.keep), gated RMSNorm x silu(z), out_proj, residual; returns the
+                             post-attention norm
     route + ffn_block        the MoE with its sigmoid-gated shared expert (engine.step.NativeStep)
 
-Zero-centred norms run as plain RMSNorms with the weight 1 + w (no kernel change). A DeltaNet
-layer runs natively when every sequence of the step brings one new token (decode rows); any other
-step (a prefill chunk, a speculative verify row that keeps a checkpoint per position) runs that
-layer's torch module (engine.layers.deltanet: the chunked rule, checkpoints) on the same x, while
-attention, MoE and head stay native. The recurrent state is positioned (``begin``) and advanced by
-the model's forward around this step, as for the torch layers.
+Zero-centred norms run as plain RMSNorms with the weight 1 + w (no kernel change). The native
+block runs the delta rule position by position (the recurrent form); the torch layers
+(engine.layers.deltanet, the reference path) run a prefill chunk in the chunked form, equal up to
+float32 summation order. The recurrent state is positioned (``begin``, which also allocates the
+checkpoints) and advanced by the model's forward around this step, as for the torch layers.
 """
 
 from __future__ import annotations
@@ -77,18 +79,25 @@ class HybridStep(NativeStep):
         qlens, ctxs = list(layout.query_lens), list(layout.context_lens)
         positions = [c + i for c, n in zip(ctxs, qlens) for i in range(n)]
         cos, sin = model.rotary.tables(max(positions) + 1)
-        decode = all(n == 1 for n in qlens)
-        slots = [state.slot[s] for s in layout.seq_ids] if decode else []
+        slots = [state.slot[s] for s in layout.seq_ids]
+        verify = [s for s, n in zip(layout.seq_ids, qlens) if n > 1 and state.checkpoint(0, s) is not None]
         x = model.model.embed_tokens(tokens).float().contiguous()
         for i, layer in enumerate(model.model.layers):
             if not layer.linear:
                 h = ext.attn_block(self.attn[i], x, cos, sin, positions, storage, layer.self_attn.kv_layer,
                                    tables, qlens, ctxs, dmt, i8a)
-            elif decode:
+            else:
+                ck_conv, ck_matrix = self._checkpoints(state, layer.linear_attn.state_layer, layout, verify)
                 h = ext.deltanet_block(self.attn[i], x, state.conv, state.matrix, layer.linear_attn.state_layer,
-                                       slots, dmt, i8a)
-            else:  # a prefill chunk or a verify row in the step: the torch layer (chunked rule, checkpoints)
-                x.add_(layer.linear_attn(layer.input_layernorm(x), layout, state))
-                h = layer.post_attention_layernorm(x).contiguous()
+                                       slots, qlens, ck_conv, ck_matrix, dmt, i8a)
             self._mlp(layer.mlp, i, x, h)
         return self._logits(model, x, layout, all_logits, rows)
+
+    @staticmethod
+    def _checkpoints(state, layer: int, layout: BatchLayout, verify: list[int]):
+        """Per sequence the verify row's checkpoint buffers of this DeltaNet layer, or None; two
+        empty lists when no sequence of the step is a verify row."""
+        if not verify:
+            return [], []
+        cks = [state.checkpoint(layer, s) if s in verify else None for s in layout.seq_ids]
+        return [None if c is None else c[0] for c in cks], [None if c is None else c[1] for c in cks]

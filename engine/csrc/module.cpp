@@ -60,7 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_threads", &ms::set_threads, "threads (caller included) of the native worker pool");
   m.def("num_threads", &ms::num_threads, "threads of the native worker pool");
   m.def("attn_block", &ms::attn_block, "x += attention block; returns the post-attention norm of x");
-  m.def("deltanet_block", &ms::deltanet_block, "x += Gated DeltaNet of decode rows; returns the post-attention norm");
+  m.def("deltanet_block", &ms::deltanet_block, "x += Gated DeltaNet of a step's rows (any kind); returns the post-attention norm");
   m.def("deltanet_step", &ms::deltanet_step, "Gated DeltaNet: conv step + delta-rule update of one token");
   m.def("head_block", &ms::head_block, "logits of the final norm of some rows through the LM head");
   m.def("route", &ms::route, "top-k routing in float32: (ids [T, K], weights [T, K])", py::arg("h"),

@@ -252,3 +252,37 @@ def test_all_rows_of_a_long_span_are_computed_without_checkpoints(model):
     short = model(prompt[:MAX_CHECKPOINTS], BatchLayout.single(1, MAX_CHECKPOINTS, 0), kv,
                   rows=list(range(MAX_CHECKPOINTS)))
     assert short.shape[0] == MAX_CHECKPOINTS and kv.state._checkpoints[1][1].shape[1] == MAX_CHECKPOINTS
+
+
+@pytest.mark.skipif(not __import__("engine.quant.kernels", fromlist=["x"]).load_extension(),
+                    reason="native kernels unavailable")
+def test_native_step_speculation_is_greedy_identical(hf_dir):
+    """bf16 dense linears: the native step (engine.step_hybrid) runs every DeltaNet row, verify
+    rows and their checkpoints included (the torch DeltaNet module never runs). n-gram
+    speculation gives plain decoding's greedy tokens, with drafts accepted and rejected and
+    nothing recomputed, alone and with chunked prefill beside decode and verify rows."""
+    from engine.options import configure, options
+    from engine.quant.linear import quantize_dense
+    from tests.engine.test_step import Counting
+
+    prev = configure()
+    try:
+        configure(fused_step=True, int8_activations=False)
+        files = open_model_files(hf_dir)
+        native = quantize_dense(build_model(files.config, files.source), "bf16")
+        step = native.native_step()
+        assert step is not None and options().fused_step
+        step.ext = spy = Counting(step.ext)
+        torch_rows = []
+        for layer in native.model.layers:
+            if layer.linear:
+                layer.linear_attn.register_forward_hook(lambda m, a, out: torch_rows.append(out.shape[0]))
+        reqs = requests()
+        want = [[t for t, _, _ in generate_ids(native, r.prompt_ids, r.sampling)] for r in reqs]
+        for budget in (512, 24):  # everything in one step; chunked prefill beside decode and verify rows
+            engine = Engine(native, kv=hybrid(native), config=SchedulerConfig(max_num_batched_tokens=budget),
+                            speculative=SpeculativeConfig("ngram", max_draft=4))
+            check_speculation(engine, requests(), want)
+        assert torch_rows == [] and spy.calls["deltanet_block"] > 0
+    finally:
+        configure(prev)

@@ -64,9 +64,9 @@ def hybrid(model, dtype=torch.float32) -> HybridKVCache:
 
 
 def schedule(model, kv, fused_on: bool, fused) -> list[torch.Tensor]:
-    """Three sequences: a batched prefill, decode steps of all three (the native DeltaNet block), a
-    step mixing 2 new tokens of one with 1 of another (the torch DeltaNet layer), more decode
-    steps, one sequence finished and a new one started beside decode rows. Logits of every step."""
+    """Three sequences: a batched prefill, decode steps of all three, a step mixing 2 new tokens of
+    one with 1 of another, more decode steps, one sequence finished and a new one started beside
+    decode rows. Logits of every step."""
     fused(fused_on)
     g = torch.Generator().manual_seed(5)
     plan = [BatchLayout((0, 1, 2), (5, 9, 3), (0, 0, 0)),
@@ -95,7 +95,7 @@ def test_native_step_matches_torch_layers_on_mixed_batches(hf_dir, dense, kv_dty
     got = schedule(model, kv, True, fused)
     n_lin = cfg.num_layers - len(cfg.attention_layers)
     assert calls["attn_block"] == 6 * len(cfg.attention_layers)
-    assert calls["deltanet_block"] == 3 * n_lin  # the three decode-only steps
+    assert calls["deltanet_block"] == 6 * n_lin  # every step, prefill chunks included
     # fp32 KV: only the float32 summation order differs (measured ~1e-6). bf16 KV: a key whose
     # float32 value differs in its last bits may round to the neighbouring bf16 value (0.4% of
     # that element), which moves a logit by up to ~1e-3 here
@@ -105,45 +105,92 @@ def test_native_step_matches_torch_layers_on_mixed_batches(hf_dir, dense, kv_dty
     assert kv.state.num_used == 3
 
 
+# Steps of four sequences over one DeltaNet layer: (query length, verify row?) per sequence, None
+# where a sequence sits the step out. Prefill chunks of 1..64 rows, decode rows and verify rows
+# (state checkpointed per position) side by side, each sequence's state carried from step to step.
+BLOCK_STEPS = [
+    [(64, False), (1, False), (5, True), (17, False)],
+    [(33, False), (4, True), (1, False), (1, False)],
+    [(1, False), (1, False), (2, True), (64, False)],
+    [(2, True), None, (7, False), (1, False)],
+    [(1, False), (65, True), (1, False), (3, True)],  # 65 rows: the most a verify row checkpoints
+]
+
+
 @torch.inference_mode()
-def test_deltanet_block_equals_the_torch_layer_on_random_states(hf_dir, fused):
-    """One DeltaNet layer, three decode rows on random states in scattered slots: x, h and every
-    state the native block leaves against the torch layer's."""
+def test_deltanet_block_equals_the_torch_layer_on_mixed_rows(hf_dir, fused):
+    """One DeltaNet layer, BLOCK_STEPS on random states in scattered slots: x, h, every state and
+    every verify checkpoint the native block leaves against the torch layer's (its reference path:
+    the chunked rule for a prefill chunk, the recurrent one in torch for decode and verify rows).
+    Tolerance: float32 sums in another order (chunked vs sequential, einsum vs the native loops;
+    measured max 7e-7 over the three shapes, values of magnitude ~1), so 1e-5."""
     configure(int8_activations=False)  # the torch layer's linears as the native call's (i8a False)
     model = quantized(hf_dir, "int8")
     fused(True)
     step = model.native_step()
+    fused(False)  # the reference: the torch layer throughout (no deltanet_step inside it)
     i = next(j for j, layer in enumerate(model.model.layers) if layer.linear)
-    layer = model.model.layers[i]
-    kv = HybridKVCache(model.config, num_blocks=8, num_state_slots=6, block_size=4)
-    st = kv.state
+    layer, li = model.model.layers[i], model.model.layers[i].linear_attn.state_layer
     g = torch.Generator().manual_seed(9)
-    for s in (4, 0, 2):  # sequences 4, 0, 2 take slots 0, 1, 2; seq 2 moved to slot 5 below
-        st.acquire(s)
-    st.free(2)
-    st.acquire(7), st.acquire(8), st.acquire(2)
-    st.conv.copy_(torch.randn(st.conv.shape, generator=g))
-    st.matrix.copy_(torch.randn(st.matrix.shape, generator=g) * 0.3)
-    layout = BatchLayout((4, 0, 2), (1, 1, 1), (3, 3, 3))
+    caches = [HybridKVCache(model.config, num_blocks=8, num_state_slots=8, block_size=4) for _ in range(2)]
+    for kv in caches:
+        st = kv.state
+        for s in (4, 0, 2, 9):  # slots 0..3, then sequence 2 moved to slot 6
+            st.acquire(s)
+        st.free(2)
+        st.acquire(7), st.acquire(8), st.acquire(2)
+    ref, nat = caches[0].state, caches[1].state
+    ref.conv.copy_(torch.randn(ref.conv.shape, generator=g))
+    ref.matrix.copy_(torch.randn(ref.matrix.shape, generator=g) * 0.3)
+    nat.conv.copy_(ref.conv), nat.matrix.copy_(ref.matrix)
+    mat0 = ref.matrix.clone()
+    ctx = {4: 9, 0: 3, 2: 5, 9: 1}  # the random states stand at these positions
+    for st in (ref, nat):
+        st.tokens.update(ctx)
+    for plan in BLOCK_STEPS:
+        seqs = [(s, n, v) for s, e in zip((4, 0, 2, 9), plan) if e is not None for n, v in [e]]
+        layout = BatchLayout(tuple(s for s, _, _ in seqs), tuple(n for _, n, _ in seqs),
+                             tuple(ctx[s] for s, _, _ in seqs))
+        verify = frozenset(s for s, _, v in seqs if v)
+        x = torch.randn(layout.num_tokens, model.config.hidden_size, generator=g)
+        for st in (ref, nat):
+            st.begin(layout, verify)
+        x_ref = x + layer.linear_attn(layer.input_layernorm(x), layout, ref)
+        h_ref = layer.post_attention_layernorm(x_ref)
+        x_nat = x.clone()
+        ck_conv, ck_matrix = step._checkpoints(nat, li, layout, sorted(verify))
+        h = step.ext.deltanet_block(step.attn[i], x_nat, nat.conv, nat.matrix, li,
+                                    [nat.slot[s] for s in layout.seq_ids], list(layout.query_lens),
+                                    ck_conv, ck_matrix, 3, False)
+        torch.testing.assert_close(x_nat, x_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(nat.conv, ref.conv, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(nat.matrix, ref.matrix, atol=1e-5, rtol=1e-5)
+        assert sorted(nat._checkpoints) == sorted(ref._checkpoints) == sorted(verify)
+        for s in verify:
+            for a, b in zip(nat._checkpoints[s][1:], ref._checkpoints[s][1:]):
+                torch.testing.assert_close(a[li], b[li], atol=1e-5, rtol=1e-5)
+            n = layout.query_lens[layout.seq_ids.index(s)]  # the last checkpoint is the state now
+            assert torch.equal(nat._checkpoints[s][2][li, n - 1], nat.matrix[li, nat.slot[s]])
+        for st in (ref, nat):
+            st.advance(layout)
+        ctx.update((s, ctx[s] + n) for s, n, _ in seqs)
+    assert not torch.equal(nat.matrix, mat0)  # it really advanced
+    for st in (ref, nat):  # a checkpoint comes back through keep as the torch layer's does
+        st.keep(9, ctx[9] - 2)
+        st.keep(0, ctx[0] - 40)
+    torch.testing.assert_close(nat.conv[li], ref.conv[li], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(nat.matrix[li], ref.matrix[li], atol=1e-5, rtol=1e-5)
     x = torch.randn(3, model.config.hidden_size, generator=g)
-    conv0, mat0 = st.conv.clone(), st.matrix.clone()
-    x_ref = x + layer.linear_attn(layer.input_layernorm(x), layout, st)
-    h_ref = layer.post_attention_layernorm(x_ref)
-    conv_ref, mat_ref = st.conv.clone(), st.matrix.clone()
-    st.conv.copy_(conv0), st.matrix.copy_(mat0)
-    x_nat = x.clone()
-    slots = [st.slot[s] for s in layout.seq_ids]
-    h = step.ext.deltanet_block(step.attn[i], x_nat, st.conv, st.matrix, layer.linear_attn.state_layer, slots,
-                                3, False)
-    torch.testing.assert_close(x_nat, x_ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(st.conv, conv_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(st.matrix, mat_ref, atol=1e-4, rtol=1e-4)
-    assert not torch.equal(st.matrix, mat0)  # it really advanced
     with pytest.raises(RuntimeError, match="given twice"):
-        step.ext.deltanet_block(step.attn[i], x_nat, st.conv, st.matrix, 0, [1, 1, 2], 3, False)
-    with pytest.raises(RuntimeError, match="one state slot per row"):
-        step.ext.deltanet_block(step.attn[i], x_nat, st.conv, st.matrix, 0, [1], 3, False)
+        step.ext.deltanet_block(step.attn[i], x, nat.conv, nat.matrix, 0, [1, 1, 2], [1, 1, 1], [], [], 3, False)
+    with pytest.raises(RuntimeError, match="one state slot per sequence"):
+        step.ext.deltanet_block(step.attn[i], x, nat.conv, nat.matrix, 0, [1], [1, 2], [], [], 3, False)
+    with pytest.raises(RuntimeError, match="add up to 2 rows, x has 3"):
+        step.ext.deltanet_block(step.attn[i], x, nat.conv, nat.matrix, 0, [1], [2], [], [], 3, False)
+    with pytest.raises(RuntimeError, match="matrix checkpoint must be"):
+        step.ext.deltanet_block(step.attn[i], x, nat.conv, nat.matrix, 0, [1], [3],
+                                [torch.zeros(3, *nat.conv_shape)], [torch.zeros(2, *nat.matrix_shape)], 3, False)
 
 
 def greedy(model, prompt, n=32, kv=None):
