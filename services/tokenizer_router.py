@@ -2,7 +2,8 @@
 
     frames --codec.decode (size/depth/version limits)--> GenerateRequest (pydantic, strict)
            --chat template + tokenize (thread)--> admit (bounded: full -> BUSY)
-           --decode.generate (Ray streaming generator)--> TokenChunk ... GenerateResult
+           --decode.submit; decode.steps (ONE Ray stream per router: a StepFrame per engine
+             step for all requests, services/step_demux.py)--> TokenChunk ... GenerateResult
            --forward frames (stream) or only the result (stream=False)--> caller
 
 Every failure becomes an ErrorReply (protocol.errors maps engine and Ray exceptions by name);
@@ -39,6 +40,7 @@ from protocol import (
 )
 from protocol.codec import DEFAULT_MAX_FRAME_BYTES
 from protocol.messages import DEFAULT_MAX_TOKENS, MAX_STOP_TOKEN_IDS
+from services.step_demux import DecodeSubscription
 from services.text_stage import HarmonyTextStage, TextStage
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ class TokenizerRouter:
 
             decode_handle = ray.get_actor("decode", namespace=self.config.namespace)
         self.decode = decode_handle
+        self.subscription: DecodeSubscription | None = None  # the decode actor's step stream
         self.max_frame_bytes = max_frame_bytes
         self.active: set[str] = set()
         self.polled: dict[str, _Polled] = {}
@@ -201,6 +204,7 @@ class TokenizerRouter:
         self.active.add(rid)
         self.counts["admitted"] += 1
         finished = False
+        sub = None
         deadline = time.monotonic() + self.config.request_timeout_s
         try:
             try:
@@ -220,25 +224,21 @@ class TokenizerRouter:
             got_ids: list[int] = []
             got_text: list[str] = []
             got_reasoning: list[str] | None = [] if isinstance(stage, HarmonyTextStage) else None
-            stop_sent = False
+            stop_sent = had_tokens = False
             sampling = {**req.sampling.model_dump(), "stop": [],
                         "stop_token_ids": engine_stop_ids}
             if sampling["max_tokens"] is None:  # the default never runs past the context
                 room = self.context - len(prompt_ids) if self.context is not None else DEFAULT_MAX_TOKENS
                 sampling["max_tokens"] = max(1, min(DEFAULT_MAX_TOKENS, room))
-            stream = self.decode.generate.remote(rid, prompt_ids, sampling)
+            sub = self._subscription()
+            inbox = sub.register(rid)
+            await self.decode.submit.remote(sub.name, rid, prompt_ids, sampling)
             while True:
                 remaining = deadline - time.monotonic()
                 try:
                     if remaining <= 0:
                         raise asyncio.TimeoutError
-                    ref = await asyncio.wait_for(stream.__anext__(), timeout=remaining)
-                    frames = await ref
-                except StopAsyncIteration:
-                    finished = True  # the decode stream ended without a result: engine gone
-                    yield encode(ErrorReply.for_code(ErrorCode.ENGINE_DEAD,
-                                                      "decode stream ended early", rid))
-                    return
+                    msg = await asyncio.wait_for(inbox.get(), timeout=remaining)
                 except asyncio.TimeoutError:
                     self.counts["timeouts"] += 1
                     finished = True
@@ -247,10 +247,12 @@ class TokenizerRouter:
                         ErrorCode.TIMEOUT, f"request took longer than request_timeout_s="
                         f"{self.config.request_timeout_s}; aborted", rid))
                     return
-                msg, _ = decode(frames)
+                if isinstance(msg, BaseException):  # the step stream failed (decode actor died)
+                    raise msg
                 if isinstance(msg, TERMINAL):
                     finished = True
                 if isinstance(msg, TokenChunk):
+                    had_tokens = had_tokens or bool(msg.token_ids)
                     chunk = self._text_chunk(msg, stage, got_ids, got_text, got_reasoning)
                     if stage.by_string and not stop_sent:
                         stop_sent = True
@@ -268,10 +270,11 @@ class TokenizerRouter:
                                                       reasoning))
                 if isinstance(msg, ErrorReply):
                     self.counts["errors"] += 1
-                    yield frames
-                    if not req.stream:
+                    yield encode(msg)
+                    if not req.stream or not had_tokens:
+                        finished = True  # the decode actor is done with it
                         return
-                    continue  # a GenerateResult("error") may follow with the partial output
+                    continue  # a GenerateResult("error") follows with the partial output
                 yield frames
                 if isinstance(msg, GenerateResult):
                     self.counts["completed"] += 1
@@ -282,8 +285,16 @@ class TokenizerRouter:
             yield encode(ErrorReply.from_exception(e, rid))
         finally:
             self.active.discard(rid)
+            if sub is not None:
+                sub.unregister(rid)
             if not finished:  # our consumer went away mid-stream
                 self.decode.abort.remote(rid)
+
+    def _subscription(self) -> DecodeSubscription:
+        """The live step stream from the decode actor (a new one after a failure)."""
+        if self.subscription is None or not self.subscription.alive:
+            self.subscription = DecodeSubscription(self.decode)
+        return self.subscription
 
     def _engine_stop_ids(self, req: GenerateRequest) -> list[int]:
         """The request's stop token ids, plus harmony's <|return|>/<|call|> for gpt-oss (so the
@@ -385,7 +396,9 @@ class TokenizerRouter:
         return encode(HealthReply(service="router", ok=True, detail=detail))
 
     async def stats(self) -> dict[str, Any]:
+        sub = self.subscription
         return {"active": sorted(self.active), "polled": len(self.polled), **self.counts,
+                "decode_frames": sub.frames if sub else 0, "decode_messages": sub.messages if sub else 0,
                 "queue_size": self.queue_size, "max_waiting": self.max_waiting,
                 "max_num_seqs": self.config.max_num_seqs}
 
@@ -394,6 +407,8 @@ class TokenizerRouter:
         for rid, p in list(self.polled.items()):
             if p.task is not None:
                 p.task.cancel()
+        if self.subscription is not None:
+            self.subscription.close()
 
     async def deploy_config(self) -> str:
         """The DeployConfig this deployment runs with, as JSON (scale/status read it)."""
