@@ -339,7 +339,7 @@ class DecodeService:
         sub = self.streams.subscriber(f"generate.{request_id}.{id(asyncio.current_task()):x}")
         self._submit(sub, request_id, prompt_ids, sampling)
         try:
-            async for messages in self.streams.batches(sub):
+            async for messages in self.streams.batches(sub, self.loop.abort):
                 for m in messages:
                     yield encode(m)
                 if request_id not in sub.requests:

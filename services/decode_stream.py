@@ -18,6 +18,7 @@ still had running, as a per-request stream's consumer going away did.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -25,6 +26,8 @@ from typing import Any, AsyncIterator, Callable
 from engine.errors import RequestValidationError
 from protocol import ErrorReply, GenerateResult, TokenChunk, Usage, encode
 from protocol.steps import step_frames
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -116,8 +119,10 @@ class StepStreams:
                 pass
 
     # ---- messages out --------------------------------------------------------------------------
-    async def batches(self, sub: Subscriber) -> AsyncIterator[list[TokenChunk | GenerateResult | ErrorReply]]:
-        """The messages for ``sub``'s requests, one list per wake-up (normally one step)."""
+    async def batches(self, sub: Subscriber, abort: Callable[[str], None]
+                      ) -> AsyncIterator[list[TokenChunk | GenerateResult | ErrorReply]]:
+        """The messages for ``sub``'s requests, one list per wake-up (normally one step). An
+        output that cannot become a message fails its own request only (aborted, ErrorReply)."""
         while True:
             await sub.wake.wait()
             sub.wake.clear()
@@ -125,7 +130,14 @@ class StepStreams:
                 items, sub.pending = sub.pending, []
             out: list = []
             for request_id, item in items:
-                out += self._messages(sub, request_id, item)
+                try:
+                    out += self._messages(sub, request_id, item)
+                except Exception as e:
+                    log.exception("request %s: output not sendable", request_id)
+                    if request_id in sub.requests:
+                        self.forget(request_id)
+                        abort(request_id)
+                        out.append(ErrorReply.from_exception(e, request_id))
             if out:
                 yield out
 
@@ -134,7 +146,7 @@ class StepStreams:
         unless the codec's bounds need more. When the stream ends (its consumer went away) the
         subscriber is dropped and ``abort`` is called for each of its requests still running."""
         try:
-            async for messages in self.batches(sub):
+            async for messages in self.batches(sub, abort):
                 for frame in step_frames(messages, sub.seq):
                     sub.seq, sub.frames = frame.seq + 1, sub.frames + 1
                     self.frames_sent += 1

@@ -12,7 +12,6 @@ in-process engine's greedy tokens parsed by the reference parser."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import threading
 from types import SimpleNamespace
 
@@ -21,6 +20,7 @@ import pytest
 from engine.harmony import HarmonyTokens, split_reference
 from protocol import Usage
 from services.decode_stream import Finished, StepStreams
+from tests.services.local_handles import Handle
 from tests.services.test_harmony import ANALYSIS, FINAL, SCRIPT
 
 openai = pytest.importorskip("openai")
@@ -47,40 +47,6 @@ def gpt_oss_store(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- in-process wiring
-
-
-class _Gen:
-    """A Ray streaming generator's shape: each item an awaitable (an ObjectRef's stand-in)."""
-
-    def __init__(self, agen) -> None:
-        self.agen = agen
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        item = await self.agen.__anext__()
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(item)
-        return fut
-
-
-class Handle:
-    """An actor handle's shape over a local object: ``h.method.remote(...)``."""
-
-    def __init__(self, obj) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name):
-        fn = getattr(self._obj, name)
-
-        class _M:
-            @staticmethod
-            def remote(*a, **k):
-                r = fn(*a, **k)
-                return _Gen(r) if inspect.isasyncgen(r) else asyncio.ensure_future(r)
-
-        return _M
 
 
 class ScriptedDecode:

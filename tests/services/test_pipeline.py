@@ -238,6 +238,34 @@ def test_queue_full_answers_busy(app, ray_cluster, deploy_config, reference):
     assert s["kv_blocks_used"] == 0 and s["expert_pins"] == 0
 
 
+def test_concurrent_streams_get_their_own_tokens_in_one_frame_per_step(app, client, reference):
+    """16 streams at once: each gets exactly its own tokens, in order, equal to the engine's
+    alone; the decode actor sends the router one StepFrame per engine step for all of them
+    (per-request streams sent one Ray item per request per step: ~16x more)."""
+    import ray
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[(5 * i + 13 * k) % 90 + 4 for k in range(3 + i % 6)] for i in range(16)]
+    want = [reference(p, 12) for p in prompts]
+    r0, d0 = ray.get(app.router.stats.remote()), ray.get(app.decode.stats.remote())
+
+    def one(i):
+        msgs = run(client, prompt_token_ids=prompts[i], request_id=f"many-{i}",
+                   sampling={"temperature": 0.0, "max_tokens": 12, "speculative": False})
+        streamed = [t for m in msgs if isinstance(m, TokenChunk) for t in m.token_ids]
+        return streamed, result_of(msgs).token_ids
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(one, range(16)))
+    assert got == [(w, w) for w in want]
+    r1, d1 = ray.get(app.router.stats.remote()), ray.get(app.decode.stats.remote())
+    frames, steps = r1["decode_frames"] - r0["decode_frames"], d1["steps"] - d0["steps"]
+    assert frames == d1["step_frames"] - d0["step_frames"]  # nothing lost on the way
+    assert 1 <= frames <= steps, (frames, steps)
+    # a TokenChunk per token (no speculation: one token per step) and a GenerateResult each
+    assert r1["decode_messages"] - r0["decode_messages"] == sum(len(w) for w in want) + 16
+
+
 # --------------------------------------------------------------------------- cancellation
 
 
