@@ -471,10 +471,11 @@ StreamMessage = Annotated[TokenChunk | GenerateResult | ErrorReply, Field(discri
 
 
 class StepFrame(WireMessage):
-    """decode -> router: what the engine produced for one subscriber's requests since the
-    previous frame (normally one engine step): each running request's TokenChunk, and the
-    GenerateResult or ErrorReply of those that ended. One frame per step for all requests, not
-    one per request per step; a request's messages keep their order."""
+    """What a stream's producer made for one subscriber's requests since its previous frame:
+    decode -> router, normally one engine step (each running request's TokenChunk, and the
+    GenerateResult or ErrorReply of those that ended); router -> HTTP front end, the same after
+    the text stage. One frame per step for all requests, not one per request per step; a
+    request's messages keep their order."""
 
     type: Literal["step_frame"] = Field("step_frame", description="Message type discriminator.")
     seq: int = Field(
@@ -487,6 +488,12 @@ class StepFrame(WireMessage):
         max_length=MAX_STEP_MESSAGES,
         description=f"TokenChunk, GenerateResult and ErrorReply messages, each naming its "
         f"request (at most {MAX_STEP_MESSAGES}).",
+    )
+    ended: list[RequestId] = Field(
+        default_factory=list,
+        max_length=MAX_STEP_MESSAGES,
+        description="Requests whose streams are over: no message for them follows (their "
+        "last one is in this frame or an earlier one).",
     )
 
     @field_validator("messages")

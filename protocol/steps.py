@@ -46,11 +46,12 @@ def message_cost(msg: TokenChunk | GenerateResult | ErrorReply) -> tuple[int, in
     return containers, items, nbytes + _FIELD_BYTES * items
 
 
-def step_frames(messages: Iterable[TokenChunk | GenerateResult | ErrorReply],
-                seq: int) -> Iterator[StepFrame]:
-    """``messages`` in order, as StepFrames numbered from ``seq``; at least one frame (an empty
-    one when there are no messages). A message too big for a frame of its own still gets one:
-    the receiver's decoder judges it, as it would judge the message alone."""
+def step_frames(messages: Iterable[TokenChunk | GenerateResult | ErrorReply], seq: int,
+                ended: Iterable[str] = ()) -> Iterator[StepFrame]:
+    """``messages`` in order, then ``ended`` (the requests whose streams are over), as
+    StepFrames numbered from ``seq``; at least one frame (an empty one when there is nothing).
+    A message too big for a frame of its own still gets one: the receiver's decoder judges it,
+    as it would judge the message alone."""
     batch: list = []
     used = [0, 0, 0]
     for msg in messages:
@@ -62,4 +63,10 @@ def step_frames(messages: Iterable[TokenChunk | GenerateResult | ErrorReply],
             seq, batch, used = seq + 1, [], [0, 0, 0]
         batch.append(msg)
         used = [u + c for u, c in zip(used, cost)]
-    yield StepFrame(seq=seq, messages=batch)  # empty only when there were no messages
+    ended = list(ended)
+    # the ids ride on the last frame (each <= 128 ASCII characters: far within the bounds)
+    room = MAX_STEP_MESSAGES if used[2] + 160 * len(ended) <= FRAME_BYTES else 0
+    yield StepFrame(seq=seq, messages=batch, ended=ended[:room])
+    for i in range(room, len(ended), MAX_STEP_MESSAGES):
+        seq += 1
+        yield StepFrame(seq=seq, messages=[], ended=ended[i:i + MAX_STEP_MESSAGES])

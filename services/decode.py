@@ -339,10 +339,10 @@ class DecodeService:
         sub = self.streams.subscriber(f"generate.{request_id}.{id(asyncio.current_task()):x}")
         self._submit(sub, request_id, prompt_ids, sampling)
         try:
-            async for messages in self.streams.batches(sub, self.loop.abort):
+            async for messages, ended in self.streams.batches(sub, self.loop.abort):
                 for m in messages:
                     yield encode(m)
-                if request_id not in sub.requests:
+                if request_id in ended:
                     return
         finally:
             for rid in self.streams.close(sub):

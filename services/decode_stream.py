@@ -120,34 +120,40 @@ class StepStreams:
 
     # ---- messages out --------------------------------------------------------------------------
     async def batches(self, sub: Subscriber, abort: Callable[[str], None]
-                      ) -> AsyncIterator[list[TokenChunk | GenerateResult | ErrorReply]]:
-        """The messages for ``sub``'s requests, one list per wake-up (normally one step). An
-        output that cannot become a message fails its own request only (aborted, ErrorReply)."""
+                      ) -> AsyncIterator[tuple[list[TokenChunk | GenerateResult | ErrorReply], list[str]]]:
+        """The messages for ``sub``'s requests and the ids of those that ended, one batch per
+        wake-up (normally one step). An output that cannot become a message fails its own
+        request only (aborted, ErrorReply)."""
         while True:
             await sub.wake.wait()
             sub.wake.clear()
             with self._lock:
                 items, sub.pending = sub.pending, []
             out: list = []
+            ended: list[str] = []
             for request_id, item in items:
                 try:
-                    out += self._messages(sub, request_id, item)
+                    msgs, over = self._messages(sub, request_id, item)
                 except Exception as e:
                     log.exception("request %s: output not sendable", request_id)
-                    if request_id in sub.requests:
-                        self.forget(request_id)
-                        abort(request_id)
-                        out.append(ErrorReply.from_exception(e, request_id))
-            if out:
-                yield out
+                    if request_id not in sub.requests:
+                        continue
+                    self.forget(request_id)
+                    abort(request_id)
+                    msgs, over = [ErrorReply.from_exception(e, request_id)], True
+                out += msgs
+                if over:
+                    ended.append(request_id)
+            if out or ended:
+                yield out, ended
 
     async def frames(self, sub: Subscriber, abort: Callable[[str], None]) -> AsyncIterator[list[bytes]]:
         """``sub``'s stream: its messages as encoded StepFrames numbered from 0, one per wake-up
         unless the codec's bounds need more. When the stream ends (its consumer went away) the
         subscriber is dropped and ``abort`` is called for each of its requests still running."""
         try:
-            async for messages in self.batches(sub, abort):
-                for frame in step_frames(messages, sub.seq):
+            async for messages, ended in self.batches(sub, abort):
+                for frame in step_frames(messages, sub.seq, ended):
                     sub.seq, sub.frames = frame.seq + 1, sub.frames + 1
                     self.frames_sent += 1
                     yield encode(frame)
@@ -164,22 +170,22 @@ class StepStreams:
             self.forget(request_id)
         return running
 
-    def _messages(self, sub: Subscriber, request_id: str, item: Any) -> list:
-        """One engine output (RequestOutput, Finished or an exception) -> its messages: a
-        TokenChunk when tokens came; the GenerateResult when it finished; an ErrorReply on
-        failure, followed by a GenerateResult with finish_reason "error" if tokens had been
-        streamed."""
+    def _messages(self, sub: Subscriber, request_id: str, item: Any) -> tuple[list, bool]:
+        """One engine output (RequestOutput, Finished or an exception) -> its messages and
+        whether the request is over: a TokenChunk when tokens came; the GenerateResult when it
+        finished; an ErrorReply on failure, followed by a GenerateResult with finish_reason
+        "error" if tokens had been streamed."""
         req = self.requests.get(request_id)
         if req is None or req.sub is not sub:  # refused before it was registered
             if isinstance(item, BaseException):
-                return [ErrorReply.from_exception(item, request_id)]
-            return []  # a late output of a request whose subscriber went away
+                return [ErrorReply.from_exception(item, request_id)], True
+            return [], False  # a late output of a request whose subscriber went away
         if isinstance(item, BaseException):
             self.forget(request_id)
             out: list = [ErrorReply.from_exception(item, request_id)]
             if req.ids:
                 out.append(self._result(request_id, req, "error", None))
-            return out
+            return out, True
         out = []
         o = item.output if isinstance(item, Finished) else item
         if o.new_token_ids or o.new_text:
@@ -193,7 +199,8 @@ class StepStreams:
         if isinstance(item, Finished):
             self.forget(request_id)
             out.append(self._result(request_id, req, o.finish_reason or "stop", item.usage))
-        return out
+            return out, True
+        return out, False
 
     @staticmethod
     def _result(rid: str, req: _Request, reason: str, usage: Usage | None) -> GenerateResult:

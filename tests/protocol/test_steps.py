@@ -119,3 +119,20 @@ def test_cost_grows_with_what_a_message_carries():
     err = message_cost(ErrorReply(request_id="r", code=ErrorCode.INTERNAL, message="x" * 4000,
                                   retryable=False))
     assert all(b > s for b, s in zip(big, small)) and err[2] > 4 * 4000
+
+
+def test_ended_requests_ride_on_the_last_frame_after_their_messages():
+    msgs = [heavy_chunk(i) for i in range(300)]
+    frames = list(step_frames(msgs, 0, ended=["r1", "r2"]))
+    assert [f.ended for f in frames] == [[]] * (len(frames) - 1) + [["r1", "r2"]]
+    many = [f"r{i}" for i in range(2500)]
+    frames = list(step_frames([], 9, ended=many))
+    assert [f.seq for f in frames] == [9, 10, 11]
+    assert [i for f in frames for i in f.ended] == many
+    for f in frames:
+        assert decode(encode(f), expect=StepFrame)[0] == f
+    body = StepFrame(seq=0, messages=[]).model_dump(mode="json")
+    with pytest.raises(ProtocolError) as ei:
+        decode([msgpack.packb({"v": PROTOCOL_VERSION, "type": "step_frame", "buffers": [],
+                               "body": {**body, "ended": ["bad id"]}})])
+    assert ei.value.code is ErrorCode.INVALID_REQUEST and ei.value.field_errors[0][0] == "ended[0]"

@@ -1,6 +1,6 @@
 """The decode -> router stream: one StepFrame per engine step for all of a subscriber's requests
 (services/decode_stream.py), demultiplexed by the router into per-request streams
-(services/step_demux.py).
+(services/step_mux.py).
 
 The first tests drive StepStreams from a thread standing in for the engine loop (many steps,
 many requests, several subscribers); the last one runs the real decode service and router in one
@@ -9,6 +9,7 @@ process (no Ray) and checks 16 concurrent streams against the engine alone."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from types import SimpleNamespace
 
@@ -156,12 +157,13 @@ def test_refusals_and_failures_are_typed_error_replies_to_their_subscriber():
 
 @pytest.fixture(scope="module")
 def local_pipeline(store_path):
-    """The real DecodeService (a HostTier feeds its expert cache) and the real TokenizerRouter
-    in one process and one event loop, talking through handle stand-ins."""
+    """The real DecodeService (a HostTier feeds its expert cache), TokenizerRouter and
+    HttpService in one process and one event loop, talking through handle stand-ins."""
     from engine.experts.tiers import HostTier
     from engine.store.reader import ExpertStore
     from services.config import DeployConfig
     from services.decode import DecodeService
+    from services.http.server import HttpService, HttpSettings
     from services.tokenizer_router import TokenizerRouter
     from tests.services.conftest import DENSE
     from tests.services.local_handles import Handle
@@ -176,10 +178,15 @@ def local_pipeline(store_path):
     async def build():
         dec = DecodeService(cfg.model_dump_json(),
                             source=HostTier(store, store.num_experts_total * store.expert_nbytes * 2))
-        return dec, TokenizerRouter(cfg.model_dump_json(), decode_handle=Handle(dec))
+        router = TokenizerRouter(cfg.model_dump_json(), decode_handle=Handle(dec))
+        http = HttpService(HttpSettings(host="127.0.0.1", port=0, model_name="m").model_dump_json(),
+                           router=Handle(router), decode=Handle(dec), autostart=False)
+        host, port = await http.start()
+        return dec, router, http, f"http://{host}:{port}"
 
-    dec, router = asyncio.run_coroutine_threadsafe(build(), loop).result(300)
-    yield loop, dec, router
+    dec, router, http, url = asyncio.run_coroutine_threadsafe(build(), loop).result(300)
+    yield SimpleNamespace(loop=loop, dec=dec, router=router, http=http, url=url)
+    asyncio.run_coroutine_threadsafe(http.close(), loop).result(30)
     asyncio.run_coroutine_threadsafe(router.close(), loop).result(30)
     asyncio.run_coroutine_threadsafe(dec.close(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
@@ -191,7 +198,7 @@ def test_router_over_decode_16_streams_match_the_engine_alone_one_frame_per_step
         local_pipeline, reference):
     from protocol import GenerateRequest, encode
 
-    loop, dec, router = local_pipeline
+    loop, dec, router = local_pipeline.loop, local_pipeline.dec, local_pipeline.router
     prompts = [[(7 * i + 11 * k) % 90 + 4 for k in range(4 + i % 5)] for i in range(16)]
     greedy = {"temperature": 0.0, "max_tokens": 12}
 
@@ -245,3 +252,47 @@ def test_an_output_that_cannot_be_sent_fails_its_own_request_only():
                                                                  ("TokenChunk", "good")]
     assert msgs[0].code is ErrorCode.INVALID_REQUEST or msgs[0].code is ErrorCode.INTERNAL
     assert aborted == ["bad", "good"]  # bad at once; good when its subscriber went away
+
+
+def test_http_streams_get_their_own_text_in_one_router_frame_per_step(local_pipeline, reference):
+    """16 SSE streams through the HTTP actor: each gets the engine's text alone, and the
+    router sends the HTTP actor one StepFrame per step for all of them."""
+    import aiohttp
+
+    p = local_pipeline
+    prompts = [[(3 * i + 17 * k) % 90 + 4 for k in range(5 + i % 4)] for i in range(16)]
+
+    async def one(session, i):
+        body = {"model": "m", "prompt": prompts[i], "max_tokens": 10, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        text, usage, finish = "", None, None
+        async with session.post(f"{p.url}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                obj = json.loads(line[6:])
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                for c in obj["choices"]:
+                    text += c["text"]
+                    finish = c.get("finish_reason") or finish
+        return text, usage, finish
+
+    async def run():
+        steps0, frames0 = p.dec.loop.steps, getattr(p.router.subscription, "frames", 0)
+        async with aiohttp.ClientSession() as session:
+            got = await asyncio.gather(*(one(session, i) for i in range(16)))
+        return got, p.dec.loop.steps - steps0, p.http._steps, p.router.subscription.frames - frames0
+
+    got, steps, sub, decode_frames = asyncio.run_coroutine_threadsafe(run(), p.loop).result(600)
+    for i, (text, usage, finish) in enumerate(got):
+        want = reference(prompts[i], 10)
+        assert text == reference.text(prompts[i], 10), i
+        assert usage["completion_tokens"] == len(want) and finish in ("stop", "length")
+    # about one frame per step: the router turns a decode frame holding several steps into one
+    # frame per step of tokens, and the results' end marks may take one more frame; one Ray
+    # item per message (the old router.submit_frames per request) would be >= 16 x 11
+    assert 1 <= sub.frames <= steps + 2, (sub.frames, steps, decode_frames)
+    assert 1 <= decode_frames <= steps
+    assert p.router.outboxes[sub.name].tasks == {}  # every request's task is done
