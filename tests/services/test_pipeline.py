@@ -329,6 +329,38 @@ def test_loader_killed_mid_generation_restarts_and_tokens_are_identical(app, cli
     assert wait_idle(app)["kv_blocks_used"] == 0
 
 
+def test_decode_killed_mid_stream_gives_engine_dead_then_serves_again(app, client, reference):
+    """The router's one step stream from the decode actor fails with it: every request on it
+    gets a typed engine_dead error (not a hang); once Ray has restarted the actor the next
+    request opens a new stream and gets the engine's tokens."""
+    import ray
+
+    prompt = reference.long_prompt
+    streams = [client.generate(prompt_token_ids=prompt, request_id=f"dkill-{i}",
+                               sampling={"temperature": 0, "max_tokens": 100}) for i in range(3)]
+    firsts = [next(s) for s in streams]
+    assert all(isinstance(m, TokenChunk) for m in firsts)
+    ray.kill(app.decode, no_restart=False)
+    for s in streams:
+        rest = list(s)
+        errors = [m for m in rest if isinstance(m, ErrorReply)]
+        assert errors and errors[0].code == ErrorCode.ENGINE_DEAD and errors[0].retryable, rest
+    deadline = time.time() + 300
+    while True:  # Ray restarts it: the store, the caches and the native step again
+        try:
+            ray.get(app.decode.check_health.remote(), timeout=60)
+            break
+        except Exception:
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
+    res = result_of(run(client, prompt_token_ids=[5, 17, 33, 8], sampling=GREEDY))
+    assert res.token_ids == reference([5, 17, 33, 8], 16)
+    s = wait_idle(app)
+    assert s["kv_blocks_used"] == 0 and s["running"] == 0
+    assert_healthy(app)
+
+
 def test_scale_loaders_1_3_1_during_generation_changes_no_token(app, client, reference):
     import ray
 
