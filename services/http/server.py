@@ -23,6 +23,7 @@ restart by Ray serves again on the same address.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import hmac
 import json
@@ -75,6 +76,9 @@ class HttpSettings(BaseModel):
     max_body_bytes: int = Field(16 << 20, ge=1024, description="Largest request body accepted.")
     stats_timeout_s: float = Field(5.0, gt=0, description="How long /metrics and /health wait "
                                    "for an actor.")
+
+
+BIND_RETRY_S = 30.0  # how long a (re)started server retries a fixed port still in use
 
 
 class HttpService:
@@ -135,8 +139,7 @@ class HttpService:
                 app.router.add_post("/v1/completions", self.h_completions)
                 self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
                 await self.runner.setup()
-                site = web.TCPSite(self.runner, self.settings.host, self.settings.port)
-                await site.start()
+                site = await self._listen()
                 sock = site._server.sockets[0].getsockname()  # the real port when port=0
                 self.bound = (self.settings.host, int(sock[1]))
                 log.info("serving the OpenAI API on http://%s:%d", *self.bound)
@@ -146,6 +149,22 @@ class HttpService:
         if self.bound is None:
             raise RuntimeError(f"the HTTP server did not start: {self.error}")
         return list(self.bound)
+
+    async def _listen(self) -> web.TCPSite:
+        """Bind; a restart by Ray can come before the killed process's listening socket is gone,
+        so "address in use" on a fixed port is retried for BIND_RETRY_S."""
+        deadline = time.monotonic() + BIND_RETRY_S
+        while True:
+            site = web.TCPSite(self.runner, self.settings.host, self.settings.port)
+            try:
+                await site.start()
+                return site
+            except OSError as e:
+                await site.stop()  # unregisters it from the runner
+                if e.errno != errno.EADDRINUSE or not self.settings.port or time.monotonic() > deadline:
+                    raise
+                log.warning("port %d in use; retrying", self.settings.port)
+                await asyncio.sleep(0.2)
 
     async def address(self, timeout_s: float = 60.0) -> list:
         """[host, port] once listening (waits for the autostart); raises its error."""
