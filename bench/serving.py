@@ -10,8 +10,10 @@ reference loop (engine.generate.generate_ids) and the memory-bandwidth roofline.
 --paths builds a small int4 store (or takes --store), deploys the Ray pipeline on a local
 cluster and measures TTFT and inter-token latency p50/p99 at 1, 4, 16 and 64 streams on three
 paths: the in-process Engine (same store, budgets and batch limit), the Ray driver client
-(router -> decode streaming generators) and the OpenAI-compatible HTTP API (aiohttp client,
-SSE; one more actor hop plus HTTP). Greedy, so every path produces the same tokens.
+(decode -> router: one step stream, a StepFrame per engine step for all requests; router ->
+driver: a Ray streaming generator per request) and the OpenAI-compatible HTTP API (aiohttp
+client, SSE; router -> HTTP actor: one step stream too, plus HTTP). Greedy, so every path
+produces the same tokens. It also prints engine steps and decode -> router frames per run.
 
 Every stream's request arrives at t=0; TTFT is arrival -> first token, inter-token latency
 (ITL) is the gap between a stream's consecutive tokens. Roofline: each step must read the
@@ -260,8 +262,19 @@ def paths_main(args) -> None:
                     raise RuntimeError(m)
             out.append((ttft, itl, n_tok))
 
+        def frame_counts():
+            r, d = ray.get([app.router.stats.remote(), app.decode.stats.remote()])
+            return r.get("decode_frames", 0), d["steps"]
+
+        def frames_note(name, n, before):
+            (f0, s0), (f1, s1) = before, frame_counts()
+            notes.append(f"{name}, {n} streams: {s1 - s0} engine steps, {f1 - f0} decode -> router "
+                         f"frames")
+
+        notes: list[str] = []
         ray_stream(prompts[0], time.perf_counter(), [])  # warm: experts enter the RAM tier
         for n in args.streams:
+            before = frame_counts()
             out: list = []
             t0 = time.perf_counter()
             ths = [threading.Thread(target=ray_stream, args=(p, t0, out)) for p in prompts[:n]]
@@ -272,6 +285,7 @@ def paths_main(args) -> None:
             wall = time.perf_counter() - t0
             rows.append(_pct_row("Ray client (driver)", n, [o[0] for o in out],
                                  [x for o in out for x in o[1]], sum(o[2] for o in out), wall))
+            frames_note("Ray client", n, before)
 
         host, port = app.start_http(HttpSettings(port=0, namespace=cfg.namespace, model_name="bench"))
         urls = [("HTTP API (SSE)", f"http://{host}:{port}/v1/completions")]
@@ -312,7 +326,9 @@ def paths_main(args) -> None:
         for name, url in urls:
             asyncio.run(http_streams(url, 1))  # warm
             for n in args.streams:
+                before = frame_counts()
                 out, wall = asyncio.run(http_streams(url, n))
+                frames_note(name, n, before)
                 rows.append(_pct_row(name, n, [o[0] for o in out if o[0] is not None],
                                      [x for o in out for x in o[1]], sum(o[2] for o in out), wall))
     finally:
@@ -327,6 +343,7 @@ def paths_main(args) -> None:
     print("|" + "|".join("---" if i == 0 else "---:" for i in range(7)) + "|")
     for r in sorted(rows, key=lambda r: int(r.split("|")[2])):
         print(r)
+    print("\n".join(notes))
     print("TTFT: all streams arrive at t=0, to each stream's first token; ITL: gaps between a "
           "stream's consecutive tokens (HTTP: between SSE chunks with text); gen tok/s: all "
           "streams' generated tokens over the wall time")

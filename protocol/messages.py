@@ -463,6 +463,48 @@ class ErrorReply(WireMessage):
         return cls.for_code(code, message, request_id)
 
 
+# --------------------------------------------------------------------------- decode -> router
+
+MAX_STEP_MESSAGES = 1024  # messages one StepFrame may carry (more running requests: more frames)
+
+StreamMessage = Annotated[TokenChunk | GenerateResult | ErrorReply, Field(discriminator="type")]
+
+
+class StepFrame(WireMessage):
+    """What a stream's producer made for one subscriber's requests since its previous frame:
+    decode -> router, normally one engine step (each running request's TokenChunk, and the
+    GenerateResult or ErrorReply of those that ended); router -> HTTP front end, the same after
+    the text stage. One frame per step for all requests, not one per request per step; a
+    request's messages keep their order."""
+
+    type: Literal["step_frame"] = Field("step_frame", description="Message type discriminator.")
+    seq: int = Field(
+        ge=0,
+        le=MAX_SEQ,
+        description="Frame number on this subscription, from 0 with no gaps (the receiver "
+        "checks it).",
+    )
+    messages: list[StreamMessage] = Field(
+        max_length=MAX_STEP_MESSAGES,
+        description=f"TokenChunk, GenerateResult and ErrorReply messages, each naming its "
+        f"request (at most {MAX_STEP_MESSAGES}).",
+    )
+    ended: list[RequestId] = Field(
+        default_factory=list,
+        max_length=MAX_STEP_MESSAGES,
+        description="Requests whose streams are over: no message for them follows (their "
+        "last one is in this frame or an earlier one).",
+    )
+
+    @field_validator("messages")
+    @classmethod
+    def _every_message_names_its_request(cls, v: list) -> list:
+        for i, m in enumerate(v):
+            if m.request_id is None:
+                raise ValueError(f"messages[{i}] ({m.type}) has no request_id")
+        return v
+
+
 # --------------------------------------------------------------------------- internal control
 
 
@@ -568,6 +610,7 @@ _ALL_MESSAGES: tuple[type[WireMessage], ...] = (
     TokenChunk,
     GenerateResult,
     ErrorReply,
+    StepFrame,
     ExpertFetch,
     ExpertReady,
     ExpertEvict,

@@ -3,10 +3,13 @@
 One per GPU (num_gpus=1 where CUDA exists; num_cpus=0 otherwise so a 2-core node is not
 exhausted by service actors). The engine (engine.runner.Engine) runs on one thread that only
 this module touches; the actor's asyncio loop takes requests in and streams protocol frames out
-(TokenChunk ... GenerateResult, or ErrorReply), one asyncio.Queue per request:
+(services/decode_stream.py): a subscriber (the router) holds one ``steps`` stream and
+``submit``s its requests into it; each engine step becomes ONE StepFrame carrying every one of
+its requests' TokenChunk / GenerateResult / ErrorReply, so Ray carries one item per step, not
+one per request per step:
 
-    actor loop:  generate(rid) --add--> EngineLoop.cmds          EngineLoop thread:
-                 q[rid] <--call_soon_threadsafe-- outputs         drain cmds; step(); dispatch
+    actor loop:  submit(sub, rid) --add--> EngineLoop.cmds        EngineLoop thread:
+                 steps(sub) <--one wake per step-- sinks + flush    drain cmds; step(); dispatch
 
 Cancellation (client gone, router timeout, explicit abort) becomes Engine.abort: the request
 finishes "abort" and its KV blocks are freed. Expert pins are taken and released inside each
@@ -21,15 +24,16 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import torch
 
 from engine.errors import MoestreamError
 from engine.layers.sampler import SamplingConfig
-from protocol import ErrorReply, GenerateResult, HealthReply, SamplingParams, TokenChunk, Usage, encode
+from protocol import HealthReply, SamplingParams, Usage, encode
 from protocol.messages import DEFAULT_MAX_TOKENS
+from services.decode_stream import Finished, StepStreams, Subscriber
 
 log = logging.getLogger(__name__)
 
@@ -82,20 +86,13 @@ class _Tracked:
     tokens: int = 0
 
 
-@dataclass
-class Finished:
-    """The last output of a request, with its usage figures."""
-
-    output: Any  # engine.runner.RequestOutput
-    usage: Usage
-
-
 class EngineLoop:
     """Runs ``Engine.step()`` on one thread. Everything that touches the engine happens here;
     callers talk to it through ``add``/``abort`` and get outputs through their sink."""
 
-    def __init__(self, engine, cache=None) -> None:
+    def __init__(self, engine, cache=None, flush: Callable[[], None] | None = None) -> None:
         self.engine, self.cache = engine, cache
+        self.flush = flush  # called after each round of commands and each step: sinks batch
         self.cmds: queue.SimpleQueue = queue.SimpleQueue()
         self.tracked: dict[str, _Tracked] = {}
         self.steps = 0
@@ -149,15 +146,22 @@ class EngineLoop:
                         cmd = self.cmds.get_nowait()
                     except queue.Empty:
                         cmd = None
+                self._flush()
                 if self.engine.has_unfinished():
                     self._step()
+                    self._flush()
         except BaseException as e:  # a bug in the loop itself: fail everyone, stay dead
             self.error = e
             log.exception("engine loop died")
             for rid, t in list(self.tracked.items()):
                 t.sink(EngineDeadError(f"engine loop died: {type(e).__name__}: {e}"))
             self.tracked.clear()
+            self._flush()
             raise
+
+    def _flush(self) -> None:
+        if self.flush is not None:
+            self.flush()
 
     def _command(self, cmd: tuple) -> None:
         kind = cmd[0]
@@ -236,12 +240,6 @@ class EngineLoop:
             accepted_draft_tokens=spec.accepted if spec is not None else None)
 
 
-@dataclass
-class _Stream:
-    ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-
-
 class DecodeService:
     """Ray actor (async): thin shell over Engine + ExpertCache + PagedKVCache.
 
@@ -303,7 +301,8 @@ class DecodeService:
                              speculative=speculative_config(cfg.speculative, cfg.max_draft,
                                                             self.sm, dtype, self.device),
                              detokenize=False)  # text and stop strings: the router (text_stage)
-        self.loop = EngineLoop(self.engine, self.sm.cache).start()
+        self.streams = StepStreams()  # outputs leave as one StepFrame per step (decode_stream)
+        self.loop = EngineLoop(self.engine, self.sm.cache, flush=self.streams.flush).start()
         self.started = time.time()
 
     def _resolve(self, names: list[str] | None) -> dict[str, Any]:
@@ -312,56 +311,49 @@ class DecodeService:
         return get_loader_handles(self.config.namespace, names)
 
     # ---- requests ----------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling: dict) -> AsyncIterator[list[bytes]]:
-        """Stream frames for one request: TokenChunk per step that produced tokens, then the
-        GenerateResult; or an ErrorReply (after which a GenerateResult with finish_reason
-        "error" follows if tokens had been streamed). Never raises."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        acc = _Stream()
-        done = False
+    async def steps(self, subscriber: str) -> AsyncIterator[list[bytes]]:
+        """The subscriber's stream: one StepFrame per engine step that produced output for any
+        of its requests (TokenChunk per request that got tokens, GenerateResult or ErrorReply
+        per request that ended), numbered from 0. Open it before submitting; when it ends
+        (the consumer went away) its running requests are aborted and their KV freed."""
+        async for frame in self.streams.frames(self.streams.subscriber(subscriber), self.loop.abort):
+            yield frame
+
+    async def submit(self, subscriber: str, request_id: str, prompt_ids: list[int],
+                     sampling: dict) -> None:
+        """Start a request whose output goes to ``subscriber``'s step stream; a refusal (bad
+        sampling, id in use, engine dead) arrives there as its ErrorReply. Never raises."""
+        self._submit(self.streams.subscriber(subscriber), request_id, prompt_ids, sampling)
+
+    def _submit(self, sub: Subscriber, request_id: str, prompt_ids: list[int], sampling: dict) -> None:
         try:
             params = SamplingParams.model_validate(sampling)
-            self.loop.add(request_id, list(prompt_ids), sampling_config(params),
-                          lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+            sink = self.streams.open(sub, request_id, len(prompt_ids), bool(params.logprobs))
+            try:
+                self.loop.add(request_id, list(prompt_ids), sampling_config(params), sink)
+            except Exception:
+                self.streams.forget(request_id)
+                raise
         except Exception as e:
-            done = True
-            yield encode(ErrorReply.from_exception(e, request_id))
-            return
+            self.streams.refuse(sub, request_id, e)
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       sampling: dict) -> AsyncIterator[list[bytes]]:
+        """One request on a stream of its own, message by message: TokenChunk per step that
+        produced tokens, then the GenerateResult; or an ErrorReply (after which a GenerateResult
+        with finish_reason "error" follows if tokens had been streamed). Never raises. The
+        router uses ``steps`` + ``submit`` instead (one frame per step for all its requests)."""
+        sub = self.streams.subscriber(f"generate.{request_id}.{id(asyncio.current_task()):x}")
+        self._submit(sub, request_id, prompt_ids, sampling)
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    yield encode(ErrorReply.from_exception(item, request_id))
-                    if acc.ids:
-                        yield encode(self._result(request_id, acc, "error", None, len(prompt_ids)))
-                    return
-                out = item.output if isinstance(item, Finished) else item
-                if out.new_token_ids or out.new_text:
-                    acc.ids += out.new_token_ids
-                    acc.text.append(out.new_text)
-                    lps = [float(lp["logprob"]) for lp in out.logprobs] if out.logprobs else None
-                    tops = ([[{"token_id": i, "logprob": v} for i, v in lp.get("top", ())]
-                             for lp in out.logprobs] if out.logprobs and params.logprobs else None)
-                    yield encode(TokenChunk(request_id=request_id, token_ids=out.new_token_ids,
-                                            text=out.new_text, logprobs=lps, top_logprobs=tops))
-                if isinstance(item, Finished):
-                    done = True
-                    yield encode(self._result(request_id, acc, out.finish_reason or "stop",
-                                              item.usage, len(prompt_ids)))
+            async for messages, ended in self.streams.batches(sub, self.loop.abort):
+                for m in messages:
+                    yield encode(m)
+                if request_id in ended:
                     return
         finally:
-            if not done:  # the consumer went away (cancelled / disconnected): free its KV
-                self.loop.abort(request_id)
-
-    @staticmethod
-    def _result(rid: str, acc: _Stream, reason: str, usage: Usage | None, n_prompt: int) -> GenerateResult:
-        usage = usage or Usage(prompt_tokens=n_prompt, completion_tokens=len(acc.ids),
-                               prefill_tokens_per_s=0.0, decode_tokens_per_s=0.0)
-        return GenerateResult(request_id=rid, text="".join(acc.text), token_ids=acc.ids,
-                              finish_reason=reason, usage=usage)
+            for rid in self.streams.close(sub):
+                self.loop.abort(rid)
 
     async def abort(self, request_id: str) -> None:
         """Finish ``request_id`` with reason "abort" and free its KV blocks (no-op if unknown)."""
@@ -395,6 +387,7 @@ class DecodeService:
                     "kv_sequences": kv.num_sequences, "expert_pins": sum(pins.values()),
                     "experts_loading": loading, "running": len(sched.running),
                     "waiting": len(sched.waiting), "steps": self.loop.steps,
+                    "step_frames": self.streams.frames_sent,
                     "device_hit_rate": summary["device_hit_rate"],
                     "device_misses": summary["device_misses"],
                     "bytes_to_device_per_token": summary["bytes_to_device_per_token"],

@@ -2,7 +2,8 @@
 
     frames --codec.decode (size/depth/version limits)--> GenerateRequest (pydantic, strict)
            --chat template + tokenize (thread)--> admit (bounded: full -> BUSY)
-           --decode.generate (Ray streaming generator)--> TokenChunk ... GenerateResult
+           --decode.submit; decode.steps (ONE Ray stream per router: a StepFrame per engine
+             step for all requests, services/step_mux.py)--> TokenChunk ... GenerateResult
            --forward frames (stream) or only the result (stream=False)--> caller
 
 Every failure becomes an ErrorReply (protocol.errors maps engine and Ray exceptions by name);
@@ -11,8 +12,11 @@ actor makes the text (services/text_stage.py: detokenizer, stop strings, harmony
 gpt-oss), aborts a request in the engine once a stop string ends it and bills the tokens the
 client received.
 
-Two ways out, same frames:
-  * ``submit_frames`` / ``generate``: async generators (Ray streaming generators) for drivers;
+Three ways out, same messages:
+  * ``steps`` + ``submit``: a front end (the HTTP actor) holds one step stream and submits its
+    requests into it: one StepFrame per step for all of them (services/step_mux.py);
+  * ``submit_frames`` / ``generate``: async generators (Ray streaming generators) for drivers,
+    one Ray item per message;
   * ``open`` + ``poll``: a long-poll pair for the Ray client, which cannot consume streaming
     generators ("not currently supported when using Ray Client", Ray 2.60).
 """
@@ -39,6 +43,7 @@ from protocol import (
 )
 from protocol.codec import DEFAULT_MAX_FRAME_BYTES
 from protocol.messages import DEFAULT_MAX_TOKENS, MAX_STOP_TOKEN_IDS
+from services.step_mux import Outbox, StepSubscription
 from services.text_stage import HarmonyTextStage, TextStage
 
 log = logging.getLogger(__name__)
@@ -96,6 +101,8 @@ class TokenizerRouter:
 
             decode_handle = ray.get_actor("decode", namespace=self.config.namespace)
         self.decode = decode_handle
+        self.subscription: StepSubscription | None = None  # the decode actor's step stream
+        self.outboxes: dict[str, Outbox] = {}  # front ends' step streams (steps/submit)
         self.max_frame_bytes = max_frame_bytes
         self.active: set[str] = set()
         self.polled: dict[str, _Polled] = {}
@@ -176,10 +183,60 @@ class TokenizerRouter:
             return out, True
         return out, False
 
+    async def steps(self, subscriber: str) -> AsyncIterator[list[bytes]]:
+        """A front end's step stream (the HTTP actor's): one StepFrame per batch of messages for
+        every request it submitted with ``submit`` (normally one per engine step), the same
+        messages ``submit_frames`` streams one Ray item each. When the stream ends (the front
+        end went away) its requests are cancelled and aborted in the engine."""
+        box = self._outbox(subscriber)
+        try:
+            async for frame in box.frames():
+                yield frame
+        finally:
+            if self.outboxes.get(subscriber) is box:
+                del self.outboxes[subscriber]
+
+    async def submit(self, subscriber: str, frames: list) -> list[bytes] | None:
+        """Start the request in ``frames`` (a GenerateRequest); its messages go to the
+        subscriber's step stream. Returns None, or the ErrorReply frames of a request refused
+        before it started (unreadable frames, an id in use)."""
+        try:
+            req, _ = decode(frames, expect=GenerateRequest, max_frame_bytes=self.max_frame_bytes)
+        except ProtocolError as e:
+            key = "invalid" if e.code is ErrorCode.INVALID_REQUEST else "protocol_errors"
+            self.counts[key] += 1
+            return encode(ErrorReply.for_code(e.code, e.message))
+        rid = req.request_id
+        box = self._outbox(subscriber)
+        if rid in box.tasks:
+            self.counts["invalid"] += 1
+            return encode(ErrorReply.for_code(ErrorCode.INVALID_REQUEST,
+                                              f"request id {rid!r} is already in use", rid))
+
+        async def pump() -> None:
+            try:
+                async for msg in self._messages(req):
+                    box.put(msg)
+            finally:
+                box.end(rid)
+
+        box.tasks[rid] = asyncio.get_running_loop().create_task(pump())
+        return None
+
+    def _outbox(self, subscriber: str) -> Outbox:
+        box = self.outboxes.get(subscriber)
+        if box is None:
+            box = self.outboxes[subscriber] = Outbox(subscriber)
+        return box
+
     async def cancel(self, request_id: str) -> bool:
         """Abort a request (streamed or polled); its KV blocks are freed by the decode actor."""
         p = self.polled.get(request_id)
         known = request_id in self.active or p is not None
+        for box in self.outboxes.values():
+            task = box.tasks.get(request_id)
+            if task is not None:  # a front end's request: its stream ends with the abort result
+                known = True
         if known:
             self.counts["cancelled"] += 1
         await self.decode.abort.remote(request_id)
@@ -187,20 +244,29 @@ class TokenizerRouter:
 
     # ---- the request path --------------------------------------------------------------------
     async def _run(self, req: GenerateRequest) -> AsyncIterator[list[bytes]]:
+        """The request's messages as wire frames (submit_frames, generate, open/poll)."""
+        async for msg in self._messages(req):
+            yield encode(msg)
+
+    async def _messages(self, req: GenerateRequest) -> AsyncIterator[TokenChunk | GenerateResult | ErrorReply]:
+        """The request's path: admission, prompt, the decode actor's step stream, text stage;
+        TokenChunk ... GenerateResult, or an ErrorReply (+ GenerateResult "error" when streamed
+        tokens came before it)."""
         rid = req.request_id
         if rid in self.active:
             self.counts["invalid"] += 1
-            yield encode(ErrorReply.for_code(ErrorCode.INVALID_REQUEST,
-                                              f"request id {rid!r} is already in use", rid))
+            yield ErrorReply.for_code(ErrorCode.INVALID_REQUEST,
+                                      f"request id {rid!r} is already in use", rid)
             return
         full = self._full()
         if full:
             self.counts["busy"] += 1
-            yield encode(ErrorReply.for_code(ErrorCode.BUSY, full, rid))
+            yield ErrorReply.for_code(ErrorCode.BUSY, full, rid)
             return
         self.active.add(rid)
         self.counts["admitted"] += 1
         finished = False
+        sub = None
         deadline = time.monotonic() + self.config.request_timeout_s
         try:
             try:
@@ -209,7 +275,7 @@ class TokenizerRouter:
             except Exception as e:
                 finished = True
                 self.counts["invalid"] += 1
-                yield encode(ErrorReply.from_exception(e, rid))
+                yield ErrorReply.from_exception(e, rid)
                 return
             # the engine computes tokens; text and stop strings are made here (text_stage)
             stop_ids = set(req.sampling.stop_token_ids) | self.eos_ids
@@ -220,34 +286,37 @@ class TokenizerRouter:
             got_ids: list[int] = []
             got_text: list[str] = []
             got_reasoning: list[str] | None = [] if isinstance(stage, HarmonyTextStage) else None
-            stop_sent = False
+            stop_sent = errored = False
             sampling = {**req.sampling.model_dump(), "stop": [],
                         "stop_token_ids": engine_stop_ids}
             if sampling["max_tokens"] is None:  # the default never runs past the context
                 room = self.context - len(prompt_ids) if self.context is not None else DEFAULT_MAX_TOKENS
                 sampling["max_tokens"] = max(1, min(DEFAULT_MAX_TOKENS, room))
-            stream = self.decode.generate.remote(rid, prompt_ids, sampling)
+            sub = self._subscription()
+            inbox = sub.register(rid)
+            await self.decode.submit.remote(sub.name, rid, prompt_ids, sampling)
             while True:
                 remaining = deadline - time.monotonic()
                 try:
                     if remaining <= 0:
                         raise asyncio.TimeoutError
-                    ref = await asyncio.wait_for(stream.__anext__(), timeout=remaining)
-                    frames = await ref
-                except StopAsyncIteration:
-                    finished = True  # the decode stream ended without a result: engine gone
-                    yield encode(ErrorReply.for_code(ErrorCode.ENGINE_DEAD,
-                                                      "decode stream ended early", rid))
-                    return
+                    msg = await asyncio.wait_for(inbox.get(), timeout=remaining)
                 except asyncio.TimeoutError:
                     self.counts["timeouts"] += 1
                     finished = True
                     self.decode.abort.remote(rid)
-                    yield encode(ErrorReply.for_code(
+                    yield ErrorReply.for_code(
                         ErrorCode.TIMEOUT, f"request took longer than request_timeout_s="
-                        f"{self.config.request_timeout_s}; aborted", rid))
+                        f"{self.config.request_timeout_s}; aborted", rid)
                     return
-                msg, _ = decode(frames)
+                if isinstance(msg, BaseException):  # the step stream failed (decode actor died)
+                    raise msg
+                if msg is None:  # the decode actor is done with it
+                    finished = True
+                    if not errored:  # never: a request ends with a result or an error
+                        yield ErrorReply.for_code(ErrorCode.ENGINE_DEAD,
+                                                  "decode stream ended early", rid)
+                    return
                 if isinstance(msg, TERMINAL):
                     finished = True
                 if isinstance(msg, TokenChunk):
@@ -255,35 +324,39 @@ class TokenizerRouter:
                     if stage.by_string and not stop_sent:
                         stop_sent = True
                         self.decode.abort.remote(rid)  # a stop string: no more tokens for it
-                    if chunk is None or not req.stream:
-                        continue
-                    frames = encode(chunk)
+                    if chunk is not None and req.stream:
+                        yield chunk
                 elif isinstance(msg, GenerateResult):
                     tail, tail_r = stage.finish_parts()
                     reasoning = None if got_reasoning is None else "".join(got_reasoning) + tail_r
                     if (tail or tail_r) and req.stream:
-                        yield encode(TokenChunk(request_id=rid, token_ids=[], text=tail,
-                                                reasoning=tail_r if got_reasoning is not None else None))
-                    frames = encode(self._text_result(msg, stage, got_ids, "".join(got_text) + tail,
-                                                      reasoning))
-                if isinstance(msg, ErrorReply):
+                        yield TokenChunk(request_id=rid, token_ids=[], text=tail,
+                                         reasoning=tail_r if got_reasoning is not None else None)
+                    self.counts["completed"] += 1
+                    yield self._text_result(msg, stage, got_ids, "".join(got_text) + tail, reasoning)
+                    return
+                else:  # ErrorReply; streamed: a GenerateResult("error") may follow, then the end
+                    errored = True
                     self.counts["errors"] += 1
-                    yield frames
+                    yield msg
                     if not req.stream:
                         return
-                    continue  # a GenerateResult("error") may follow with the partial output
-                yield frames
-                if isinstance(msg, GenerateResult):
-                    self.counts["completed"] += 1
-                    return
         except Exception as e:  # Ray errors (decode actor died, ...) -> mapped by name
             finished = True
             self.counts["errors"] += 1
-            yield encode(ErrorReply.from_exception(e, rid))
+            yield ErrorReply.from_exception(e, rid)
         finally:
             self.active.discard(rid)
+            if sub is not None:
+                sub.unregister(rid)
             if not finished:  # our consumer went away mid-stream
                 self.decode.abort.remote(rid)
+
+    def _subscription(self) -> StepSubscription:
+        """The live step stream from the decode actor (a new one after a failure)."""
+        if self.subscription is None or not self.subscription.alive:
+            self.subscription = StepSubscription(self.decode, "router")
+        return self.subscription
 
     def _engine_stop_ids(self, req: GenerateRequest) -> list[int]:
         """The request's stop token ids, plus harmony's <|return|>/<|call|> for gpt-oss (so the
@@ -385,7 +458,9 @@ class TokenizerRouter:
         return encode(HealthReply(service="router", ok=True, detail=detail))
 
     async def stats(self) -> dict[str, Any]:
+        sub = self.subscription
         return {"active": sorted(self.active), "polled": len(self.polled), **self.counts,
+                "decode_frames": sub.frames if sub else 0, "decode_messages": sub.messages if sub else 0,
                 "queue_size": self.queue_size, "max_waiting": self.max_waiting,
                 "max_num_seqs": self.config.max_num_seqs}
 
@@ -394,6 +469,11 @@ class TokenizerRouter:
         for rid, p in list(self.polled.items()):
             if p.task is not None:
                 p.task.cancel()
+        if self.subscription is not None:
+            self.subscription.close()
+        for box in self.outboxes.values():
+            for task in list(box.tasks.values()):
+                task.cancel()
 
     async def deploy_config(self) -> str:
         """The DeployConfig this deployment runs with, as JSON (scale/status read it)."""

@@ -8,8 +8,9 @@
 
 Every endpoint but /health needs ``Authorization: Bearer KEY`` when a key is configured; only
 the key's sha256 reaches the actor, and digests are compared with ``hmac.compare_digest``.
-A request is wire frames to ``router.submit_frames`` (the same path as the Ray client); the
-response starts only when the first frame is back, so a refusal before the first token is a
+A request is wire frames to ``router.submit`` into this actor's one step stream from the router
+(``router.steps``: one StepFrame per engine step for all its requests, services/step_mux.py);
+the response starts only when the first message is back, so a refusal before the first token is a
 proper HTTP status: BUSY (queue full) -> 429 with Retry-After, not ready -> 503, bad request
 -> 400. A client that goes away (the handler is cancelled, or a write fails) gets its request
 cancelled at the router, which aborts it in the engine: its KV blocks are freed and no further
@@ -22,6 +23,7 @@ restart by Ray serves again on the same address.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import hmac
 import json
@@ -34,7 +36,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from protocol import ErrorCode, ErrorReply, GenerateResult, HealthReply, TokenChunk, decode, encode
+from protocol import ErrorCode, ErrorReply, GenerateRequest, GenerateResult, HealthReply, TokenChunk, decode, encode
 from services.http.metrics import CONTENT_TYPE, Metrics
 from services.http.openai_format import (
     FINISH,
@@ -47,6 +49,7 @@ from services.http.openai_format import (
     usage_block,
 )
 from services.http.schemas import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_body
+from services.step_mux import RequestStream, StepSubscription
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,9 @@ class HttpSettings(BaseModel):
                                    "for an actor.")
 
 
+BIND_RETRY_S = 30.0  # how long a (re)started server retries a fixed port still in use
+
+
 class HttpService:
     """Ray actor (async). ``router``/``decode`` default to the named actors of the namespace."""
 
@@ -87,6 +93,7 @@ class HttpService:
         self.error: str | None = None
         self._digest = bytes.fromhex(self.settings.api_key_sha256) if self.settings.api_key_sha256 else None
         self.started_at = time.time()
+        self._steps: StepSubscription | None = None  # the router's step stream (services/step_mux)
         if autostart:
             import ray
 
@@ -132,8 +139,7 @@ class HttpService:
                 app.router.add_post("/v1/completions", self.h_completions)
                 self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
                 await self.runner.setup()
-                site = web.TCPSite(self.runner, self.settings.host, self.settings.port)
-                await site.start()
+                site = await self._listen()
                 sock = site._server.sockets[0].getsockname()  # the real port when port=0
                 self.bound = (self.settings.host, int(sock[1]))
                 log.info("serving the OpenAI API on http://%s:%d", *self.bound)
@@ -143,6 +149,22 @@ class HttpService:
         if self.bound is None:
             raise RuntimeError(f"the HTTP server did not start: {self.error}")
         return list(self.bound)
+
+    async def _listen(self) -> web.TCPSite:
+        """Bind; a restart by Ray can come before the killed process's listening socket is gone,
+        so "address in use" on a fixed port is retried for BIND_RETRY_S."""
+        deadline = time.monotonic() + BIND_RETRY_S
+        while True:
+            site = web.TCPSite(self.runner, self.settings.host, self.settings.port)
+            try:
+                await site.start()
+                return site
+            except OSError as e:
+                await site.stop()  # unregisters it from the runner
+                if e.errno != errno.EADDRINUSE or not self.settings.port or time.monotonic() > deadline:
+                    raise
+                log.warning("port %d in use; retrying", self.settings.port)
+                await asyncio.sleep(0.2)
 
     async def address(self, timeout_s: float = 60.0) -> list:
         """[host, port] once listening (waits for the autostart); raises its error."""
@@ -168,6 +190,8 @@ class HttpService:
         return encode(HealthReply(service="http", ok=ok, detail=detail))
 
     async def close(self) -> None:
+        if self._steps is not None:
+            self._steps.close()
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner, self.bound = None, None
@@ -276,13 +300,24 @@ class HttpService:
                               f"[{self.settings.model_name!r}] (GET /v1/models)", param="model",
                               code="model_not_found")
 
-    async def _next(self, gen) -> Any:
+    async def _next(self, gen: RequestStream) -> Any:
+        return await gen.next()
+
+    async def _open(self, greq: GenerateRequest) -> RequestStream:
+        """Submit to the router into this actor's one step stream (a new one after a failure):
+        one Ray item per engine step for all requests, not one per request per step."""
+        if self._steps is None or not self._steps.alive:
+            self._steps = StepSubscription(self.router, "http")
+        stream = RequestStream(self._steps, greq.request_id)
         try:
-            ref = await gen.__anext__()
-        except StopAsyncIteration:
-            return None
-        msg, _ = decode(await ref)
-        return msg
+            refused = await self.router.submit.remote(self._steps.name, encode(greq))
+        except Exception as e:  # the router is gone (Ray restarts it)
+            stream.close()
+            return RequestStream.of(greq.request_id, ErrorReply.from_exception(e, greq.request_id))
+        if refused is not None:
+            stream.close()
+            return RequestStream.of(greq.request_id, decode(refused)[0])
+        return stream
 
     def _refusal(self, reply: ErrorReply) -> OpenAIError:
         code = ErrorCode(reply.code)
@@ -303,7 +338,7 @@ class HttpService:
         if want_lp and not stream:  # logprobs ride on the token chunks: stream them internally
             greq = greq.model_copy(update={"stream": True})
         fmt = Formatter(kind, rid, self.settings.model_name, body.include_usage)
-        gen = self.router.submit_frames.remote(encode(greq))
+        gen = await self._open(greq)
         over = False
         self.metrics.in_flight.inc()
         try:
@@ -321,6 +356,7 @@ class HttpService:
                 resp, over = await self._collect(gen, msg, fmt, kind, t0)
             return resp
         finally:
+            gen.close()
             self.metrics.in_flight.dec()
             if not over:  # the client went away: abort in the engine, free its KV blocks
                 self.metrics.aborted.inc()

@@ -26,6 +26,7 @@ from protocol import (
     HealthRequest,
     ProtocolError,
     SamplingParams,
+    StepFrame,
     TokenChunk,
     Usage,
     buffer_as_numpy,
@@ -59,6 +60,13 @@ def sample_messages():
         ExpertEvict(layer=1, expert=2),
         HealthRequest(),
         HealthReply(service="decode", ok=True, detail={"q": 0, "rate": 0.5, "note": "ok"}),
+        StepFrame(seq=3, messages=[
+            TokenChunk(request_id="a", token_ids=[3, 4], text="", logprobs=[-0.5, -1.0]),
+            TokenChunk(request_id="b", token_ids=[9], text=""),
+            GenerateResult(request_id="a", text="", token_ids=[3, 4], finish_reason="stop",
+                           usage=usage),
+            ErrorReply(request_id="c", code=ErrorCode.EXPERT_LOAD, message="x", retryable=True),
+        ]),
     ]
 
 

@@ -30,6 +30,7 @@ from protocol import (
     HealthRequest,
     ProtocolError,
     SamplingParams,
+    StepFrame,
     TokenChunk,
     Usage,
     WireMessage,
@@ -96,6 +97,14 @@ def sample_messages() -> list[WireMessage]:
         HealthRequest(),
         HealthReply(service="expert_loader.3", ok=True,
                     detail={"queue": 3, "hit_rate": 0.5, "last_error": ""}),
+        StepFrame(seq=0, messages=[
+            TokenChunk(request_id="r", token_ids=[5], text=""),
+            GenerateResult(request_id="q", text="", token_ids=[], finish_reason="abort",
+                           usage=Usage(prompt_tokens=1, completion_tokens=0,
+                                       prefill_tokens_per_s=0, decode_tokens_per_s=0)),
+            ErrorReply(request_id="p", code=ErrorCode.BUSY, message="full", retryable=True),
+        ]),
+        StepFrame(seq=2**63 - 1, messages=[]),
     ]
 
 

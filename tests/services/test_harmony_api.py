@@ -12,13 +12,15 @@ in-process engine's greedy tokens parsed by the reference parser."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from engine.harmony import HarmonyTokens, split_reference
-from protocol import GenerateResult, TokenChunk, Usage, encode
+from protocol import Usage
+from services.decode_stream import Finished, StepStreams
+from tests.services.local_handles import Handle
 from tests.services.test_harmony import ANALYSIS, FINAL, SCRIPT
 
 openai = pytest.importorskip("openai")
@@ -47,53 +49,29 @@ def gpt_oss_store(tmp_path_factory):
 # --------------------------------------------------------------------------- in-process wiring
 
 
-class _Gen:
-    """A Ray streaming generator's shape: each item an awaitable (an ObjectRef's stand-in)."""
-
-    def __init__(self, agen) -> None:
-        self.agen = agen
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        item = await self.agen.__anext__()
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(item)
-        return fut
-
-
-class Handle:
-    """An actor handle's shape over a local object: ``h.method.remote(...)``."""
-
-    def __init__(self, obj) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name):
-        fn = getattr(self._obj, name)
-
-        class _M:
-            @staticmethod
-            def remote(*a, **k):
-                r = fn(*a, **k)
-                return _Gen(r) if inspect.isasyncgen(r) else asyncio.ensure_future(r)
-
-        return _M
-
-
 class ScriptedDecode:
-    """The decode actor's interface, writing a script's tokens 3 per chunk. Like the engine it
-    stops after a token in ``sampling["stop_token_ids"]`` or its own end-of-sequence ids (here
-    only <|return|>, as the tokenizer's eos), else at max_tokens or the script's end."""
+    """The decode actor's interface (``submit`` + ``steps``: its step streams, the real
+    services.decode_stream), writing a script's tokens 3 per step. Like the engine it stops
+    after a token in ``sampling["stop_token_ids"]`` or its own end-of-sequence ids (here only
+    <|return|>, as the tokenizer's eos), else at max_tokens or the script's end."""
 
     def __init__(self, eos: set[int]) -> None:
         self.eos = eos
         self.script: list[int] = []
         self.calls: list[tuple[list[int], dict]] = []
         self.aborted: list[str] = []
+        self.streams = StepStreams()
 
-    async def generate(self, rid, prompt_ids, sampling):
+    async def steps(self, subscriber):
+        async for frame in self.streams.frames(self.streams.subscriber(subscriber), self.aborted.append):
+            yield frame
+
+    async def submit(self, subscriber, rid, prompt_ids, sampling):
         self.calls.append((list(prompt_ids), dict(sampling)))
+        sink = self.streams.open(self.streams.subscriber(subscriber), rid, len(prompt_ids), False)
+        asyncio.get_running_loop().create_task(self._play(sink, len(prompt_ids), sampling))
+
+    async def _play(self, sink, n_prompt, sampling):
         stops = set(sampling["stop_token_ids"]) | self.eos
         out, reason = [], "length"
         for t in self.script[:sampling["max_tokens"]]:
@@ -103,11 +81,13 @@ class ScriptedDecode:
                 break
         for k in range(0, len(out), 3):
             await asyncio.sleep(0)
-            yield encode(TokenChunk(request_id=rid, token_ids=out[k:k + 3], text=""))
-        usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(out),
+            sink(SimpleNamespace(new_token_ids=out[k:k + 3], new_text="", logprobs=None))
+            self.streams.flush()
+        usage = Usage(prompt_tokens=n_prompt, completion_tokens=len(out),
                       prefill_tokens_per_s=1.0, decode_tokens_per_s=1.0)
-        yield encode(GenerateResult(request_id=rid, text="", token_ids=out, finish_reason=reason,
-                                    usage=usage))
+        sink(Finished(SimpleNamespace(new_token_ids=[], new_text="", logprobs=None,
+                                      finish_reason=reason), usage))
+        self.streams.flush()
 
     async def abort(self, rid):
         self.aborted.append(rid)

@@ -238,6 +238,34 @@ def test_queue_full_answers_busy(app, ray_cluster, deploy_config, reference):
     assert s["kv_blocks_used"] == 0 and s["expert_pins"] == 0
 
 
+def test_concurrent_streams_get_their_own_tokens_in_one_frame_per_step(app, client, reference):
+    """16 streams at once: each gets exactly its own tokens, in order, equal to the engine's
+    alone; the decode actor sends the router one StepFrame per engine step for all of them
+    (per-request streams sent one Ray item per request per step: ~16x more)."""
+    import ray
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[(5 * i + 13 * k) % 90 + 4 for k in range(3 + i % 6)] for i in range(16)]
+    want = [reference(p, 12) for p in prompts]
+    r0, d0 = ray.get(app.router.stats.remote()), ray.get(app.decode.stats.remote())
+
+    def one(i):
+        msgs = run(client, prompt_token_ids=prompts[i], request_id=f"many-{i}",
+                   sampling={"temperature": 0.0, "max_tokens": 12, "speculative": False})
+        streamed = [t for m in msgs if isinstance(m, TokenChunk) for t in m.token_ids]
+        return streamed, result_of(msgs).token_ids
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(one, range(16)))
+    assert got == [(w, w) for w in want]
+    r1, d1 = ray.get(app.router.stats.remote()), ray.get(app.decode.stats.remote())
+    frames, steps = r1["decode_frames"] - r0["decode_frames"], d1["steps"] - d0["steps"]
+    assert frames == d1["step_frames"] - d0["step_frames"]  # nothing lost on the way
+    assert 1 <= frames <= steps, (frames, steps)
+    # a TokenChunk per token (no speculation: one token per step) and a GenerateResult each
+    assert r1["decode_messages"] - r0["decode_messages"] == sum(len(w) for w in want) + 16
+
+
 # --------------------------------------------------------------------------- cancellation
 
 
@@ -299,6 +327,38 @@ def test_loader_killed_mid_generation_restarts_and_tokens_are_identical(app, cli
         ray.get(app.decode.set_direct_reads.remote(True))
     assert_healthy(app)
     assert wait_idle(app)["kv_blocks_used"] == 0
+
+
+def test_decode_killed_mid_stream_gives_engine_dead_then_serves_again(app, client, reference):
+    """The router's one step stream from the decode actor fails with it: every request on it
+    gets a typed engine_dead error (not a hang); once Ray has restarted the actor the next
+    request opens a new stream and gets the engine's tokens."""
+    import ray
+
+    prompt = reference.long_prompt
+    streams = [client.generate(prompt_token_ids=prompt, request_id=f"dkill-{i}",
+                               sampling={"temperature": 0, "max_tokens": 100}) for i in range(3)]
+    firsts = [next(s) for s in streams]
+    assert all(isinstance(m, TokenChunk) for m in firsts)
+    ray.kill(app.decode, no_restart=False)
+    for s in streams:
+        rest = list(s)
+        errors = [m for m in rest if isinstance(m, ErrorReply)]
+        assert errors and errors[0].code == ErrorCode.ENGINE_DEAD and errors[0].retryable, rest
+    deadline = time.time() + 300
+    while True:  # Ray restarts it: the store, the caches and the native step again
+        try:
+            ray.get(app.decode.check_health.remote(), timeout=60)
+            break
+        except Exception:
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
+    res = result_of(run(client, prompt_token_ids=[5, 17, 33, 8], sampling=GREEDY))
+    assert res.token_ids == reference([5, 17, 33, 8], 16)
+    s = wait_idle(app)
+    assert s["kv_blocks_used"] == 0 and s["running"] == 0
+    assert_healthy(app)
 
 
 def test_scale_loaders_1_3_1_during_generation_changes_no_token(app, client, reference):
