@@ -113,14 +113,22 @@ class TokenizerRouter:
                        "errors": 0, "timeouts": 0, "cancelled": 0, "completed": 0}
 
     # ---- entry points ------------------------------------------------------------------------
-    async def submit_frames(self, frames: list) -> AsyncIterator[list[bytes]]:
-        """Raw wire frames in (one GenerateRequest), frames out. Bad frames -> one ErrorReply."""
+    def _request(self, frames: list) -> "GenerateRequest | list[bytes]":
+        """The GenerateRequest in wire ``frames``, or the ErrorReply frames of unreadable ones
+        (counted as invalid or as a protocol error)."""
         try:
             req, _ = decode(frames, expect=GenerateRequest, max_frame_bytes=self.max_frame_bytes)
         except ProtocolError as e:
             key = "invalid" if e.code is ErrorCode.INVALID_REQUEST else "protocol_errors"
             self.counts[key] += 1
-            yield encode(ErrorReply.for_code(e.code, e.message))
+            return encode(ErrorReply.for_code(e.code, e.message))
+        return req
+
+    async def submit_frames(self, frames: list) -> AsyncIterator[list[bytes]]:
+        """Raw wire frames in (one GenerateRequest), frames out. Bad frames -> one ErrorReply."""
+        req = self._request(frames)
+        if not isinstance(req, GenerateRequest):
+            yield req
             return
         async for out in self._run(req):
             yield out
@@ -200,12 +208,9 @@ class TokenizerRouter:
         """Start the request in ``frames`` (a GenerateRequest); its messages go to the
         subscriber's step stream. Returns None, or the ErrorReply frames of a request refused
         before it started (unreadable frames, an id in use)."""
-        try:
-            req, _ = decode(frames, expect=GenerateRequest, max_frame_bytes=self.max_frame_bytes)
-        except ProtocolError as e:
-            key = "invalid" if e.code is ErrorCode.INVALID_REQUEST else "protocol_errors"
-            self.counts[key] += 1
-            return encode(ErrorReply.for_code(e.code, e.message))
+        req = self._request(frames)
+        if not isinstance(req, GenerateRequest):
+            return req
         rid = req.request_id
         box = self._outbox(subscriber)
         if rid in box.tasks:

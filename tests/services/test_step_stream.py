@@ -296,3 +296,26 @@ def test_http_streams_get_their_own_text_in_one_router_frame_per_step(local_pipe
     assert 1 <= sub.frames <= steps + 2, (sub.frames, steps, decode_frames)
     assert 1 <= decode_frames <= steps
     assert p.router.outboxes[sub.name].tasks == {}  # every request's task is done
+
+
+def test_unreadable_request_frames_are_one_typed_reply_on_both_router_paths(local_pipeline):
+    """A hostile GenerateRequest (not msgpack; a request id of the wrong type) gets one ErrorReply
+    whether it comes through the per-request path (submit_frames) or a step stream (submit),
+    counted as a protocol error or an invalid request; nothing reaches the engine."""
+    from protocol import GenerateRequest, encode
+
+    loop, dec, router = local_pipeline.loop, local_pipeline.dec, local_pipeline.router
+    good = encode(GenerateRequest(request_id="ok", prompt_token_ids=[5, 6], sampling={"max_tokens": 1}))
+    garbage = [good[0], b"\xc1not msgpack"] + list(good[2:])
+
+    async def run():
+        before, steps0 = dict(router.counts), dec.loop.steps
+        direct = [decode(f)[0] async for f in router.submit_frames(garbage)]
+        stepped = await router.submit("hostile", garbage)
+        return before, direct, decode(stepped)[0], dec.loop.steps - steps0
+
+    before, direct, stepped, steps = asyncio.run_coroutine_threadsafe(run(), loop).result(120)
+    assert len(direct) == 1 and isinstance(direct[0], ErrorReply) and isinstance(stepped, ErrorReply)
+    assert direct[0].code == stepped.code
+    bumped = {k: router.counts[k] - before[k] for k in ("invalid", "protocol_errors")}
+    assert sum(bumped.values()) == 2 and steps == 0
