@@ -21,16 +21,15 @@ from typing import Iterator
 import torch
 
 from engine.errors import ConfigError, DeviceBudgetError
+from engine.units import format_bytes
 
-__all__ = ["Budgets", "DeviceBudget", "GiB", "HOST_HEADROOM", "auto_budgets", "auto_device_budget", "auto_ram_budget",
+__all__ = ["Budgets", "DeviceBudget", "GiB", "HOST_HEADROOM", "auto_device_budget", "auto_ram_budget",
            "available_host_memory", "resolve_budgets"]
 
 GiB = 2**30
 
 
 def _fmt(n: int) -> str:
-    from engine.units import format_bytes
-
     return f"{format_bytes(n)} ({n} B)"
 
 
@@ -145,12 +144,6 @@ def available_host_memory() -> int:
     return host_memory(available=True)
 
 
-def _short(n: int) -> str:
-    from engine.units import format_bytes
-
-    return format_bytes(n)
-
-
 @dataclass(frozen=True)
 class Budgets:
     """The two expert-tier budgets of a run and where each came from: ``device_from`` /
@@ -172,8 +165,8 @@ class Budgets:
     def line(self) -> str:
         """One line to print at start-up (``budgets auto: ...`` when either was resolved)."""
         total = max(self.experts, 1)
-        return (f"budgets {'auto' if self.auto else 'given'}: device {_short(self.device)} "
-                f"({self.device / total:.0%} of the experts; {self.device_from}), RAM tier {_short(self.ram)} "
+        return (f"budgets {'auto' if self.auto else 'given'}: device {format_bytes(self.device)} "
+                f"({self.device / total:.0%} of the experts; {self.device_from}), RAM tier {format_bytes(self.ram)} "
                 f"({self.ram / total:.0%}; {self.ram_from})" + (f"; {self.resident}" if self.resident else ""))
 
 
@@ -188,7 +181,7 @@ def auto_ram_budget(experts_total: int, *, headroom: int = HOST_HEADROOM,
     (``host_available``, default :func:`available_host_memory`) less ``headroom``, capped at
     ``experts_total``; ``(bytes, how)``."""
     avail = available_host_memory() if host_available is None else host_available
-    where = f"available host RAM {_short(avail)} - headroom {_short(headroom)}"
+    where = f"available host RAM {format_bytes(avail)} - headroom {format_bytes(headroom)}"
     if avail - headroom <= 0:
         raise _nothing_left("the RAM tier", where)
     return min(avail - headroom, experts_total), where
@@ -201,8 +194,8 @@ def auto_device_budget(experts_total: int, *, device: str | torch.device, reside
     ``workspace``, capped at ``experts_total``; ``(bytes, how)``."""
     if device_free is None:
         device_free = torch.cuda.mem_get_info(torch.device(device))[0]
-    where = (f"free device memory {_short(device_free)} - dense/KV/state {_short(resident)} - workspace "
-             f"{_short(workspace)}")
+    where = (f"free device memory {format_bytes(device_free)} - dense/KV/state {format_bytes(resident)} - workspace "
+             f"{format_bytes(workspace)}")
     d = device_free - resident - workspace
     if d <= 0:
         raise _nothing_left("expert slots on the device", where)
@@ -236,10 +229,10 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
     elif device_budget is None or ram_budget is None:
         avail = available_host_memory() if host_available is None else host_available
         usable = avail - headroom - resident
-        where = f"available RAM {_short(avail)} - headroom {_short(headroom)} - dense/KV/state {_short(resident)}"
+        where = f"available RAM {format_bytes(avail)} - headroom {format_bytes(headroom)} - dense/KV/state {format_bytes(resident)}"
         if ram_budget is None:
             ram_budget = min(experts_total, usable - (device_budget or 0))
-            r_from = where + (f" - device tier {_short(device_budget)}" if device_budget is not None else "")
+            r_from = where + (f" - device tier {format_bytes(device_budget)}" if device_budget is not None else "")
             if ram_budget <= 0:
                 raise _nothing_left("the RAM tier", r_from)
         if device_budget is None:
@@ -248,13 +241,3 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
             if device_budget <= 0:
                 raise _nothing_left("expert slots (the device tier)", d_from)
     return Budgets(device_budget, ram_budget, experts_total, d_from, r_from, resident_note if counted else "")
-
-
-def auto_budgets(experts_total: int, *, device: str | torch.device, resident: int,
-                 headroom: int = HOST_HEADROOM, workspace: int = DEVICE_WORKSPACE,
-                 device_free: int | None = None, host_available: int | None = None) -> tuple[int, int, str]:
-    """Both budgets ``auto`` (:func:`resolve_budgets`): ``(device_budget, ram_budget, line to
-    print)``."""
-    b = resolve_budgets(experts_total, device=device, resident=resident, headroom=headroom,
-                        workspace=workspace, device_free=device_free, host_available=host_available)
-    return b.device, b.ram, b.line

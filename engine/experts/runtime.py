@@ -94,9 +94,6 @@ def _slot_bytes(store) -> int:
     return align_up(store.expert_nbytes)
 
 
-HEAD_INT4_BYTES_PER_PARAM = 0.5 + 4 / 64  # int4 LM head: an fp16 scale and min per 64 weights
-
-
 def dense_resident_bytes(store, *, dense: str, head: str | None = None,
                          dtype: torch.dtype = torch.float32) -> int:
     """Bytes the dense (non-expert) weights of ``store`` (an open ExpertStore) take where the
@@ -105,15 +102,14 @@ def dense_resident_bytes(store, *, dense: str, head: str | None = None,
     other vectors in ``dtype``. Read from the tensor headers, nothing loaded."""
     import math
 
-    from engine.costmodel import DENSE_BYTES_PER_PARAM
     from engine.loading.source import parse_expert_name
+    from engine.quant.formats import QuantFormat
+    from engine.quant.linear import DENSE_GROUP
 
     as_dtype = torch.empty((), dtype=dtype).element_size()
 
-    def per_param(fmt: str) -> float:
-        if fmt == "fp32":
-            return as_dtype
-        return HEAD_INT4_BYTES_PER_PARAM if fmt == "int4" else DENSE_BYTES_PER_PARAM[fmt]
+    def per_param(fmt: str) -> float:  # as quantize_dense stores it
+        return as_dtype if fmt == "fp32" else QuantFormat(fmt, DENSE_GROUP).bits_per_weight / 8
 
     src = store.dense_source(verify=False)
     try:

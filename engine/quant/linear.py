@@ -20,6 +20,7 @@ DENSE_FORMATS = ("fp32", "bf16", "int8")
 # the LM head may go lower: at vocab 32000 x hidden 1024 it is 33 MB a token at int8 (a quarter of
 # what a token of the 1.3B test MoE reads), 18 MB at int4 g64 (4.5 bits)
 HEAD_FORMATS = ("fp32", "bf16", "int8", "int4")
+DENSE_GROUP = 64  # quantize_dense's group size: one fp16 scale (and min, int4) per 64 weights
 
 
 class QuantLinear(nn.Module):
@@ -78,7 +79,7 @@ def dense_linears(model) -> list[tuple[nn.Module, str]]:
     return out
 
 
-def quantize_dense(model, fmt_name: str, group_size: int = 64, head: str | None = None):
+def quantize_dense(model, fmt_name: str, group_size: int = DENSE_GROUP, head: str | None = None):
     """Swap the model's dense linears for ``fmt_name`` ("fp32" = leave them; "bf16"; "int8"
     with ``group_size``, falling back to bf16 for a weight whose in-dim the group does not
     divide); the LM head for ``head`` (one of HEAD_FORMATS; None: as the others). Returns the

@@ -8,9 +8,14 @@ import pytest
 from click.testing import CliRunner
 
 from engine.errors import DeviceBudgetError
-from engine.experts.device_budget import GiB, auto_budgets
+from engine.experts.device_budget import GiB, resolve_budgets
 
 MiB = 2**20
+
+
+def auto_budgets(*args, **kw):
+    b = resolve_budgets(*args, **kw)
+    return b.device, b.ram, b.line
 
 
 def test_gpu_budget_is_free_memory_after_resident_and_workspace():
