@@ -218,13 +218,11 @@ def print_rows(rows, dense_active, expert_active, mem_bw, disk_bw, link_bw, comp
               f"{r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f} | {1 / moved:.1f} | {compute_roof:.1f} |")
 
 
-def policy_table(tokens: int = 144, samples: int = 1000) -> None:
-    """The README's policy table: LRU, LFU, sweep (the default) and Belady at 10/25/50% of the
-    experts on the demo model's decode trace, the moe16 model's (held out: never tuned on) and
-    synthetic traces of the demo's shape, each cell with its ratio to Belady; for the synthetic
-    traces also the online ceiling (engine.experts.synthetic.online_ceiling)."""
-    from engine.experts.simulate import budgets_from_fractions, frequency_oracle, sweep
-    from engine.experts.synthetic import online_ceiling, pick_probabilities, synthetic_trace
+def policy_traces(tokens: int = 144) -> list[tuple[str, object, tuple | None]]:
+    """The traces the policy tables replay, as (label, RoutingTrace, (zipf, locality, seed) of a
+    synthetic trace's generator or None): the demo model's and the moe16 model's real decode
+    traces (tests/data) and two synthetic traces of the demo's shape."""
+    from engine.experts.synthetic import synthetic_trace
     from engine.experts.trace import RoutingTrace
 
     data = Path(__file__).resolve().parents[1] / "tests" / "data"
@@ -234,6 +232,18 @@ def policy_table(tokens: int = 144, samples: int = 1000) -> None:
     for zipf, seed in ((0.6, 1), (1.2, 2)):
         rows.append((f"synthetic, zipf {zipf}, locality 0.3 (seed {seed})",
                      synthetic_trace(tokens, 30, 12, 6, zipf=zipf, locality=0.3, seed=seed), (zipf, 0.3, seed)))
+    return rows
+
+
+def policy_table(tokens: int = 144, samples: int = 1000) -> None:
+    """The README's policy table: LRU, LFU, sweep (the default) and Belady at 10/25/50% of the
+    experts on the demo model's decode trace, the moe16 model's (held out: never tuned on) and
+    synthetic traces of the demo's shape, each cell with its ratio to Belady; for the synthetic
+    traces also the online ceiling (engine.experts.synthetic.online_ceiling)."""
+    from engine.experts.simulate import budgets_from_fractions, frequency_oracle, sweep
+    from engine.experts.synthetic import online_ceiling, pick_probabilities
+
+    rows = policy_traces(tokens)
     pols = ["lru", "lfu", "sweep", "belady"]
     print("| trace | budget | " + " | ".join({"sweep": "sweep (default)", "belady": "Belady"}.get(p, p.upper()) for p in pols)
           + " | sweep + bypass | Belady with bypass | frequency oracle | online ceiling |")
@@ -262,20 +272,12 @@ def admission_table(tokens: int = 144) -> None:
     from engine.costmodel import ModelShape
     from engine.experts.cache import CacheConfig, ExpertCache
     from engine.experts.simulate import budgets_from_fractions, simulate
-    from engine.experts.synthetic import synthetic_trace
     from engine.experts.synthetic_store import SyntheticExpertStore
-    from engine.experts.trace import RoutingTrace
 
-    data = Path(__file__).resolve().parents[1] / "tests" / "data"
-    rows = [("demo model, decode (tuned on)", RoutingTrace.load(data / "smollm2_demo_generate.npz")),
-            ("moe16 top-8 model, decode (held out)", RoutingTrace.load(data / "smollm2_moe16_top8_heldout_generate.npz"))]
-    for zipf, seed in ((0.6, 1), (1.2, 2)):
-        rows.append((f"synthetic, zipf {zipf}, locality 0.3 (seed {seed})",
-                     synthetic_trace(tokens, 30, 12, 6, zipf=zipf, locality=0.3, seed=seed)))
     print("| trace | budget | slots | every miss cached | admission, same cache slots (+ top-k staging) "
           "| admission, same device budget (top-k of the slots staging) | declined misses | simulated |")
     print("|---|---|---|---|---|---|---|---|")
-    for label, tr in rows:
+    for label, tr, _ in policy_traces(tokens):
         shape = ModelShape("replay", layers=tr.num_layers, hidden=64, experts=tr.num_experts, expert_width=64,
                            top_k=tr.top_k, shared_width=0, vocab=64, heads=1, kv_heads=1, head_dim=64)
         store = SyntheticExpertStore(shape, seed=0)

@@ -67,16 +67,16 @@ def kv_b_bytes(num_heads: int, nope_dim: int, v_dim: int, kv_lora_rank: int, fmt
                group_size: int = 64) -> int:
     """Bytes of one layer's kv_b as mla_block reads them per decoded token: float32 (the
     reference path), bf16, or int8 (+ an fp16 scale per ``group_size`` weights)."""
+    from engine.quant.formats import QuantFormat
+
     n = num_heads * (nope_dim + v_dim) * kv_lora_rank
     if fmt == "float32":
         return 4 * n
-    if fmt == "bf16":
-        return 2 * n
-    if fmt == "int8":
-        if kv_lora_rank % group_size:
-            raise ConfigError(f"int8 kv_b: group {group_size} does not divide kv_lora_rank {kv_lora_rank}")
-        return n + 2 * (n // group_size)
-    raise ConfigError(f"kv_b format {fmt!r}; allowed: float32, {', '.join(KV_B_FORMATS)}")
+    if fmt not in KV_B_FORMATS:
+        raise ConfigError(f"kv_b format {fmt!r}; allowed: float32, {', '.join(KV_B_FORMATS)}")
+    if fmt == "int8" and kv_lora_rank % group_size:
+        raise ConfigError(f"int8 kv_b: group {group_size} does not divide kv_lora_rank {kv_lora_rank}")
+    return int(n * QuantFormat(fmt, group_size).bits_per_weight) // 8
 
 
 class DeepseekNativeStep(NativeStep):
