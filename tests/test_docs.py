@@ -1,7 +1,8 @@
 """The README and docs/ (issue 24, point 5): the README stays a newcomer's page of at most 250
 lines with the two commands exactly as CI and users run them, every docs/ page is reachable from
 it, and no intra-repo link is broken: a relative link names a file or directory that exists, and
-its `#anchor` names a heading of the target page (GitHub's anchor rules).
+its `#anchor` names a heading of the target page (GitHub's anchor rules); docs/cli.md's option
+tables name exactly the options each command has.
 
 The checker works on any tree (`check_tree(root)`), so its own tests build small broken trees and
 require it to report them."""
@@ -186,6 +187,42 @@ def test_pages_written_elsewhere_are_linked_from_the_readme():
         assert page in targets, f"README.md does not link {page}"
 
 
+def documented_options(cli_md: str) -> dict[tuple[str, ...], set[str]]:
+    """docs/cli.md's "Options by command": for each `### `moestream CMD` ...` heading (several
+    commands may share one), the options named in the first cell of its tables' rows."""
+    sections: dict[tuple[str, ...], set[str]] = {}
+    current = None
+    for _, line in _prose_lines(cli_md):
+        if line.startswith("## "):
+            current = None
+        elif line.startswith("### `moestream "):
+            spans = [m.group(2) for m in INLINE_CODE.finditer(line)]
+            current = tuple(span.removeprefix("moestream ").split()[0] for span in spans)
+            sections[current] = set()
+        elif current is not None and line.startswith("| `--"):
+            first_cell = line.split("|")[1]
+            for span in INLINE_CODE.finditer(first_cell):
+                for opt in span.group(2).split("/"):
+                    sections[current].add(opt.strip())
+    return sections
+
+
+def test_cli_reference_lists_every_option_of_every_command():
+    import click
+
+    from services.cli import main
+
+    sections = documented_options((ROOT / "docs" / "cli.md").read_text(encoding="utf-8"))
+    covered = [name for names in sections for name in names]
+    assert sorted(covered) == sorted(main.commands), "docs/cli.md: one options section per command"
+    for names, documented in sections.items():
+        actual = {opt for name in names for p in main.commands[name].params
+                  if isinstance(p, click.Option) for opt in p.opts + p.secondary_opts if opt.startswith("--")}
+        actual.discard("--help")
+        assert documented == actual, (f"docs/cli.md, {' / '.join(names)}: undocumented "
+                                      f"{sorted(actual - documented)}, not options {sorted(documented - actual)}")
+
+
 # ---- the checker itself ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("heading, anchor", [
@@ -243,6 +280,13 @@ def test_unreachable_pages_are_found_through_chains(tmp_path):
     root = _tree(tmp_path, "# R\n\n[a](docs/a.md)\n",
                  {"docs/a.md": "# A\n\n[b](b.md#b)\n", "docs/b.md": "# B\n", "docs/c.md": "# C\n"})
     assert unreachable_pages(root) == ["docs/c.md"]
+
+
+def test_documented_options_are_read_per_section():
+    text = ("## Options by command\n\n### `moestream a [X]`\n\n| option | default |\n|---|---|\n"
+            "| `--x/--no-x` | off |\n| `--y`, `--z` | 1, 2 |\n\n### `moestream b`, `c`\n\nNo options.\n\n"
+            "## Elsewhere\n\n| `--not-an-option` | |\n")
+    assert documented_options(text) == {("a",): {"--x", "--no-x", "--y", "--z"}, ("b", "c"): set()}
 
 
 def test_two_commands_must_be_whole_lines_of_a_bash_block():
