@@ -1,8 +1,8 @@
 """The README and docs/ (issue 24, point 5): the README stays a newcomer's page of at most 250
 lines with the two commands exactly as CI and users run them, every docs/ page is reachable from
 it, and no intra-repo link is broken: a relative link names a file or directory that exists, and
-its `#anchor` names a heading of the target page (GitHub's anchor rules); docs/cli.md's option
-tables name exactly the options each command has.
+its `#anchor` names a heading of the target page (GitHub's anchor rules), and a repository path
+in a code span exists; docs/cli.md's option tables name exactly the options each command has.
 
 The checker works on any tree (`check_tree(root)`), so its own tests build small broken trees and
 require it to report them."""
@@ -124,6 +124,25 @@ def check_tree(root: Path, written_elsewhere=frozenset()) -> list[str]:
     return problems
 
 
+CODE_PATH = re.compile(r"^(?:engine|services|bench|tests|deploy|protocol)/[^\s]*$")
+
+
+def missing_code_paths(root: Path) -> list[str]:
+    """Repository paths named in code spans (`engine/step.py`, `tests/x.py::test_y`) that do not
+    exist; placeholders (`<arch>`), globs and brace lists are not paths and are skipped."""
+    root = root.resolve()
+    problems = []
+    for page in _pages(root):
+        for no, line in _prose_lines(page.read_text(encoding="utf-8")):
+            for m in INLINE_CODE.finditer(line):
+                path = m.group(2).split("::")[0].split()[0] if m.group(2).strip() else ""
+                if not CODE_PATH.match(path) or any(c in path for c in "<>{}*?$"):
+                    continue
+                if not (root / path).exists():
+                    problems.append(f"{page.relative_to(root)}:{no}: `{path}` does not exist")
+    return problems
+
+
 def unreachable_pages(root: Path) -> list[str]:
     """docs/*.md pages no chain of links from README.md reaches."""
     root = root.resolve()
@@ -171,6 +190,11 @@ def test_readme_has_the_two_commands_verbatim():
 
 def test_no_broken_intra_repo_links():
     problems = check_tree(ROOT, WRITTEN_ELSEWHERE)
+    assert not problems, "\n".join(problems)
+
+
+def test_repository_paths_in_code_spans_exist():
+    problems = missing_code_paths(ROOT)
     assert not problems, "\n".join(problems)
 
 
@@ -274,6 +298,15 @@ def test_checker_accepts_a_page_written_elsewhere_only_while_absent(tmp_path):
     assert check_tree(root, frozenset({"docs/x.md"})) == []
     (root / "docs/x.md").write_text("# X\n\n[broken](y.md)\n")
     assert check_tree(root, frozenset({"docs/x.md"})) == ["docs/x.md:3: y.md: no such file or directory"]
+
+
+def test_missing_code_paths_are_reported(tmp_path):
+    root = _tree(tmp_path, "# R\n\n`engine/a.py` `engine/gone.py` `tests/t.py::test_x` `engine/models/<arch>/`"
+                           " `engine/{a,b}.py` `not/a/repo/path.py`\n\n```\n`engine/in_fence.py`\n```\n", {})
+    (root / "engine").mkdir()
+    (root / "engine/a.py").write_text("")
+    assert missing_code_paths(root) == ["README.md:3: `engine/gone.py` does not exist",
+                                        "README.md:3: `tests/t.py` does not exist"]
 
 
 def test_unreachable_pages_are_found_through_chains(tmp_path):
