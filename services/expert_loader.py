@@ -10,7 +10,7 @@ Control plane: one actor call per RAM-tier miss of the device cache, carrying pr
 (ExpertFetch -> ExpertReady | ErrorReply, msgpack via protocol.codec).
 
 Why our own POSIX shared memory and not the Ray object store (figures: bench/pipeline.py,
-README "Ray pipeline"): both give the decode process a zero-copy view, but
+docs/serving.md "Inside the pipeline"): both give the decode process a zero-copy view, but
   * a blob enters the segment by one pread straight into its slot (the object store needs a
     read into a private buffer plus a ``ray.put`` copy: ~1 extra memcpy per blob entering RAM);
   * the decode side can re-read a RAM-resident blob *without any actor call*: each slot has a

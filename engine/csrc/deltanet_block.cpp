@@ -1,4 +1,4 @@
-// Gated DeltaNet (DESIGN.md, "The step contract"): a Qwen3-Next linear-attention layer as one
+// Gated DeltaNet (docs/design.md, "The step contract"): a Qwen3-Next linear-attention layer as one
 // native call for every row of a step, whatever its kind: each sequence brings T >= 1 rows (a
 // prefill chunk, a decode row, or the k + 1 rows of a speculative verify row):
 //   x += out_proj(gated_rmsnorm(delta_rule(l2norm(silu(causal_conv(qkv)))), silu(z)))

@@ -1,4 +1,4 @@
-// The decode step's fused native calls (DESIGN.md, "The step contract").
+// The decode step's fused native calls (docs/design.md, "The step contract").
 //
 // A transformer layer is three calls from Python, whatever the batch:
 //   attn_block : x += o_proj(attention(rope(qk_norm(qkv(rmsnorm(x)))))) over the KV blocks of

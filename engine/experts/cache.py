@@ -57,7 +57,7 @@ class CacheConfig:
     miss_compute: str = "transfer"  # transfer | cpu | auto (cost model)
     io_threads: int = 2
     # admission control (see the module docstring); off by default: at the same device budget
-    # its staging slots cost more hits than declining wins (README "Expert cache policy")
+    # its staging slots cost more hits than declining wins (docs/expert-cache.md)
     admission: bool = False
     staging_slots: int | None = None  # staging slots with admission control; None: top_k
 

@@ -1,7 +1,7 @@
 """Sweep-aware eviction: evict the expert whose next use is expected farthest away.
 
 Decode visits every sparse layer once per token, in order: the access stream is a cyclic sweep
-(DESIGN.md §3). LRU evicts exactly the experts the sweep needs next, and LFU ignores *when* a
+(docs/design.md §3). LRU evicts exactly the experts the sweep needs next, and LFU ignores *when* a
 layer comes round again. This policy estimates, for every resident expert, the number of
 records (layer visits) until its next use and evicts the largest, an online stand-in for
 Belady's farthest-next-use rule:

@@ -210,7 +210,7 @@ def int8_activations() -> bool:
     VNNI. Measured (512x1024 int4 g32/g64, cold, 1 thread): T=1 1.3-1.6x, T=3
     2.4x faster, none where the float kernel is already memory-bound; adds ~1% relative error
     to W·x (int4 weights alone: ~6.5%). ``reference.linear_ref_int8_act`` is the same math in
-    torch; off gives the exact float path. Numbers in README.md (Quantization)."""
+    torch; off gives the exact float path. Numbers in docs/quantization.md."""
     if not options().int8_activations:
         return False
     isa = native_isa()

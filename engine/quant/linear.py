@@ -5,7 +5,7 @@ experts' do. ``quantize_dense(model, "bf16")`` halves them (and ``int8`` quarter
 replacing each attention / dense-MLP / shared-expert / LM-head ``nn.Linear`` with a
 :class:`QuantLinear` computed by ``engine.quant.kernels.qlinear`` (fp32 activations, fp32
 accumulation). Embeddings, norms and routers stay as they are: routers decide which experts
-run, and their cost is negligible. The model code never knows (DESIGN.md §7, rule 2).
+run, and their cost is negligible. The model code never knows (docs/design.md §7, rule 2).
 """
 
 from __future__ import annotations

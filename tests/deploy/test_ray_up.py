@@ -1,4 +1,4 @@
-"""The README's Ray section, end to end, as a new user on one workstation (issue 16).
+"""docs/serving.md's `ray up` section, end to end, as a new user on one workstation (issue 16).
 
 An SSH server on 127.0.0.1:22 for a generated local account and key; a clone of this working
 tree where the README's setup command (`bash deploy/setup.sh`) ran; then, with no RAY_*
@@ -225,7 +225,7 @@ def test_ray_up_serve_generate_scale_down(node, clone, tmp_path):
     venv = clone / ".venv"
     env = _clean_env(venv)
     cfg = (clone / "deploy" / "cluster.yaml").read_text()
-    # the two lines the README tells a user to edit: the node account and its key
+    # the two lines docs/serving.md tells a user to edit: the node account and its key
     cfg = cfg.replace("ssh_user: moestream", f"ssh_user: {node['account']}")
     cfg = cfg.replace("ssh_private_key: ~/.ssh/id_ed25519", f"ssh_private_key: {node['key']}")
     (clone / "deploy" / "cluster.yaml").write_text(cfg)
@@ -270,7 +270,7 @@ def test_ray_up_serve_generate_scale_down(node, clone, tmp_path):
     results = [json.loads(line) for line in job.stdout.splitlines() if line.startswith('{"')]
     assert results and results[-1]["token_ids"], job.stdout[-3000:]
 
-    # the Ray client, no environment beyond PATH: the README's command once ...
+    # the Ray client, no environment beyond PATH: docs/serving.md's command once ...
     t0 = time.monotonic()
     one = sh([ms, "generate", "--address", "ray://127.0.0.1:10001", "--max-tokens", "16",
               "--json", text], cwd=tmp_path, env=env, timeout=600)

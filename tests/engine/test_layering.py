@@ -1,4 +1,4 @@
-"""The numeric core never imports Ray (DESIGN.md §2): every engine module imports in a fresh
+"""The numeric core never imports Ray (docs/design.md §2): every engine module imports in a fresh
 interpreter without pulling ray in."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from tests.deploy.helpers import Serve, alive, audit, http_status, shm_of
 
 pytestmark = pytest.mark.ray
 
-STOP_LIMIT_S = 30.0  # what the README promises for SIGTERM / Ctrl-C of `moestream serve`
+STOP_LIMIT_S = 30.0  # what docs/serving.md promises for SIGTERM / Ctrl-C of `moestream serve`
 
 
 @pytest.fixture()

@@ -17,7 +17,7 @@ from engine.experts.simulate import budgets_from_fractions, simulate
 from engine.experts.synthetic_store import SyntheticExpertStore
 from engine.experts.trace import RoutingTrace
 
-DECODE_TRACES = {  # the two real decode traces the README's policy table uses
+DECODE_TRACES = {  # the two real decode traces docs/expert-cache.md's policy table uses
     "demo": "tests/data/smollm2_demo_generate.npz",  # sweep was tuned on it
     "moe16": "tests/data/smollm2_moe16_top8_heldout_generate.npz",  # held out
 }
