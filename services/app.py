@@ -110,8 +110,8 @@ class App:
                 if i not in taken:
                     new.append(loader_name(i))
                 i += 1
-            handles = [self._start_loader(name, n) for name in new]
-            ray.get([h.check_health.remote() for h in handles], timeout=timeout_s)
+            started = [self._start_loader(name, n) for name in new]
+            ray.get([h.check_health.remote() for h in started], timeout=timeout_s)
             names = sorted(names + new, key=loader_index)
             ray.get(self.decode.set_loaders.remote(names), timeout=timeout_s)
         elif n < len(names):

@@ -335,24 +335,6 @@ class DecodeService:
         except Exception as e:
             self.streams.refuse(sub, request_id, e)
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling: dict) -> AsyncIterator[list[bytes]]:
-        """One request on a stream of its own, message by message: TokenChunk per step that
-        produced tokens, then the GenerateResult; or an ErrorReply (after which a GenerateResult
-        with finish_reason "error" follows if tokens had been streamed). Never raises. The
-        router uses ``steps`` + ``submit`` instead (one frame per step for all its requests)."""
-        sub = self.streams.subscriber(f"generate.{request_id}.{id(asyncio.current_task()):x}")
-        self._submit(sub, request_id, prompt_ids, sampling)
-        try:
-            async for messages, ended in self.streams.batches(sub, self.loop.abort):
-                for m in messages:
-                    yield encode(m)
-                if request_id in ended:
-                    return
-        finally:
-            for rid in self.streams.close(sub):
-                self.loop.abort(rid)
-
     async def abort(self, request_id: str) -> None:
         """Finish ``request_id`` with reason "abort" and free its KV blocks (no-op if unknown)."""
         self.loop.abort(request_id)
