@@ -37,7 +37,6 @@ from protocol import (
     decode,
     encode,
 )
-
 from services.handles import DECODE, NAMESPACE, ROUTER, actor
 from services.handles import ray_module as _ray
 
