@@ -11,7 +11,7 @@ reference loop (engine.generate.generate_ids) and the memory-bandwidth roofline.
 cluster and measures TTFT and inter-token latency p50/p99 at 1, 4, 16 and 64 streams on three
 paths: the in-process Engine (same store, budgets and batch limit), the Ray driver client
 (decode -> router: one step stream, a StepFrame per engine step for all requests; router ->
-driver: a Ray streaming generator per request) and the OpenAI-compatible HTTP API (aiohttp
+driver: a step stream per request) and the OpenAI-compatible HTTP API (aiohttp
 client, SSE; router -> HTTP actor: one step stream too, plus HTTP). Greedy, so every path
 produces the same tokens. It also prints engine steps and decode -> router frames per run.
 
@@ -116,14 +116,14 @@ def _ray_serve_ingress(namespace: str) -> str:
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
     class Ingress:
         def __init__(self, ns: str) -> None:
-            import ray
+            from services.handles import router
 
-            self.router = ray.get_actor("router", namespace=ns)
+            self.router = router(ns)
 
         async def __call__(self, request: Request):
             import uuid
 
-            from protocol import GenerateResult, TokenChunk, decode, encode
+            from protocol import GenerateResult, StepFrame, TokenChunk, decode, encode
             from services.http.openai_format import SSE_DONE, Formatter
             from services.http.schemas import CompletionRequest, OpenAIError, parse_body
 
@@ -134,12 +134,20 @@ def _ray_serve_ingress(namespace: str) -> str:
             except OpenAIError as e:
                 return JSONResponse(e.body(), status_code=e.status)
             fmt = Formatter("completion", rid, body.model, body.include_usage)
-            gen = self.router.submit_frames.remote(encode(greq))
+            # the router's one intake: the request into a step stream of its own, ending with it
+            steps = self.router.steps.remote(rid, True)
+            refused = await self.router.submit.remote(rid, encode(greq))
+            if refused is not None:
+                return JSONResponse({"error": decode(refused)[0].message}, status_code=500)
+
+            async def messages():
+                async for ref in steps:
+                    for msg in decode(await ref, expect=StepFrame)[0].messages:
+                        yield msg
 
             async def events():
                 sent = 0
-                async for ref in gen:
-                    msg, _ = decode(await ref)
+                async for msg in messages():
                     if isinstance(msg, TokenChunk):
                         sent += len(msg.token_ids)
                         if msg.text:
@@ -202,8 +210,8 @@ def paths_main(args) -> None:
         _add_tokenizer(root / "hf", 96)
         store = root / "store"
         convert(root / "hf", store, fmt=QuantFormat("int4", 32), progress=False)
-    with ExpertStore(store) as st:
-        slot, total, vocab = align_up(st.expert_nbytes), st.num_experts_total, st.config.vocab_size
+    st = ExpertStore(store)  # opened once: sizes here, then the in-process model (sm owns it)
+    slot, total, vocab = align_up(st.expert_nbytes), st.num_experts_total, st.config.vocab_size
     dev = max(2, int(total * args.device_fraction)) * slot
     seqs = max(args.streams)
     g = torch.Generator().manual_seed(1)
@@ -220,7 +228,7 @@ def paths_main(args) -> None:
     from engine.layers.sampler import SamplingConfig
     from engine.options import configure
 
-    sm = load_from_store(store, device_budget=dev, prefetch_depth=0, dense="bf16")
+    sm = load_from_store(st, device_budget=dev, prefetch_depth=0, dense="bf16")
     configure(native_threads=0)
     sm.model.native_step()
     kv = PagedKVCache.from_budget(sm.store.config, 64 << 20, 16, dtype=torch.float32)

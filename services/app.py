@@ -20,24 +20,18 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from services import handles
 from services.config import DeployConfig
+from services.handles import DECODE, HTTP, NAMESPACE, ROUTER, loader_index, loader_name, loader_names
+from services.handles import ray_module as _ray
 
 log = logging.getLogger(__name__)
 
-ROUTER, DECODE, LOADER_PREFIX = "router", "decode", "loader-"
-HTTP = "http"  # the OpenAI-compatible HTTP front end (services/http), when started
-_LOADER_RE = re.compile(r"^loader-(\d+)$")
 STARTUP_TIMEOUT_S = 300.0
 
 
-def _ray():
-    import ray
-
-    return ray
-
-
 def init_ray(config: DeployConfig | None = None, *, address: str | None = None,
-             namespace: str = "moestream") -> bool:
+             namespace: str = NAMESPACE) -> bool:
     """Connect this process to Ray; returns True when it started a new local cluster (which
     then lives only as long as this process). Joins when ``address`` (or config.address) is
     given; otherwise starts a local cluster with explicit CPUs, object store size and loopback
@@ -64,23 +58,6 @@ def init_ray(config: DeployConfig | None = None, *, address: str | None = None,
     return True
 
 
-def loader_names(namespace: str) -> list[str]:
-    """Names of the loader actors registered in ``namespace``, by index."""
-    ray = _ray()
-    found = []
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        m = _LOADER_RE.match(a["name"]) if a.get("namespace") == namespace else None
-        if m:
-            found.append((int(m.group(1)), a["name"]))
-    return [n for _, n in sorted(found)]
-
-
-def get_loader_handles(namespace: str, names: list[str] | None = None) -> dict[str, Any]:
-    ray = _ray()
-    names = loader_names(namespace) if names is None else names
-    return {n: ray.get_actor(n, namespace=namespace) for n in names}
-
-
 def _node_for_decode(num_gpus: int) -> str | None:
     """The node the decode actor (and so the loaders) go on: a GPU node when asked for one,
     else the head node."""
@@ -101,18 +78,21 @@ class App:
     namespace: str
     config: DeployConfig
     owns_cluster: bool = False
+    # (slot bytes, experts) of the store: what a loader's RAM budget is cut from; read from the
+    # store once per process (deploy passes its figures; scale after connect opens it)
+    expert_slots: tuple[int, int] | None = None
 
     # ---- handles -----------------------------------------------------------------------------
     @property
     def router(self):
-        return _ray().get_actor(ROUTER, namespace=self.namespace)
+        return handles.router(self.namespace)
 
     @property
     def decode(self):
-        return _ray().get_actor(DECODE, namespace=self.namespace)
+        return handles.decode(self.namespace)
 
     def loaders(self) -> dict[str, Any]:
-        return get_loader_handles(self.namespace)
+        return handles.loader_handles(self.namespace)
 
     # ---- operations --------------------------------------------------------------------------
     def scale(self, n: int, timeout_s: float = STARTUP_TIMEOUT_S) -> list[str]:
@@ -124,15 +104,15 @@ class App:
             raise ValueError(f"loaders={n}; allowed: 1..64")
         names = loader_names(self.namespace)
         if n > len(names):
-            taken = {int(_LOADER_RE.match(x).group(1)) for x in names}
+            taken = {loader_index(x) for x in names}
             new, i = [], 0
             while len(names) + len(new) < n:
                 if i not in taken:
-                    new.append(f"{LOADER_PREFIX}{i}")
+                    new.append(loader_name(i))
                 i += 1
-            handles = [self._start_loader(name, n) for name in new]
-            ray.get([h.check_health.remote() for h in handles], timeout=timeout_s)
-            names = sorted(names + new, key=lambda x: int(x.split("-")[1]))
+            started = [self._start_loader(name, n) for name in new]
+            ray.get([h.check_health.remote() for h in started], timeout=timeout_s)
+            names = sorted(names + new, key=loader_index)
             ray.get(self.decode.set_loaders.remote(names), timeout=timeout_s)
         elif n < len(names):
             keep, drop = names[:n], names[n:]
@@ -148,12 +128,12 @@ class App:
 
         ray = _ray()
         actors = {ROUTER: None, DECODE: None, **{n: None for n in loader_names(self.namespace)}}
-        if self._has_actor(HTTP):
+        if handles.has_actor(HTTP, self.namespace):
             actors[HTTP] = None
         refs = {}
         for name in actors:
             try:
-                refs[name] = ray.get_actor(name, namespace=self.namespace).health.remote()
+                refs[name] = handles.actor(name, self.namespace).health.remote()
             except Exception as e:
                 actors[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         for name, ref in refs.items():
@@ -200,14 +180,14 @@ class App:
         from services.http.server import HttpService
 
         ray = _ray()
-        if not self._has_actor(HTTP):
+        if not handles.has_actor(HTTP, self.namespace):
             node = ray.get_runtime_context().get_node_id()
             ray.remote(HttpService).options(
                 name=HTTP, namespace=self.namespace, lifetime="detached", max_restarts=-1,
                 max_task_retries=0, num_cpus=0, get_if_exists=True,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             ).remote(settings.model_dump_json())
-        h = ray.get_actor(HTTP, namespace=self.namespace)
+        h = handles.actor(HTTP, self.namespace)
         host, port = ray.get(h.address.remote(), timeout=timeout_s)
         return host, int(port)
 
@@ -215,25 +195,18 @@ class App:
         self._stop_actor(HTTP, timeout_s)
 
     # ---- internals ---------------------------------------------------------------------------
-    def _has_actor(self, name: str) -> bool:
-        try:
-            _ray().get_actor(name, namespace=self.namespace)
-            return True
-        except ValueError:
-            return False
-
     def _start_loader(self, name: str, count: int):
-        from engine.store.reader import ExpertStore
-        from engine.experts.tiers import align_up
+        from engine.experts.runtime import open_store
         from services.expert_loader import ExpertLoader
 
         ray = _ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        with ExpertStore(self.config.store) as store:
-            slot, total = align_up(store.expert_nbytes), store.num_experts_total
+        if self.expert_slots is None:
+            with open_store(self.config.store) as store:
+                self.expert_slots = expert_slots(store)
         cfg = self.config.model_copy(update={"loaders": count})
-        budget = cfg.loader_ram_budget(slot, total)
+        budget = cfg.loader_ram_budget(*self.expert_slots)
         opts: dict[str, Any] = dict(name=name, namespace=self.namespace, lifetime="detached",
                                     max_restarts=-1, max_task_retries=-1, num_cpus=0)
         try:  # co-locate with the decode actor: the RAM tier is node-local shared memory
@@ -249,7 +222,7 @@ class App:
     def _stop_actor(self, name: str, timeout_s: float = 30.0) -> None:
         ray = _ray()
         try:
-            h = ray.get_actor(name, namespace=self.namespace)
+            h = handles.actor(name, self.namespace)
         except ValueError:
             return
         try:
@@ -259,14 +232,27 @@ class App:
         ray.kill(h, no_restart=True)
 
 
-def deploy(config: DeployConfig, timeout_s: float = STARTUP_TIMEOUT_S) -> App:
+def expert_slots(store) -> tuple[int, int]:
+    """(bytes of one expert slot, number of experts) of an open ExpertStore."""
+    from engine.experts.tiers import align_up
+
+    return align_up(store.expert_nbytes), store.num_experts_total
+
+
+def deploy(config: DeployConfig, timeout_s: float = STARTUP_TIMEOUT_S, *, store=None) -> App:
     """Start (or join) the cluster and create the actors; returns when all are healthy.
-    An existing deployment in the namespace is joined, not duplicated."""
+    An existing deployment in the namespace is joined, not duplicated. ``store``: this process's
+    open ExpertStore of ``config.store`` (None: opened here for the budgets, then closed)."""
+    from engine.experts.runtime import open_store
+
+    with open_store(config.store if store is None else store) as store:
+        return _deploy(config, store, timeout_s)
+
+
+def _deploy(config: DeployConfig, store, timeout_s: float) -> App:
     ray = _ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from engine.experts.tiers import align_up
-    from engine.store.reader import ExpertStore
     from services.budgets import deployer_budgets, node_available_memory
     from services.decode import DecodeService
     from services.expert_loader import ExpertLoader, segment_prefix, sweep_segments
@@ -286,13 +272,13 @@ def deploy(config: DeployConfig, timeout_s: float = STARTUP_TIMEOUT_S) -> App:
     affinity = NodeAffinitySchedulingStrategy(node, soft=False) if node else "DEFAULT"
     # budgets "auto": the RAM tier (and on a CPU node the device tier) from the decode node's
     # memory, before any actor starts; a GPU's slots are resolved by the decode actor
-    config, told = deployer_budgets(config, gpu=num_gpus > 0, host_available=node_available_memory(node))
-    with ExpertStore(config.store) as store:
-        slot, total = align_up(store.expert_nbytes), store.num_experts_total
-    budget = config.loader_ram_budget(slot, total)
+    config, told = deployer_budgets(config, gpu=num_gpus > 0, host_available=node_available_memory(node),
+                                    store=store)
+    slots = expert_slots(store)
+    budget = config.loader_ram_budget(*slots)
     sweep_segments(segment_prefix(ns, ""))  # leftovers of a crashed deployment
     common = dict(namespace=ns, lifetime="detached", max_restarts=-1, num_cpus=0)
-    names = [f"{LOADER_PREFIX}{i}" for i in range(config.loaders)]
+    names = [loader_name(i) for i in range(config.loaders)]
     started: list[Any] = []
     try:
         started += [ray.remote(ExpertLoader).options(name=n, max_task_retries=-1,
@@ -317,7 +303,7 @@ def deploy(config: DeployConfig, timeout_s: float = STARTUP_TIMEOUT_S) -> App:
         if typed is not None:
             raise typed from None
         raise
-    return App(ns, config, owns_cluster=owns)
+    return App(ns, config, owns_cluster=owns, expert_slots=slots)
 
 
 def startup_error(exc: BaseException) -> Exception | None:
@@ -347,11 +333,11 @@ def startup_error(exc: BaseException) -> Exception | None:
         f"{cls.__name__}: {message}")
 
 
-def connect(address: str | None = None, namespace: str = "moestream") -> App:
+def connect(address: str | None = None, namespace: str = NAMESPACE) -> App:
     """Attach to a running deployment (address: None = already connected or 'auto')."""
     ray = _ray()
     if not ray.is_initialized():
         ray.init(address=address or "auto", namespace=namespace, log_to_driver=False)
-    router = ray.get_actor(ROUTER, namespace=namespace)
+    router = handles.router(namespace)
     config = DeployConfig.model_validate_json(ray.get(router.deploy_config.remote(), timeout=60))
     return App(namespace, config)

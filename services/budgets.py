@@ -12,6 +12,8 @@
 
 A budget that cannot be met raises DeviceBudgetError with the figures, before the actors of
 the deployment are left running. Given budgets (bytes; None = every expert) stay as they are.
+Both take the process's open ExpertStore (``store``; None: ``config.store`` is opened for the
+call) and read its manifest and tensor headers, nothing more.
 """
 
 from __future__ import annotations
@@ -29,50 +31,53 @@ def _explicit(value: int | str | None, total: int) -> int | None:
     return total if value is None else int(value)
 
 
-def _store_budgets(config: DeployConfig, device: str, **kw) -> Budgets:
+def _store_budgets(config: DeployConfig, store, device: str, **kw) -> Budgets:
     from engine.experts.runtime import store_budgets
-    from services.decode import DTYPES
 
-    return store_budgets(config.store, device=device, dense=config.dense_format, head=config.head_format,
-                         dtype=DTYPES[config.dtype], kv_bytes=config.kv_budget, **kw)
+    return store_budgets(store, device=device, dense=config.dense_format, head=config.head_format,
+                         dtype=config.torch_dtype, kv_bytes=config.kv_budget, **kw)
 
 
-def deployer_budgets(config: DeployConfig, *, gpu: bool,
-                     host_available: int | None = None) -> tuple[DeployConfig, dict[str, Any]]:
+def deployer_budgets(config: DeployConfig, *, gpu: bool, host_available: int | None = None,
+                     store=None) -> tuple[DeployConfig, dict[str, Any]]:
     """What the deployer resolves, from the decode node's available RAM (``host_available``;
     default this process's node): the RAM tier, and without a GPU (``gpu`` False) the device
     tier too. Returns the config with those as bytes (a GPU's device budget stays 'auto' for the
     decode actor) and what the decode actor is told about them (``DecodeService(told=...)``)."""
     from engine.experts.device_budget import auto_ram_budget
-    from engine.experts.runtime import store_expert_bytes
+    from engine.experts.runtime import open_store, store_expert_bytes
 
     auto_dev, auto_ram = config.device_budget == "auto", config.ram_budget == "auto"
     if not auto_ram and (gpu or not auto_dev):
         return config, {}
-    total = max(store_expert_bytes(config.store), 1)
-    if gpu:
-        ram, how = auto_ram_budget(total, host_available=host_available)
-        return config.model_copy(update={"ram_budget": ram}), {"ram_from": how}
-    b = _store_budgets(config, "cpu", device_budget=_explicit(config.device_budget, total),
-                       ram_budget=_explicit(config.ram_budget, total), host_available=host_available)
+    with open_store(config.store if store is None else store) as store:
+        total = max(store_expert_bytes(store), 1)
+        if gpu:
+            ram, how = auto_ram_budget(total, host_available=host_available)
+            return config.model_copy(update={"ram_budget": ram}), {"ram_from": how}
+        b = _store_budgets(config, store, "cpu", device_budget=_explicit(config.device_budget, total),
+                           ram_budget=_explicit(config.ram_budget, total), host_available=host_available)
     told = {"device_from": b.device_from, "ram_from": b.ram_from, "resident": b.resident}
     return config.model_copy(update={"device_budget": b.device, "ram_budget": b.ram}), told
 
 
 def decode_budgets(config: DeployConfig, device: str, told: dict[str, Any] | None = None, *,
-                   device_free: int | None = None, host_available: int | None = None) -> Budgets:
+                   device_free: int | None = None, host_available: int | None = None,
+                   store=None) -> Budgets:
     """The decode actor's budgets: a device budget still 'auto' resolved on ``device`` (its free
     memory: ``device_free``, default torch.cuda.mem_get_info; on a CPU host memory beside the
     RAM tier), the rest as the deployer resolved it (``told``: its account of them)."""
-    from engine.experts.runtime import store_expert_bytes
+    from engine.experts.runtime import open_store, store_expert_bytes
 
     told = told or {}
-    total = max(store_expert_bytes(config.store), 1)
-    dev, ram = _explicit(config.device_budget, total), _explicit(config.ram_budget, total)
-    ram_from = told.get("ram_from", "given")
-    if dev is None or ram is None:
-        return _store_budgets(config, device, device_budget=dev, ram_budget=ram, ram_from=ram_from,
-                              device_free=device_free, host_available=host_available)
+    with open_store(config.store if store is None else store) as store:
+        total = max(store_expert_bytes(store), 1)
+        dev, ram = _explicit(config.device_budget, total), _explicit(config.ram_budget, total)
+        ram_from = told.get("ram_from", "given")
+        if dev is None or ram is None:
+            return _store_budgets(config, store, device, device_budget=dev, ram_budget=ram,
+                                  ram_from=ram_from, device_free=device_free,
+                                  host_available=host_available)
     return Budgets(dev, ram, total, told.get("device_from", "given"), ram_from, told.get("resident", ""))
 
 

@@ -7,15 +7,17 @@ from pathlib import Path
 import click
 
 from services.cli_checks import check_budget, check_utf8, device_memory, host_memory, one_line_errors
+from services.handles import NAMESPACE
 
 
 def _dtype(name: str):
-    import torch
+    from engine.errors import ConfigError
+    from services.config import TORCH_DTYPES, torch_dtype
 
     try:
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
-    except KeyError:
-        raise click.BadParameter(f"{name!r}; allowed: fp32, bf16, fp16") from None
+        return torch_dtype(name)
+    except ConfigError:
+        raise click.BadParameter(f"{name!r}; allowed: {', '.join(TORCH_DTYPES)}") from None
 
 
 class _Group(click.Group):
@@ -59,7 +61,7 @@ def main() -> None:
 @click.option("--address", default=None,
               help="Generate through a running deployment (moestream serve): 'auto' for a driver "
                    "on the cluster, ray://HOST:10001 for the Ray client.")
-@click.option("--namespace", default="moestream", show_default=True, help="Ray namespace of the deployment.")
+@click.option("--namespace", default=NAMESPACE, show_default=True, help="Ray namespace of the deployment.")
 @click.option("--json", "as_json", is_flag=True, help="With --address: print the final result as JSON.")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-tokens", type=int, default=128, show_default=True)
@@ -109,18 +111,22 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
     device = _device(device_name)
     draft = _draft_path(speculative)  # checked before any model is loaded
     if store_path:
-        from engine.store.manifest import load_manifest
-
-        if load_manifest(store_path).tokenizer_dir is None:  # before budgets are sized or anything loads
-            from engine.errors import TokenizerNotFoundError
-
-            raise TokenizerNotFoundError(f"store {store_path} has no tokenizer (its source had none); "
-                                         "generate text needs one: re-convert from a checkpoint with a tokenizer")
         from engine.experts.cache import check_admission
+        from engine.store.reader import ExpertStore
 
-        check_admission(policy, admission)
-        loaded = _open_store(store_path, device_budget, ram_budget, policy, prefetch_depth,
-                             miss_compute, _dtype(dtype), dense, device, head_format, admission)
+        store = ExpertStore(store_path)  # opened once: the budgets and the model read it
+        try:
+            if store.manifest.tokenizer_dir is None:  # before budgets are sized or anything loads
+                from engine.errors import TokenizerNotFoundError
+
+                raise TokenizerNotFoundError(f"store {store_path} has no tokenizer (its source had none); "
+                                             "generate text needs one: re-convert from a checkpoint with a tokenizer")
+            check_admission(policy, admission)
+            loaded = _open_store(store, device_budget, ram_budget, policy, prefetch_depth,
+                                 miss_compute, _dtype(dtype), dense, device, head_format, admission)
+        except BaseException:
+            store.close()
+            raise
         model, tok = loaded.model, loaded.tokenizer
     else:
         from engine.loading import load_model
@@ -202,12 +208,13 @@ def _speculative_config(mode, draft, model, loaded, dtype, device="cpu"):
                              cache=loaded.cache if loaded is not None else None)
 
 
-def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype, dense,
+def _open_store(store, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype, dense,
                 device="cpu", head=None, admission=False):
+    """The StoreModel of an open ExpertStore (which it then owns), budgets resolved."""
     from engine.experts.runtime import load_from_store, store_expert_bytes
     from engine.units import parse_bytes
 
-    total = store_expert_bytes(path)
+    total = store_expert_bytes(store)
     # explicit budgets are checked first; "auto" ones fit by construction
     dev = None if device_budget == "auto" else parse_bytes(device_budget, total=total, name="--device-budget")
     ram = None if ram_budget == "auto" else parse_bytes(ram_budget, total=total, name="--ram-budget")
@@ -218,12 +225,12 @@ def _open_store(path, device_budget, ram_budget, policy, prefetch_depth, miss_co
     if dev is None or ram is None:  # a given one is taken out first, then the other resolved
         from engine.experts.runtime import store_budgets
 
-        b = store_budgets(path, device=device, dense=dense, head=head, dtype=dtype,
+        b = store_budgets(store, device=device, dense=dense, head=head, dtype=dtype,
                           device_budget=dev, ram_budget=ram)
         click.echo(b.line, err=True)
         dev, ram = b.device, b.ram
     return load_from_store(
-        path, device_budget=dev, ram_budget=ram, policy=policy,
+        store, device_budget=dev, ram_budget=ram, policy=policy,
         prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype, dense=dense, device=device,
         head=head, admission=admission)
 

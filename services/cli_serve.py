@@ -22,13 +22,14 @@ import click
 from engine.errors import ConfigError, MoestreamError
 from services.cli_checks import (check_budget, check_utf8, device_memory, fail as _fail, host_memory,
                                  one_line_errors)
+from services.handles import NAMESPACE
 
 
 @click.command()
 @click.argument("store", type=click.Path(exists=True, file_okay=False))
 @click.option("--address", default=None, help="Join this cluster ('auto', HOST:6379); default: "
               "start a local cluster that lives as long as this command.")
-@click.option("--namespace", default="moestream", show_default=True)
+@click.option("--namespace", default=NAMESPACE, show_default=True)
 @click.option("--loaders", type=int, default=2, show_default=True)
 @click.option("--device-budget", default="auto", show_default=True,
               help="Device expert slots: bytes (16GiB), a share of the store's experts (25%), or auto: "
@@ -81,26 +82,34 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
     from services.app import deploy
     from services.config import DeployConfig
 
-    with one_line_errors():
-        dev, ram = (share_of_experts(store, text, option) for text, option in
-                    ((device_budget, "--device-budget"), (ram_budget, "--ram-budget")))
+    from engine.store.reader import ExpertStore
+
+    with one_line_errors():  # opened once in this process, when a budget is a share of it
+        opened = ExpertStore(store) if any(map(_is_share, (device_budget, ram_budget))) else None
     try:
-        cfg = DeployConfig(store=store, address=address, namespace=namespace, loaders=loaders,
-                           device_budget=dev, ram_budget=ram, kv_budget=kv_budget,
-                           policy=policy, admission=admission, prefetch_depth=prefetch_depth, queue_size=queue_size,
-                           request_timeout_s=request_timeout, dtype=dtype,
-                           include_dashboard=dashboard, num_cpus=num_cpus,
-                           object_store_memory=object_store_memory, compute_threads=compute_threads,
-                           io_threads=io_threads, max_waiting=max_waiting,
-                           speculative=speculative, max_draft=max_draft)
-    except ValidationError as e:
-        _fail("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
-    http = http_settings(http_address, api_key, served_model_name or cfg.store.name, namespace) \
-        if http_address is not None else None
-    with one_line_errors():  # a budget that cannot be met: one line, no actor left running
-        if address is None:  # a local cluster: the budgets must fit this machine
-            check_local_budgets(cfg, device_budget, ram_budget)
-        app = deploy(cfg)
+        with one_line_errors():
+            dev, ram = (share_of_experts(opened, text, option) for text, option in
+                        ((device_budget, "--device-budget"), (ram_budget, "--ram-budget")))
+        try:
+            cfg = DeployConfig(store=store, address=address, namespace=namespace, loaders=loaders,
+                               device_budget=dev, ram_budget=ram, kv_budget=kv_budget,
+                               policy=policy, admission=admission, prefetch_depth=prefetch_depth,
+                               queue_size=queue_size, request_timeout_s=request_timeout, dtype=dtype,
+                               include_dashboard=dashboard, num_cpus=num_cpus,
+                               object_store_memory=object_store_memory, compute_threads=compute_threads,
+                               io_threads=io_threads, max_waiting=max_waiting,
+                               speculative=speculative, max_draft=max_draft)
+        except ValidationError as e:
+            _fail("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
+        http = http_settings(http_address, api_key, served_model_name or cfg.store.name, namespace) \
+            if http_address is not None else None
+        with one_line_errors():  # a budget that cannot be met: one line, no actor left running
+            if address is None:  # a local cluster: the budgets must fit this machine
+                check_local_budgets(cfg, device_budget, ram_budget)
+            app = deploy(cfg, store=opened)
+    finally:
+        if opened is not None:
+            opened.close()
     status_now = app.status()
     if status_now["budgets"]["line"]:
         click.echo(status_now["budgets"]["line"], err=True)
@@ -161,10 +170,14 @@ def http_settings(address: str, api_key: str | None, model_name: str, namespace:
                         api_key_sha256=key_digest(api_key.strip()) if api_key else None)
 
 
+def _is_share(text: object) -> bool:
+    return isinstance(text, str) and text.strip().endswith("%")
+
+
 def share_of_experts(store, text: str | None, option: str) -> str | int | None:
-    """A budget ``N%`` -> bytes of the store's experts; 'auto', sizes and None pass through
-    (DeployConfig reads them)."""
-    if not isinstance(text, str) or not text.strip().endswith("%"):
+    """A budget ``N%`` -> bytes of the store's experts (``store``: an open ExpertStore or its
+    directory); 'auto', sizes and None pass through (DeployConfig reads them)."""
+    if not _is_share(text):
         return text
     from engine.experts.runtime import store_expert_bytes
     from engine.units import parse_bytes
@@ -188,7 +201,7 @@ def check_local_budgets(cfg, device_text: object, ram_text: object) -> None:
 @click.command()
 @click.option("--loaders", type=int, required=True)
 @click.option("--address", default="auto", show_default=True)
-@click.option("--namespace", default="moestream", show_default=True)
+@click.option("--namespace", default=NAMESPACE, show_default=True)
 def scale(loaders, address, namespace):
     """Run exactly N expert loaders (ownership re-shards; no request is lost)."""
     from services.app import connect
@@ -199,7 +212,7 @@ def scale(loaders, address, namespace):
 
 @click.command()
 @click.option("--address", default="auto", show_default=True)
-@click.option("--namespace", default="moestream", show_default=True)
+@click.option("--namespace", default=NAMESPACE, show_default=True)
 def status(address, namespace):
     """Health and figures of every actor, as JSON."""
     from services.app import connect
@@ -209,7 +222,7 @@ def status(address, namespace):
 
 @click.command()
 @click.option("--address", default="auto", show_default=True)
-@click.option("--namespace", default="moestream", show_default=True)
+@click.option("--namespace", default=NAMESPACE, show_default=True)
 def shutdown(address, namespace):
     """Stop every actor of the deployment and free its shared memory."""
     from services.app import connect
@@ -220,7 +233,7 @@ def shutdown(address, namespace):
 
 def generate_remote(address: str | None, prompt: str | None = None, *, chat: bool = False,
                     prompt_token_ids: list[int] | None = None, sampling: dict | None = None,
-                    namespace: str = "moestream", out: TextIO | None = None,
+                    namespace: str = NAMESPACE, out: TextIO | None = None,
                     err: TextIO | None = None, as_json: bool = False) -> Any:
     """What ``moestream generate --address ADDR`` runs: stream the text to ``out`` and end with
     one line of figures on ``err``; returns the GenerateResult (exit code 2 semantics are the
@@ -275,7 +288,7 @@ def stream_to(messages, out: TextIO | None) -> Any:
 @click.command("generate")
 @click.argument("prompt", required=False)
 @click.option("--address", default="auto", show_default=True)
-@click.option("--namespace", default="moestream", show_default=True)
+@click.option("--namespace", default=NAMESPACE, show_default=True)
 @click.option("--chat/--no-chat", default=False)
 @click.option("--prompt-ids", default=None, help="Comma-separated token ids instead of text.")
 @click.option("--max-tokens", type=int, default=128, show_default=True)

@@ -14,6 +14,9 @@ Which path when:
   * an interactive program elsewhere: ``MoestreamClient("ray://HOST:10001")`` (works, no
     further development upstream, versions of Ray and Python must match, ~8 ms per call;
     streaming generators are unsupported there, so this client long-polls the router).
+
+Every request goes into the router by ``router.submit``, into a step stream of its own that this
+client reads (services/tokenizer_router.py).
 """
 
 from __future__ import annotations
@@ -22,24 +25,22 @@ import uuid
 from typing import Any, Iterator
 
 from protocol import (
+    ErrorCode,
     ErrorReply,
     GenerateRequest,
     GenerateResult,
     ProtocolError,
     SamplingParams,
+    StepFrame,
     TokenChunk,
     WireMessage,
     decode,
     encode,
 )
+from services.handles import DECODE, NAMESPACE, ROUTER, actor
+from services.handles import ray_module as _ray
 
 Message = TokenChunk | GenerateResult | ErrorReply
-
-
-def _ray():
-    import ray
-
-    return ray
 
 
 def _is_ray_client() -> bool:
@@ -55,7 +56,7 @@ class MoestreamClient:
     """``address``: None (already connected, else "auto"), "auto", "HOST:6379" or
     "ray://HOST:10001"."""
 
-    def __init__(self, address: str | None = None, namespace: str = "moestream",
+    def __init__(self, address: str | None = None, namespace: str = NAMESPACE,
                  poll_s: float = 0.5) -> None:
         ray = _ray()
         if not ray.is_initialized():
@@ -64,7 +65,7 @@ class MoestreamClient:
             apply_client_env()  # token mode and temp dir of the cluster (services/ray_env.py)
             ray.init(address=address or "auto", namespace=namespace, log_to_driver=False)
         self.namespace = namespace
-        self.router = ray.get_actor("router", namespace=namespace)
+        self.router = actor(ROUTER, namespace)
         self.polling = _is_ray_client()
         self.poll_s = poll_s
 
@@ -82,12 +83,14 @@ class MoestreamClient:
         return self.submit_frames(encode(req), request_id=req.request_id)
 
     def submit_frames(self, frames: list, request_id: str | None = None) -> Iterator[Message]:
-        """Send raw wire frames (a GenerateRequest) and yield the decoded replies."""
-        it = self._poll(frames) if self.polling else self._stream(frames)
+        """Send raw wire frames (a GenerateRequest) and yield the decoded replies: the request
+        goes into a step stream of the router's of its own (``router.submit``), read as a Ray
+        stream (``router.steps``) or, through the Ray client, by long poll."""
+        subscriber = f"client-{uuid.uuid4().hex[:16]}"
+        it = self._poll(subscriber, frames) if self.polling else self._stream(subscriber, frames)
         finished = False
         try:
-            for f in it:
-                msg, _ = decode(f)
+            for msg in it:
                 if isinstance(msg, (GenerateResult, ErrorReply)):
                     finished = True
                 yield msg
@@ -96,21 +99,28 @@ class MoestreamClient:
             if not finished and request_id:
                 self.cancel(request_id)
 
-    def _stream(self, frames: list) -> Iterator[list[bytes]]:
+    def _stream(self, subscriber: str, frames: list) -> Iterator[Message]:
         ray = _ray()
-        for ref in self.router.submit_frames.remote(frames):
-            yield ray.get(ref)
-
-    def _poll(self, frames: list) -> Iterator[list[bytes]]:
-        ray = _ray()
-        opened = ray.get(self.router.open.remote(frames))
-        if not isinstance(opened, str):
-            yield opened
+        steps = self.router.steps.remote(subscriber, True)  # ends when the request has ended
+        refused = ray.get(self.router.submit.remote(subscriber, frames))
+        if refused is not None:
+            yield decode(refused)[0]
             return
-        done = False
+        seq = _Seq()
+        for ref in steps:
+            yield from seq.messages(ray.get(ref))
+
+    def _poll(self, subscriber: str, frames: list) -> Iterator[Message]:
+        ray = _ray()
+        refused = ray.get(self.router.submit.remote(subscriber, frames))
+        if refused is not None:
+            yield decode(refused)[0]
+            return
+        seq, done = _Seq(), False
         while not done:
-            batch, done = ray.get(self.router.poll.remote(opened, self.poll_s))
-            yield from batch
+            batch, done = ray.get(self.router.poll_steps.remote(subscriber, self.poll_s))
+            for f in batch:
+                yield from seq.messages(f)
 
     def complete(self, prompt: str | None = None, sampling: SamplingParams | dict | None = None,
                  **kw: Any) -> GenerateResult:
@@ -131,7 +141,23 @@ class MoestreamClient:
     def health(self) -> dict[str, WireMessage]:
         ray = _ray()
         out = {}
-        for name in ("router", "decode"):
-            h = ray.get_actor(name, namespace=self.namespace)
+        for name in (ROUTER, DECODE):
+            h = actor(name, self.namespace)
             out[name], _ = decode(ray.get(h.health.remote(), timeout=60))
         return out
+
+
+class _Seq:
+    """The messages of one step stream's encoded StepFrames, which must come numbered from 0
+    without gaps (decoded with the codec's limits)."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def messages(self, frames: list[bytes]) -> list[Message]:
+        frame, _ = decode(frames, expect=StepFrame)
+        if frame.seq != self.next:
+            raise ProtocolError(f"step frame {frame.seq} after {self.next - 1}: frames were lost "
+                                f"or reordered", ErrorCode.ENGINE_DEAD)
+        self.next += 1
+        return list(frame.messages)

@@ -13,11 +13,26 @@ from engine.errors import ConfigError
 from engine.units import parse_bytes as _parse_bytes
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from services.handles import NAMESPACE
+
 def parse_bytes(value: int | str | None) -> int | None:
     """``2GiB`` -> 2147483648; ints pass through; None stays None (engine.units.parse_bytes)."""
     if value is None:
         return None
     return _parse_bytes(value, name="size")
+
+
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # name -> torch attribute
+
+
+def torch_dtype(name: str):
+    """A compute dtype's name (fp32, bf16, fp16) -> the torch dtype (torch imported here, on use)."""
+    import torch
+
+    try:
+        return getattr(torch, TORCH_DTYPES[name])
+    except KeyError:
+        raise ConfigError(f"dtype {name!r}; allowed: {', '.join(TORCH_DTYPES)}") from None
 
 
 def parse_budget(value: int | str | None) -> int | str | None:
@@ -39,7 +54,7 @@ class DeployConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     store: Path = Field(description="Expert store directory made by `moestream convert`.")
-    namespace: str = Field("moestream", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+    namespace: str = Field(NAMESPACE, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
                            description="Ray namespace holding the named, detached actors.")
     address: str | None = Field(
         None, description="Ray cluster to join: 'auto' (a running `ray start` head on this "
@@ -136,6 +151,11 @@ class DeployConfig(BaseModel):
         except ConfigError as e:
             raise ValueError(str(e)) from None
         return self
+
+    @property
+    def torch_dtype(self):
+        """``dtype`` as a torch dtype."""
+        return torch_dtype(self.dtype)
 
     def loader_ram_budget(self, slot_bytes: int, num_experts: int) -> int:
         """Each loader's share of the RAM tier (at least 4 slots, so a direct read racing an

@@ -37,9 +37,6 @@ from services.decode_stream import Finished, StepStreams, Subscriber
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 class EngineDeadError(MoestreamError):
     """The engine loop is gone (its thread died); protocol code ENGINE_DEAD."""
 
@@ -254,6 +251,7 @@ class DecodeService:
         from engine.runner import Engine
         from engine.scheduler import SchedulerConfig
         from engine.store.reader import ExpertStore
+        from services.budgets import decode_budgets
         from services.config import DeployConfig
 
         self.config = cfg = DeployConfig.model_validate_json(config_json)
@@ -261,23 +259,23 @@ class DecodeService:
         # Ray starts a num_cpus=0 actor with OMP_NUM_THREADS=1; this actor is the node's compute
         # process, so it takes the cores for prefill (decode steps narrow it: engine/threads.py).
         torch.set_num_threads(cfg.compute_threads or os.cpu_count() or 1)
-        self.meta_store = ExpertStore(cfg.store)
+        # the store, opened once in this process: the loaders' source reads its manifest, the
+        # budgets its tensor headers, the model its dense weights (self.sm owns and closes it)
+        store = ExpertStore(cfg.store)
         if source is None:
             from services.expert_loader import LoaderPoolSource
 
-            source = LoaderPoolSource(self.meta_store, self._resolve(loader_names),
+            source = LoaderPoolSource(store, self._resolve(loader_names),
                                       fetch_timeout_s=cfg.fetch_timeout_s,
                                       fetch_attempts=cfg.fetch_attempts,
                                       direct_reads=cfg.direct_reads)
         self.source = source
-        dtype = DTYPES[cfg.dtype]
+        dtype = cfg.torch_dtype
         # budgets "auto": a device budget still auto is this device's (services/budgets.py);
         # ``told`` is the deployer's account of what it resolved
-        from services.budgets import decode_budgets
-
-        self.budgets = decode_budgets(cfg, self.device, told)
+        self.budgets = decode_budgets(cfg, self.device, told, store=store)
         log.info("%s", self.budgets.line)
-        self.sm = load_from_store(cfg.store, device_budget=self.budgets.device, policy=cfg.policy,
+        self.sm = load_from_store(store, device_budget=self.budgets.device, policy=cfg.policy,
                                   admission=cfg.admission,
                                   prefetch_depth=cfg.prefetch_depth, source=source,
                                   device=self.device, dtype=dtype, dense=cfg.dense_format, head=cfg.head_format,
@@ -306,9 +304,9 @@ class DecodeService:
         self.started = time.time()
 
     def _resolve(self, names: list[str] | None) -> dict[str, Any]:
-        from services.app import get_loader_handles
+        from services.handles import loader_handles
 
-        return get_loader_handles(self.config.namespace, names)
+        return loader_handles(self.config.namespace, names)
 
     # ---- requests ----------------------------------------------------------------------------
     async def steps(self, subscriber: str) -> AsyncIterator[list[bytes]]:
@@ -336,24 +334,6 @@ class DecodeService:
                 raise
         except Exception as e:
             self.streams.refuse(sub, request_id, e)
-
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling: dict) -> AsyncIterator[list[bytes]]:
-        """One request on a stream of its own, message by message: TokenChunk per step that
-        produced tokens, then the GenerateResult; or an ErrorReply (after which a GenerateResult
-        with finish_reason "error" follows if tokens had been streamed). Never raises. The
-        router uses ``steps`` + ``submit`` instead (one frame per step for all its requests)."""
-        sub = self.streams.subscriber(f"generate.{request_id}.{id(asyncio.current_task()):x}")
-        self._submit(sub, request_id, prompt_ids, sampling)
-        try:
-            async for messages, ended in self.streams.batches(sub, self.loop.abort):
-                for m in messages:
-                    yield encode(m)
-                if request_id in ended:
-                    return
-        finally:
-            for rid in self.streams.close(sub):
-                self.loop.abort(rid)
 
     async def abort(self, request_id: str) -> None:
         """Finish ``request_id`` with reason "abort" and free its KV blocks (no-op if unknown)."""
@@ -426,4 +406,3 @@ class DecodeService:
     async def close(self) -> None:
         self.loop.stop()
         self.sm.close()
-        self.meta_store.close()

@@ -76,6 +76,7 @@ def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: 
              dense: str = "bf16") -> dict:
     """Build (if needed), serve through Ray, stream the answer; returns the figures."""
     from engine.experts.runtime import store_expert_bytes
+    from engine.store.reader import ExpertStore
     from engine.units import format_bytes, parse_bytes
     from services.app import deploy
     from services.cli_serve import check_local_budgets, stream_to
@@ -90,16 +91,18 @@ def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: 
 
     t0 = time.perf_counter()
     store = build(cfg, root, progress=progress, log=log)
-    total = store_expert_bytes(store)
-    dev = parse_bytes(device_budget, total=total, name="--device-budget")
-    ram = parse_bytes(ram_budget, total=total, name="--ram-budget")
-    check_local_budgets(DeployConfig(store=store, device_budget=dev, ram_budget=ram),
-                        device_budget, ram_budget)
-    log(f"[demo] store ready in {time.perf_counter() - t0:.1f} s; experts {format_bytes(total)}, device "
-        f"budget {format_bytes(dev)} ({dev / total:.0%}), RAM tier {format_bytes(ram)} ({ram / total:.0%})")
-    namespace = f"moestream-demo-{os.getpid()}"
-    app = deploy(DeployConfig(store=store, namespace=namespace, loaders=loaders, device_budget=dev,
-                              ram_budget=ram, dense_format=dense))
+    with ExpertStore(store) as opened:  # once: the budgets' total and the deployer read it
+        total = store_expert_bytes(opened)
+        dev = parse_bytes(device_budget, total=total, name="--device-budget")
+        ram = parse_bytes(ram_budget, total=total, name="--ram-budget")
+        check_local_budgets(DeployConfig(store=store, device_budget=dev, ram_budget=ram),
+                            device_budget, ram_budget)
+        log(f"[demo] store ready in {time.perf_counter() - t0:.1f} s; experts {format_bytes(total)}, device "
+            f"budget {format_bytes(dev)} ({dev / total:.0%}), RAM tier {format_bytes(ram)} ({ram / total:.0%})")
+        namespace = f"moestream-demo-{os.getpid()}"
+        app = deploy(DeployConfig(store=store, namespace=namespace, loaders=loaders,
+                                  device_budget=dev, ram_budget=ram, dense_format=dense),
+                     store=opened)
     try:
         log(f"[demo] pipeline up ({loaders} loaders) in {time.perf_counter() - t0:.1f} s; asking: {question}")
         client = MoestreamClient(None, namespace=namespace)

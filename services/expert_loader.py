@@ -63,6 +63,7 @@ from protocol import (
     decode,
     encode,
 )
+from services.handles import NAMESPACE
 
 log = logging.getLogger(__name__)
 
@@ -449,7 +450,7 @@ class ExpertLoader:
     directly in tests. ``fetch`` is idempotent, so the actor runs with max_task_retries=-1.
     """
 
-    def __init__(self, name: str, store_path: str, ram_budget: int, namespace: str = "moestream",
+    def __init__(self, name: str, store_path: str, ram_budget: int, namespace: str = NAMESPACE,
                  policy: str = "lru") -> None:
         from engine.store.reader import ExpertStore
 

@@ -6,6 +6,8 @@ item per step whatever the number of streams, and each request's messages arrive
 
     decode  --StepFrame per step-->  router (StepSubscription)
     router (Outbox, after the text stage)  --StepFrame per step-->  HTTP actor (StepSubscription)
+                                           --StepFrame per step-->  a client's request (its own
+                                              subscriber; streamed, or long-polled: Ray client)
 
 A request's queue receives its messages, then ``None`` once the frame lists it as ended. Frames
 are decoded with the codec's limits and must be StepFrames numbered without gaps. When the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Any, AsyncIterator
 
@@ -96,8 +99,9 @@ class StepSubscription:
 
 class Outbox:
     """The producer's end for one subscriber whose messages are made on the actor's loop (the
-    router's, after the text stage): messages and ended ids wait here until the stream takes
-    them, all that is ready at once in one frame."""
+    router's, after the text stage): messages and ended ids wait here until the subscriber takes
+    them, all that is ready at once in one frame, either as a stream (:meth:`frames`) or by long
+    poll (:meth:`take`, for the Ray client, which cannot consume streaming generators)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -106,6 +110,14 @@ class Outbox:
         self.wake = asyncio.Event()
         self.tasks: dict[str, asyncio.Task] = {}  # its requests in flight
         self.seq = 0
+        self.submitted = 0  # requests submitted into it, refused ones included
+        self.streaming = False  # a frames() stream is reading it
+        self.touched = time.monotonic()  # last submit or take (a polled outbox's liveness)
+
+    @property
+    def done(self) -> bool:
+        """Every request submitted into it has ended and the subscriber has taken everything."""
+        return self.submitted > 0 and not self.tasks and not self.pending and not self.ended
 
     def put(self, msg: TokenChunk | GenerateResult | ErrorReply) -> None:
         self.pending.append(msg)
@@ -116,29 +128,65 @@ class Outbox:
         self.ended.append(request_id)
         self.wake.set()
 
-    async def frames(self) -> AsyncIterator[list[bytes]]:
-        """The encoded StepFrames; when the consumer goes away its requests are cancelled."""
+    def add(self, request_id: str, task: asyncio.Task) -> None:
+        """A request submitted into it, its messages made by ``task``."""
+        self.tasks[request_id] = task
+        self.submitted += 1
+
+    def refused(self) -> None:
+        """A request submitted into it was refused before it started (its reply went back to
+        the submitter): a stream waiting for its requests to end looks again."""
+        self.submitted += 1
+        self.wake.set()
+
+    async def take(self, timeout: float | None = None) -> list[list[bytes]]:
+        """The encoded StepFrames of everything ready (waiting for something up to ``timeout``
+        seconds, None: without limit); [] when nothing came."""
+        self.touched = time.monotonic()
+        if timeout is None:
+            await self.wake.wait()
+        else:
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                return []
+        # let every request woken by the same step add its output (each takes a few loop turns
+        # from the decode frame to here): wait until two turns add nothing
+        idle = 0
+        for _ in range(16):
+            n = len(self.pending) + len(self.ended)
+            await asyncio.sleep(0)
+            idle = idle + 1 if len(self.pending) + len(self.ended) == n else 0
+            if idle == 2:
+                break
+        self.wake.clear()
+        msgs, self.pending = self.pending, []
+        ended, self.ended = self.ended, []
+        if not msgs and not ended:  # woken by a refusal
+            return []
+        out = []
+        for frame in step_frames(msgs, self.seq, ended):
+            self.seq = frame.seq + 1
+            out.append(encode(frame))
+        return out
+
+    async def frames(self, until_done: bool = False) -> AsyncIterator[list[bytes]]:
+        """The encoded StepFrames as a stream; with ``until_done`` it ends once every request
+        submitted into it has ended (a client's stream for its own requests). When the consumer
+        goes away first, its requests are cancelled."""
+        self.streaming = True
         try:
-            while True:
-                await self.wake.wait()
-                # let every request woken by the same step add its output (each takes a few
-                # loop turns from the decode frame to here): wait until two turns add nothing
-                idle = 0
-                for _ in range(16):
-                    n = len(self.pending) + len(self.ended)
-                    await asyncio.sleep(0)
-                    idle = idle + 1 if len(self.pending) + len(self.ended) == n else 0
-                    if idle == 2:
-                        break
-                self.wake.clear()
-                msgs, self.pending = self.pending, []
-                ended, self.ended = self.ended, []
-                for frame in step_frames(msgs, self.seq, ended):
-                    self.seq = frame.seq + 1
-                    yield encode(frame)
+            while not (until_done and self.done):
+                for frame in await self.take():
+                    yield frame
         finally:
-            for task in list(self.tasks.values()):
-                task.cancel()
+            self.streaming = False
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Cancel every request in flight (the subscriber is gone)."""
+        for task in list(self.tasks.values()):
+            task.cancel()
 
 
 class RequestStream:

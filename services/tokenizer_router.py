@@ -4,7 +4,7 @@
            --chat template + tokenize (thread)--> admit (bounded: full -> BUSY)
            --decode.submit; decode.steps (ONE Ray stream per router: a StepFrame per engine
              step for all requests, services/step_mux.py)--> TokenChunk ... GenerateResult
-           --forward frames (stream) or only the result (stream=False)--> caller
+           --the subscriber's step stream (only the result when stream=False)--> caller
 
 Every failure becomes an ErrorReply (protocol.errors maps engine and Ray exceptions by name);
 nothing a client sends can take the actor down. The decode engine computes tokens only; this
@@ -12,13 +12,13 @@ actor makes the text (services/text_stage.py: detokenizer, stop strings, harmony
 gpt-oss), aborts a request in the engine once a stop string ends it and bills the tokens the
 client received.
 
-Three ways out, same messages:
-  * ``steps`` + ``submit``: a front end (the HTTP actor) holds one step stream and submits its
-    requests into it: one StepFrame per step for all of them (services/step_mux.py);
-  * ``submit_frames`` / ``generate``: async generators (Ray streaming generators) for drivers,
-    one Ray item per message;
-  * ``open`` + ``poll``: a long-poll pair for the Ray client, which cannot consume streaming
-    generators ("not currently supported when using Ray Client", Ray 2.60).
+One way in, one way out: a caller ``submit``s each request into a subscriber's step stream and
+reads that stream, one StepFrame per batch of messages for all its requests
+(services/step_mux.py). The HTTP actor holds one subscriber for all its requests; the Python
+client (services/client.py, so the CLI and the demo) one per request, whose stream ends with it
+(``steps(name, until_done=True)``). The Ray client cannot consume streaming generators ("not
+currently supported when using Ray Client", Ray 2.60), so it reads the same stream by long poll
+(``poll_steps``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from engine.errors import RequestValidationError
@@ -49,17 +48,7 @@ from services.text_stage import HarmonyTextStage, TextStage
 log = logging.getLogger(__name__)
 
 TERMINAL = (GenerateResult, ErrorReply)
-
-
-@dataclass
-class _Polled:
-    """A request opened with ``open``: frames wait here until ``poll`` takes them."""
-
-    frames: list[list[bytes]] = field(default_factory=list)
-    done: bool = False
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task | None = None
-    touched: float = field(default_factory=time.monotonic)
+POLL_IDLE_S = 60.0  # a step stream read by long poll and not read for this long: its reader is gone
 
 
 class TokenizerRouter:
@@ -70,25 +59,18 @@ class TokenizerRouter:
         from services.config import DeployConfig
 
         self.config = DeployConfig.model_validate_json(config_json)
-        if tokenizer is None:
-            from engine.store.reader import ExpertStore
+        from engine.store.reader import ExpertStore
 
-            with ExpertStore(self.config.store) as store:
+        with ExpertStore(self.config.store) as store:  # once: its tokenizer and model config
+            if tokenizer is None:
                 try:
                     tokenizer = store.tokenizer()
                 except FileNotFoundError:
                     tokenizer = None  # token-id requests only
+            eos_ids, arch = set(store.config.eos_token_ids), store.config.arch
+            self.context: int | None = store.config.max_position_embeddings  # in tokens
         self.tokenizer = tokenizer
-        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", ()))
-        arch = None
-        self.context: int | None = None  # the model's context, in tokens
-        if self.config.store is not None:
-            from engine.store.reader import ExpertStore
-
-            with ExpertStore(self.config.store) as store:
-                self.eos_ids |= set(store.config.eos_token_ids)
-                arch = store.config.arch
-                self.context = store.config.max_position_embeddings
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", ())) | eos_ids
         # gpt-oss writes harmony (engine.harmony): chat answers are split into reasoning and
         # answer, and <|return|> / <|call|> end every request as end-of-sequence tokens do
         from engine.harmony import harmony_tokens_for
@@ -97,15 +79,14 @@ class TokenizerRouter:
         if self.harmony is not None:
             self.eos_ids |= self.harmony.stop_ids
         if decode_handle is None:
-            import ray
+            from services.handles import decode as decode_actor
 
-            decode_handle = ray.get_actor("decode", namespace=self.config.namespace)
+            decode_handle = decode_actor(self.config.namespace)
         self.decode = decode_handle
         self.subscription: StepSubscription | None = None  # the decode actor's step stream
-        self.outboxes: dict[str, Outbox] = {}  # front ends' step streams (steps/submit)
+        self.outboxes: dict[str, Outbox] = {}  # subscribers' step streams (steps/submit)
         self.max_frame_bytes = max_frame_bytes
         self.active: set[str] = set()
-        self.polled: dict[str, _Polled] = {}
         # admission bounds (set_limits changes them at run time): queue_size requests in flight,
         # and at most max_waiting beyond the decode engine's max_num_seqs running ones
         self.queue_size, self.max_waiting = self.config.queue_size, self.config.max_waiting
@@ -124,97 +105,51 @@ class TokenizerRouter:
             return encode(ErrorReply.for_code(e.code, e.message))
         return req
 
-    async def submit_frames(self, frames: list) -> AsyncIterator[list[bytes]]:
-        """Raw wire frames in (one GenerateRequest), frames out. Bad frames -> one ErrorReply."""
-        req = self._request(frames)
-        if not isinstance(req, GenerateRequest):
-            yield req
-            return
-        async for out in self._run(req):
-            yield out
-
-    async def generate(self, request: GenerateRequest | dict) -> AsyncIterator[list[bytes]]:
-        """Typed API: a GenerateRequest (or its dict form) in, frames out."""
-        try:
-            req = request if isinstance(request, GenerateRequest) else GenerateRequest.model_validate(request)
-        except Exception as e:
-            self.counts["invalid"] += 1
-            yield encode(ErrorReply.from_exception(e))
-            return
-        async for out in self._run(req):
-            yield out
-
-    async def open(self, frames: list) -> str | list[bytes]:
-        """Start a request for ``poll`` (Ray client path). Returns its id, or the ErrorReply
-        frames when it failed before admission."""
-        try:
-            req, _ = decode(frames, expect=GenerateRequest, max_frame_bytes=self.max_frame_bytes)
-        except ProtocolError as e:
-            self.counts["protocol_errors"] += 1
-            return encode(ErrorReply.for_code(e.code, e.message))
-        if req.request_id in self.polled or req.request_id in self.active:
-            return encode(ErrorReply.for_code(ErrorCode.INVALID_REQUEST,
-                                              f"request id {req.request_id!r} is already in use",
-                                              req.request_id))
-        p = _Polled()
-        self.polled[req.request_id] = p
-
-        async def pump() -> None:
-            try:
-                async for out in self._run(req):
-                    p.frames.append(out)
-                    p.event.set()
-            finally:
-                p.done = True
-                p.event.set()
-
-        p.task = asyncio.get_running_loop().create_task(pump())
-        return req.request_id
-
-    async def poll(self, request_id: str, max_wait_s: float = 1.0) -> tuple[list[list[bytes]], bool]:
-        """Frames produced since the last poll (waits up to ``max_wait_s`` for at least one) and
-        whether the request is over. Unknown ids -> ([ErrorReply NOT_FOUND], True)."""
-        p = self.polled.get(request_id)
-        if p is None:
-            return [encode(ErrorReply.for_code(ErrorCode.NOT_FOUND,
-                                               f"no open request {request_id!r}", None))], True
-        p.touched = time.monotonic()
-        if not p.frames and not p.done:
-            try:
-                await asyncio.wait_for(p.event.wait(), timeout=max(0.0, min(max_wait_s, 30.0)))
-            except asyncio.TimeoutError:
-                pass
-        out, p.frames = p.frames, []
-        p.event.clear()
-        if p.done and not p.frames:
-            self.polled.pop(request_id, None)
-            return out, True
-        return out, False
-
-    async def steps(self, subscriber: str) -> AsyncIterator[list[bytes]]:
-        """A front end's step stream (the HTTP actor's): one StepFrame per batch of messages for
-        every request it submitted with ``submit`` (normally one per engine step), the same
-        messages ``submit_frames`` streams one Ray item each. When the stream ends (the front
-        end went away) its requests are cancelled and aborted in the engine."""
+    async def steps(self, subscriber: str, until_done: bool = False) -> AsyncIterator[list[bytes]]:
+        """The subscriber's step stream: one StepFrame per batch of messages (normally one per
+        engine step) for every request submitted into it with ``submit``. With ``until_done``
+        it ends once all of them have ended (a client's stream for its own request). When the
+        stream ends early (the subscriber went away) its requests are cancelled and aborted in
+        the engine."""
         box = self._outbox(subscriber)
         try:
-            async for frame in box.frames():
+            async for frame in box.frames(until_done):
                 yield frame
         finally:
             if self.outboxes.get(subscriber) is box:
                 del self.outboxes[subscriber]
 
+    async def poll_steps(self, subscriber: str, max_wait_s: float = 1.0) -> tuple[list[list[bytes]], bool]:
+        """The subscriber's step stream read by long poll (the Ray client): the StepFrames made
+        since the last call (waiting up to ``max_wait_s`` for one) and whether every request
+        submitted into it has ended (the subscriber is then dropped). An unknown subscriber
+        gets ([], True). One left unread for POLL_IDLE_S is dropped and its requests
+        cancelled, as a stream whose reader went away."""
+        self._drop_idle()
+        box = self.outboxes.get(subscriber)
+        if box is None or box.streaming:
+            return [], True
+        frames = await box.take(max(0.0, min(max_wait_s, 30.0)))
+        box.touched = time.monotonic()
+        if box.done and self.outboxes.get(subscriber) is box:
+            del self.outboxes[subscriber]
+        return frames, box.done
+
     async def submit(self, subscriber: str, frames: list) -> list[bytes] | None:
         """Start the request in ``frames`` (a GenerateRequest); its messages go to the
         subscriber's step stream. Returns None, or the ErrorReply frames of a request refused
         before it started (unreadable frames, an id in use)."""
+        self._drop_idle()
+        box = self._outbox(subscriber)
+        box.touched = time.monotonic()
         req = self._request(frames)
         if not isinstance(req, GenerateRequest):
+            box.refused()
             return req
         rid = req.request_id
-        box = self._outbox(subscriber)
         if rid in box.tasks:
             self.counts["invalid"] += 1
+            box.refused()
             return encode(ErrorReply.for_code(ErrorCode.INVALID_REQUEST,
                                               f"request id {rid!r} is already in use", rid))
 
@@ -225,7 +160,7 @@ class TokenizerRouter:
             finally:
                 box.end(rid)
 
-        box.tasks[rid] = asyncio.get_running_loop().create_task(pump())
+        box.add(rid, asyncio.get_running_loop().create_task(pump()))
         return None
 
     def _outbox(self, subscriber: str) -> Outbox:
@@ -234,25 +169,25 @@ class TokenizerRouter:
             box = self.outboxes[subscriber] = Outbox(subscriber)
         return box
 
+    def _drop_idle(self) -> None:
+        """Drop the step streams nobody streams and nobody polled for POLL_IDLE_S (a Ray client
+        gone mid-request, a refused request's subscriber); their requests are cancelled."""
+        now = time.monotonic()
+        for name, box in list(self.outboxes.items()):
+            if not box.streaming and now - box.touched > POLL_IDLE_S:
+                del self.outboxes[name]
+                box.cancel()
+
     async def cancel(self, request_id: str) -> bool:
-        """Abort a request (streamed or polled); its KV blocks are freed by the decode actor."""
-        p = self.polled.get(request_id)
-        known = request_id in self.active or p is not None
-        for box in self.outboxes.values():
-            task = box.tasks.get(request_id)
-            if task is not None:  # a front end's request: its stream ends with the abort result
-                known = True
+        """Abort a request; its KV blocks are freed by the decode actor."""
+        known = request_id in self.active or any(request_id in box.tasks
+                                                 for box in self.outboxes.values())
         if known:
             self.counts["cancelled"] += 1
         await self.decode.abort.remote(request_id)
         return known
 
     # ---- the request path --------------------------------------------------------------------
-    async def _run(self, req: GenerateRequest) -> AsyncIterator[list[bytes]]:
-        """The request's messages as wire frames (submit_frames, generate, open/poll)."""
-        async for msg in self._messages(req):
-            yield encode(msg)
-
     async def _messages(self, req: GenerateRequest) -> AsyncIterator[TokenChunk | GenerateResult | ErrorReply]:
         """The request's path: admission, prompt, the decode actor's step stream, text stage;
         TokenChunk ... GenerateResult, or an ErrorReply (+ GenerateResult "error" when streamed
@@ -464,21 +399,17 @@ class TokenizerRouter:
 
     async def stats(self) -> dict[str, Any]:
         sub = self.subscription
-        return {"active": sorted(self.active), "polled": len(self.polled), **self.counts,
+        return {"active": sorted(self.active), "subscribers": len(self.outboxes), **self.counts,
                 "decode_frames": sub.frames if sub else 0, "decode_messages": sub.messages if sub else 0,
                 "queue_size": self.queue_size, "max_waiting": self.max_waiting,
                 "max_num_seqs": self.config.max_num_seqs}
 
     async def close(self) -> None:
-        """Cancel open polled requests (shutdown)."""
-        for rid, p in list(self.polled.items()):
-            if p.task is not None:
-                p.task.cancel()
+        """Cancel every request in flight (shutdown)."""
         if self.subscription is not None:
             self.subscription.close()
         for box in self.outboxes.values():
-            for task in list(box.tasks.values()):
-                task.cancel()
+            box.cancel()
 
     async def deploy_config(self) -> str:
         """The DeployConfig this deployment runs with, as JSON (scale/status read it)."""

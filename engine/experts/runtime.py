@@ -33,7 +33,18 @@ class StoreModel:
         self.close()
 
 
-def load_from_store(store_path, *, device_budget: int | None = None, ram_budget: int | None = None,
+def open_store(store):
+    """``store`` as a context manager giving an open ExpertStore: an open one is used as it is
+    (its owner closes it; a process opens its store once and passes it down), a directory is
+    opened here and closed on exit."""
+    from contextlib import nullcontext
+
+    from engine.store.reader import ExpertStore
+
+    return nullcontext(store) if isinstance(store, ExpertStore) else ExpertStore(store)
+
+
+def load_from_store(store, *, device_budget: int | None = None, ram_budget: int | None = None,
                     policy: str = "sweep", prefetch_depth: int | None = None, miss_compute: str = "transfer",
                     pinned=frozenset(), dtype: torch.dtype = torch.float32,
                     source: ExpertSource | None = None, device: str = "cpu",
@@ -44,12 +55,13 @@ def load_from_store(store_path, *, device_budget: int | None = None, ram_budget:
     the LM head's (None: as ``dense``; int4 too). ``device``:
     where the dense model and the expert slots live ("cuda" on a GPU: experts then run on the
     fused Triton kernels, engine.quant.triton_kernels; the RAM tier is pinned host memory).
-    ``prefetch_depth`` None: :func:`default_prefetch_depth` for the device."""
+    ``prefetch_depth`` None: :func:`default_prefetch_depth` for the device. ``store``: the
+    store's directory, or an open ExpertStore, which the StoreModel then owns (closes)."""
     if prefetch_depth is None:
         prefetch_depth = default_prefetch_depth(device)
     from engine.store.reader import ExpertStore
 
-    store = ExpertStore(store_path)
+    store = store if isinstance(store, ExpertStore) else ExpertStore(store)
     cfg = store.config
     cache = None
     dense_source = store.dense_source()
@@ -80,11 +92,10 @@ def default_prefetch_depth(device) -> int:
     return 1 if torch.device(device).type == "cuda" else 0
 
 
-def store_expert_bytes(store_path) -> int:
-    """Device/RAM bytes that hold every routed expert of a store (the 100% budget)."""
-    from engine.store.reader import ExpertStore
-
-    with ExpertStore(store_path) as store:
+def store_expert_bytes(store) -> int:
+    """Device/RAM bytes that hold every routed expert of a store (the 100% budget); ``store``:
+    an open ExpertStore or its directory (:func:`open_store`)."""
+    with open_store(store) as store:
         return store.num_experts_total * _slot_bytes(store) if store.config.moe else 0
 
 
@@ -127,7 +138,7 @@ def dense_resident_bytes(store, *, dense: str, head: str | None = None,
     return int(total)
 
 
-def store_budgets(store_path, *, device: str = "cpu", dense: str = "bf16", head: str | None = None,
+def store_budgets(store, *, device: str = "cpu", dense: str = "bf16", head: str | None = None,
                   dtype: torch.dtype = torch.float32, kv_bytes: int | None = None, context: int = 4096,
                   headroom: int | None = None, device_budget: int | None = None, ram_budget: int | None = None,
                   ram_from: str = "given", device_free: int | None = None,
@@ -136,12 +147,12 @@ def store_budgets(store_path, *, device: str = "cpu", dense: str = "bf16", head:
     not given: the memory kept beside the expert slots is the dense weights
     (:func:`dense_resident_bytes`) plus ``kv_bytes`` (a deployment's KV budget, which holds the
     recurrent state of linear-attention layers too), or when None an fp32 KV cache of
-    ``context`` tokens in every layer. Returns a ``Budgets``."""
+    ``context`` tokens in every layer. ``store``: an open ExpertStore or its directory
+    (:func:`open_store`). Returns a ``Budgets``."""
     from engine.experts.device_budget import HOST_HEADROOM, resolve_budgets
-    from engine.store.reader import ExpertStore
     from engine.units import format_bytes
 
-    with ExpertStore(store_path) as store:
+    with open_store(store) as store:
         cfg = store.config
         dense_bytes = dense_resident_bytes(store, dense=dense, head=head, dtype=dtype)
         total = store.num_experts_total * _slot_bytes(store) if cfg.moe else 0

@@ -9,5 +9,3 @@
                       decode actor's figures
     server.py         routes, bearer-key auth, streaming, disconnect -> abort; the Ray actor
 """
-
-HTTP_ACTOR = "http"

@@ -37,6 +37,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol import ErrorCode, ErrorReply, GenerateRequest, GenerateResult, HealthReply, TokenChunk, decode, encode
+from services import handles
 from services.http.metrics import CONTENT_TYPE, Metrics
 from services.http.openai_format import (
     FINISH,
@@ -67,7 +68,7 @@ class HttpSettings(BaseModel):
 
     host: str = Field("127.0.0.1", description="Address to bind; loopback unless configured.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one.")
-    namespace: str = Field("moestream", description="Ray namespace of the router and decode actors.")
+    namespace: str = Field(handles.NAMESPACE, description="Ray namespace of the router and decode actors.")
     model_name: str = Field(min_length=1, max_length=256, description="The id /v1/models lists "
                             "and requests must name.")
     api_key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="sha256 hex "
@@ -106,17 +107,13 @@ class HttpService:
     @property
     def router(self):
         if self._router is None:
-            import ray
-
-            self._router = ray.get_actor("router", namespace=self.settings.namespace)
+            self._router = handles.router(self.settings.namespace)
         return self._router
 
     @property
     def decode(self):
         if self._decode is None:
-            import ray
-
-            self._decode = ray.get_actor("decode", namespace=self.settings.namespace)
+            self._decode = handles.decode(self.settings.namespace)
         return self._decode
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -273,11 +270,9 @@ class HttpService:
         snap: dict[str, Any] = {"decode": dec, "router": router}
         names = ((dec or {}).get("source") or {}).get("loaders")
         if names is not None:
-            import ray
-
             async def alive(name: str) -> bool:
                 try:
-                    h = ray.get_actor(name, namespace=self.settings.namespace)
+                    h = handles.actor(name, self.settings.namespace)
                     await asyncio.wait_for(h.check_health.remote(), min(t, 2.0))
                     return True
                 except Exception:

@@ -8,8 +8,10 @@ import asyncio
 
 import pytest
 
-from protocol import GenerateResult, decode
+from protocol import GenerateResult
+from services.step_mux import StepSubscription
 from tests.services.conftest import DENSE
+from tests.services.local_handles import Handle
 
 
 def _service(store_path, mode: str):
@@ -30,16 +32,22 @@ def test_every_server_mode_is_greedy_identical_in_a_batch(store_path, reference,
     svc = _service(store_path, spec)
     prompts = [([7 + i, 20, 31, 7 + i, 20, 31, 44] * 3)[: 9 + 2 * i] for i in range(8)]
 
-    async def one(i):
-        frames = [f async for f in svc.generate(f"r{i}", prompts[i], {"temperature": 0.0, "max_tokens": 14})]
-        msg, _ = decode(frames[-1])
-        assert isinstance(msg, GenerateResult), msg
-        return msg
-
     async def all_():
+        sub = StepSubscription(Handle(svc), "test")  # as the router reads the decode actor
+
+        async def one(i):
+            q = sub.register(f"r{i}")
+            await svc.submit(sub.name, f"r{i}", prompts[i], {"temperature": 0.0, "max_tokens": 14})
+            msgs = []
+            while (msg := await q.get()) is not None:
+                msgs.append(msg)
+            assert isinstance(msgs[-1], GenerateResult), msgs
+            return msgs[-1]
+
         try:
             return await asyncio.gather(*(one(i) for i in range(8)))
         finally:
+            sub.close()
             await svc.close()
 
     results = asyncio.run(all_())

@@ -421,7 +421,7 @@ def test_scale_loaders_1_3_1_during_generation_changes_no_token(app, client, ref
 
 def test_ray_client_path_matches_in_process_engine(app, ray_cluster, reference):
     """The Ray client (ray://) in a separate process: it cannot consume streaming generators,
-    so the client long-polls the router (open/poll)."""
+    so the client reads its request's step stream by long poll (router.poll_steps)."""
     import json
     import os
     import subprocess

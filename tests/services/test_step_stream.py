@@ -155,6 +155,27 @@ def test_refusals_and_failures_are_typed_error_replies_to_their_subscriber():
     assert msgs[2].finish_reason == "error" and msgs[2].token_ids == [7, 8]
 
 
+async def one_request(router, subscriber: str, frames: list, *, polled: bool = False) -> list:
+    """One request through the router's intake as the Python client sends it: ``submit`` into a
+    subscriber of its own, then that subscriber's step stream until the request has ended, read
+    as a stream (``steps(until_done=True)``) or by long poll (``poll_steps``, the Ray client's)."""
+    refused = await router.submit(subscriber, frames)
+    if refused is not None:
+        return [decode(refused)[0]]
+    raw = []
+    if polled:
+        done = False
+        while not done:
+            batch, done = await router.poll_steps(subscriber, 0.5)
+            raw += batch
+    else:
+        raw = [f async for f in router.steps(subscriber, until_done=True)]
+    frames_in = [decode(f, expect=StepFrame)[0] for f in raw]
+    assert [f.seq for f in frames_in] == list(range(len(frames_in)))  # numbered without gaps
+    assert subscriber not in router.outboxes  # the subscriber is gone with its request
+    return [m for f in frames_in for m in f.messages]
+
+
 @pytest.fixture(scope="module")
 def local_pipeline(store_path):
     """The real DecodeService (a HostTier feeds its expert cache), TokenizerRouter and
@@ -206,8 +227,7 @@ def test_router_over_decode_16_streams_match_the_engine_alone_one_frame_per_step
         req = GenerateRequest(request_id=f"s{i}", prompt_token_ids=prompts[i], stream=True,
                               sampling=greedy)
         ids, result = [], None
-        async for f in router.submit_frames(encode(req)):
-            msg, _ = decode(f)
+        for msg in await one_request(router, f"client-{i}", encode(req)):
             assert not isinstance(msg, ErrorReply), msg
             if isinstance(msg, TokenChunk):
                 ids += msg.token_ids
@@ -298,10 +318,11 @@ def test_http_streams_get_their_own_text_in_one_router_frame_per_step(local_pipe
     assert p.router.outboxes[sub.name].tasks == {}  # every request's task is done
 
 
-def test_unreadable_request_frames_are_one_typed_reply_on_both_router_paths(local_pipeline):
-    """A hostile GenerateRequest (not msgpack; a request id of the wrong type) gets one ErrorReply
-    whether it comes through the per-request path (submit_frames) or a step stream (submit),
-    counted as a protocol error or an invalid request; nothing reaches the engine."""
+def test_unreadable_request_frames_are_one_typed_reply_and_end_the_subscribers_stream(local_pipeline):
+    """A hostile GenerateRequest (not msgpack; a request id of the wrong type) submitted into a
+    step stream gets one ErrorReply, counted as a protocol error or an invalid request; nothing
+    reaches the engine, and a client's stream waiting for its request ends (streamed or polled)
+    instead of hanging."""
     from protocol import GenerateRequest, encode
 
     loop, dec, router = local_pipeline.loop, local_pipeline.dec, local_pipeline.router
@@ -310,12 +331,83 @@ def test_unreadable_request_frames_are_one_typed_reply_on_both_router_paths(loca
 
     async def run():
         before, steps0 = dict(router.counts), dec.loop.steps
-        direct = [decode(f)[0] async for f in router.submit_frames(garbage)]
-        stepped = await router.submit("hostile", garbage)
-        return before, direct, decode(stepped)[0], dec.loop.steps - steps0
+        stream = router.steps("hostile", until_done=True)
+        first = asyncio.ensure_future(anext(stream, None))  # the stream waits before the submit
+        await asyncio.sleep(0.05)
+        refused = await router.submit("hostile", garbage)
+        rest = await asyncio.wait_for(first, 10)
+        polled = await router.submit("hostile-polled", garbage), await router.poll_steps("hostile-polled", 5)
+        return before, decode(refused)[0], rest, polled, dec.loop.steps - steps0
 
-    before, direct, stepped, steps = asyncio.run_coroutine_threadsafe(run(), loop).result(120)
-    assert len(direct) == 1 and isinstance(direct[0], ErrorReply) and isinstance(stepped, ErrorReply)
-    assert direct[0].code == stepped.code
+    before, refused, rest, (refused2, polled), steps = \
+        asyncio.run_coroutine_threadsafe(run(), loop).result(120)
+    assert isinstance(refused, ErrorReply) and refused.code is decode(refused2)[0].code
+    assert rest is None and polled == ([], True)  # both subscribers' streams are over, empty
+    assert "hostile" not in router.outboxes and "hostile-polled" not in router.outboxes
     bumped = {k: router.counts[k] - before[k] for k in ("invalid", "protocol_errors")}
     assert sum(bumped.values()) == 2 and steps == 0
+
+
+def test_a_polled_request_matches_the_streamed_one_and_stop_strings_bill_alike(local_pipeline, reference):
+    """The long-poll read of a subscriber's step stream (the Ray client's) gives the messages
+    the streamed read gives: same tokens, text, finish reason and billed tokens, with a stop
+    string cutting both at the same place."""
+    from protocol import GenerateRequest, encode
+
+    loop, router = local_pipeline.loop, local_pipeline.router
+    prompt = [9, 21, 33, 14, 5]
+    text = reference.text(prompt, 12)
+    stop = text[len(text) // 2:][:3]
+
+    async def run():
+        got = {}
+        for polled in (False, True):
+            for sampling in ({"temperature": 0, "max_tokens": 12},
+                             {"temperature": 0, "max_tokens": 12, "stop": [stop]}):
+                rid = f"p{int(polled)}-{len(sampling)}"
+                req = GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
+                got[polled, len(sampling)] = await one_request(router, f"c-{rid}", encode(req),
+                                                               polled=polled)
+        return got
+
+    got = asyncio.run_coroutine_threadsafe(run(), loop).result(300)
+    for kind in (2, 3):
+        streamed, polled = got[False, kind], got[True, kind]
+        assert [type(m).__name__ for m in streamed][-1] == "GenerateResult"
+        strip = lambda ms: [m.model_dump(exclude={"request_id", "usage"}) for m in ms]  # noqa: E731
+        assert strip(streamed) == strip(polled), kind
+        assert streamed[-1].usage.completion_tokens == len(streamed[-1].token_ids)
+    assert got[False, 2][-1].token_ids == reference(prompt, 12)
+    cut = got[False, 3][-1]
+    assert cut.finish_reason == "stop" and stop not in cut.text and len(cut.token_ids) < 12
+
+
+def test_a_polled_subscriber_left_unread_is_dropped_and_its_request_aborted(local_pipeline, monkeypatch):
+    """A Ray client gone mid-request stops polling: once its subscriber has been left unread
+    for POLL_IDLE_S, the next submit or poll drops it and its request is aborted in the engine
+    (KV freed), as a stream whose reader went away."""
+    import services.tokenizer_router as tr
+    from protocol import GenerateRequest, encode
+
+    loop, dec, router = local_pipeline.loop, local_pipeline.dec, local_pipeline.router
+
+    async def run():
+        req = GenerateRequest(request_id="gone", prompt_token_ids=[4, 8, 15, 16],
+                              sampling={"temperature": 0, "max_tokens": 64})
+        assert await router.submit("gone-client", encode(req)) is None
+        task = router.outboxes["gone-client"].tasks["gone"]
+        while router.subscription is None or "gone" not in router.subscription.queues:
+            await asyncio.sleep(0.001)  # until it is in the engine (submitted to decode)
+        monkeypatch.setattr(tr, "POLL_IDLE_S", 0.0)
+        left = await router.poll_steps("someone-else", 0)  # any caller sweeps, before it waits
+        await asyncio.gather(task, return_exceptions=True)
+        for _ in range(200):
+            if dec.kv.metrics().num_sequences == 0:
+                break
+            await asyncio.sleep(0.05)
+        return left, task.cancelled(), "gone" in router.active
+
+    left, cancelled, still = asyncio.run_coroutine_threadsafe(run(), loop).result(120)
+    assert left == ([], True) and cancelled and not still
+    assert "gone-client" not in router.outboxes
+    assert dec.kv.metrics().num_sequences == 0  # aborted in the engine: its KV freed
