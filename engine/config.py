@@ -147,7 +147,7 @@ class ModelConfig:
     norm_zero_centred: bool = False
     linear_attn: LinearAttentionConfig | None = None
     # Architecture-specific parameters (a frozen dataclass defined by the architecture's file,
-    # e.g. engine.models.gpt_oss.GptOssParams); None for the architectures of the shared decoder.
+    # e.g. engine.models.gpt_oss.config.GptOssParams); None for the architectures of the shared decoder.
     arch_params: Any = None
 
     def __post_init__(self) -> None:
