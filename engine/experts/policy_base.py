@@ -5,6 +5,7 @@ every policy do not import each other."""
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from collections.abc import Set as AbstractSet

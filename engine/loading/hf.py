@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
 from engine.configio.fields import first_present
 from engine.configio.hf import config_from_hf_dir_raw
 from engine.errors import ModelFormatError, quote
