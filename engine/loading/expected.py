@@ -4,17 +4,17 @@ reuse for theirs (ArchSpec.expected_tensors). Imports nothing of engine.models."
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 from engine.config import ModelConfig
 from engine.loading.source import expert_name
 
 
-def decoder_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """``(name, shape)`` of every canonical tensor of the shared decoder (engine.models.base)
-    ``c`` implies, lazily, in layer order."""
-    V, H, D = c.vocab_size, c.hidden_size, c.head_dim
-    q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
+def layered_tensors(c: ModelConfig, layer_tensors: Callable[[int], Iterable[tuple[str, tuple[int, ...]]]]
+                    ) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The embedding, the final norm and (untied) the LM head, then per layer its two norms and
+    ``layer_tensors(i)`` (its token mixer and feed-forward part): the frame every decoder shares."""
+    V, H = c.vocab_size, c.hidden_size
     yield "model.embed_tokens.weight", (V, H)
     yield "model.norm.weight", (H,)
     if not c.tie_word_embeddings:
@@ -23,6 +23,17 @@ def decoder_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", (H,)
         yield p + "post_attention_layernorm.weight", (H,)
+        yield from layer_tensors(i)
+
+
+def decoder_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every canonical tensor of the shared decoder (engine.models.base)
+    ``c`` implies, lazily, in layer order."""
+    H, D = c.hidden_size, c.head_dim
+    q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
+
+    def layer(i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+        p = f"model.layers.{i}."
         yield p + "self_attn.q_proj.weight", (q_out, H)
         yield p + "self_attn.k_proj.weight", (kv_out, H)
         yield p + "self_attn.v_proj.weight", (kv_out, H)
@@ -35,6 +46,8 @@ def decoder_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield p + "self_attn.q_norm.weight", (D,)
             yield p + "self_attn.k_norm.weight", (D,)
         yield from mlp_tensors(c, i)
+
+    return layered_tensors(c, layer)
 
 
 def mlp_tensors(c: ModelConfig, i: int):

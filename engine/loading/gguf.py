@@ -58,8 +58,6 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _STACKED_EXPERTS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _SPLIT_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
-# llama.cpp's converter permutes q/k rows into interleaved-rope order for these architectures.
-_PERMUTED_ARCHS = ("llama",)
 
 
 @dataclass(frozen=True)
@@ -163,8 +161,8 @@ class GGUFSource(TensorSource):
 
     def _build_entries(self) -> None:
         cfg = self.config
-        permuted = self.metadata.get("general.architecture") in _PERMUTED_ARCHS
-        own_split = get_spec(cfg.arch).gguf_split
+        spec = get_spec(cfg.arch)
+        permuted, own_split = spec.gguf_qk_permuted, spec.gguf_split
         for gname, t in self.tensor_infos.items():
             shape = t.shape
             own = own_split(gname, shape, cfg) if own_split is not None else None

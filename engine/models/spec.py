@@ -41,6 +41,9 @@ class ArchSpec:
     # experts): an accepting spec with a test wins over the one without.
     gguf_arch: str | None = None
     gguf_accepts: Callable[[Any], bool] | None = None
+    # llama.cpp's converter permuted q/k rows into interleaved-rope order (its "llama" arch):
+    # engine.loading.gguf permutes them back
+    gguf_qk_permuted: bool = False
     # Config reading by the generic parsers (engine.configio): hf_fields(raw, integer, source)
     # -> ModelConfig fields overriding the shared decoder's defaults (routed experts, qk norm,
     # ...); gguf_fields(get, fields) -> the generic GGUF fields adjusted.

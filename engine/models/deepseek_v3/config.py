@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from engine.config import ModelConfig, MoEConfig, RopeConfig
 from engine.configio.fields import REQUIRED, gguf_keys, gguf_special_tokens, hf_integers, number, rope_from_hf, token_ids
 from engine.errors import ModelFormatError
+from engine.loading.expected import layered_tensors
 from engine.loading.source import expert_name
 from engine.models.deepseek_v3.mla import latent_half
 
@@ -138,15 +139,10 @@ def _attn_shapes(c: ModelConfig):
 
 
 def expected_tensors(c: ModelConfig):
-    V, H, m = c.vocab_size, c.hidden_size, c.moe
-    yield "model.embed_tokens.weight", (V, H)
-    yield "model.norm.weight", (H,)
-    if not c.tie_word_embeddings:
-        yield "lm_head.weight", (V, H)
-    for i in range(c.num_layers):
+    H, m = c.hidden_size, c.moe
+
+    def layer(i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
         p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (H,)
-        yield p + "post_attention_layernorm.weight", (H,)
         for name, shape in _attn_shapes(c):
             yield p + "self_attn." + name, shape
         if c.is_moe_layer(i):
@@ -166,6 +162,8 @@ def expected_tensors(c: ModelConfig):
             yield p + "mlp.gate_proj.weight", (I, H)
             yield p + "mlp.up_proj.weight", (I, H)
             yield p + "mlp.down_proj.weight", (H, I)
+
+    return layered_tensors(c, layer)
 
 
 def parameter_counts(c: ModelConfig) -> dict[str, int]:

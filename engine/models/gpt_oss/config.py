@@ -5,11 +5,12 @@ tensors and parameter counts such a config implies."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from engine.config import ModelConfig, MoEConfig, RopeConfig
 from engine.configio.fields import REQUIRED, gguf_keys, gguf_special_tokens, hf_integers, number, rope_from_hf, token_ids
 from engine.errors import ModelFormatError
+from engine.loading.expected import layered_tensors
 from engine.loading.source import expert_name
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -92,17 +93,12 @@ def config_from_hf(raw: Mapping[str, Any], source: object) -> ModelConfig:
 # ---------------------------------------------------------------------------------- tensors
 
 def expected_tensors(c: ModelConfig):
-    V, H, D, E = c.vocab_size, c.hidden_size, c.head_dim, c.moe.num_experts
+    H, D, E = c.hidden_size, c.head_dim, c.moe.num_experts
     I = c.moe.expert_intermediate_size
     q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
-    yield "model.embed_tokens.weight", (V, H)
-    yield "model.norm.weight", (H,)
-    if not c.tie_word_embeddings:
-        yield "lm_head.weight", (V, H)
-    for i in range(c.num_layers):
+
+    def layer(i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
         p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (H,)
-        yield p + "post_attention_layernorm.weight", (H,)
         for name, out, inp in (("q", q_out, H), ("k", kv_out, H), ("v", kv_out, H), ("o", H, q_out)):
             yield p + f"self_attn.{name}_proj.weight", (out, inp)
             yield p + f"self_attn.{name}_proj.bias", (out,)
@@ -116,6 +112,8 @@ def expected_tensors(c: ModelConfig):
             yield expert_name(i, j, "gate_proj"), (I, H)
             yield expert_name(i, j, "up_proj"), (I, H)
             yield expert_name(i, j, "down_proj"), (H, I)
+
+    return layered_tensors(c, layer)
 
 
 def parameter_counts(c: ModelConfig) -> dict[str, int]:

@@ -8,4 +8,5 @@ SPEC = ArchSpec(
     hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
     hf_model_types=("llama", "mistral"),
     gguf_arch="llama",
+    gguf_qk_permuted=True,
 )

@@ -37,6 +37,7 @@ SPEC = ArchSpec(
         (r"\.block_sparse_moe\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj."),
     ),
     gguf_arch="llama",
+    gguf_qk_permuted=True,
     gguf_accepts=gguf_accepts,
     hf_fields=hf_fields,
     gguf_fields=gguf_fields,

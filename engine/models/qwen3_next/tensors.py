@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from engine.config import ModelConfig
-from engine.loading.expected import mlp_tensors
+from engine.loading.expected import layered_tensors, mlp_tensors
 
 
 def expected_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -14,15 +14,10 @@ def expected_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     (engine.loading.validate)."""
     la = c.linear_attn
     assert la is not None
-    V, H, D = c.vocab_size, c.hidden_size, c.head_dim
-    yield "model.embed_tokens.weight", (V, H)
-    yield "model.norm.weight", (H,)
-    if not c.tie_word_embeddings:
-        yield "lm_head.weight", (V, H)
-    for i in range(c.num_layers):
+    H, D = c.hidden_size, c.head_dim
+
+    def layer(i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
         p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (H,)
-        yield p + "post_attention_layernorm.weight", (H,)
         if c.is_linear_attention_layer(i):
             a = p + "linear_attn."
             yield a + "in_proj_qkvz.weight", (2 * la.key_dim + 2 * la.value_dim, H)
@@ -47,3 +42,5 @@ def expected_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield a + "q_norm.weight", (D,)
             yield a + "k_norm.weight", (D,)
         yield from mlp_tensors(c, i)
+
+    return layered_tensors(c, layer)
