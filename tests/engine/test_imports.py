@@ -5,7 +5,9 @@ module does not reach up to the app's.
 Every import statement counts, wherever it sits (module level, inside a function or a class,
 under ``if TYPE_CHECKING``): a cycle closed by a function-level import is still a cycle.
 ``from pkg import name`` is an edge to ``pkg.name`` when that is a module of the tree, else to
-``pkg`` itself; relative imports resolve against the importing module's package.
+``pkg`` itself; relative imports resolve against the importing module's package. An import of
+``a.b.c`` is an edge to ``a.b.c`` alone, not to the packages ``a`` and ``a.b`` whose
+``__init__`` Python runs first (those only re-export their submodules here).
 """
 
 from __future__ import annotations
