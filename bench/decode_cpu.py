@@ -100,7 +100,7 @@ def dense_bytes(cfg, bytes_per_weight: float) -> float:
 def qwen3_moe_rows(prompt_len: int, new: int, bw: float) -> list[dict]:
     import transformers as T
 
-    from engine.config import ModelConfig
+    from engine.configio.hf import config_from_hf_dict
     from engine.experts.runtime import load_from_store
     from engine.loading.source import DictSource
     from engine.models.load import build_model
@@ -114,7 +114,7 @@ def qwen3_moe_rows(prompt_len: int, new: int, bw: float) -> list[dict]:
                               intermediate_size=2816, norm_topk_prob=True, max_position_embeddings=4096)
     torch.manual_seed(0)
     hf = T.Qwen3MoeForCausalLM(hf_cfg).eval()
-    cfg = ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]})
+    cfg = config_from_hf_dict({**hf_cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]})
     prompt = torch.randint(0, 32000, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

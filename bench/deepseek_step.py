@@ -1,4 +1,4 @@
-"""DeepSeek-V3 decode on the CPU: the torch layers against the native step (engine.step_deepseek:
+"""DeepSeek-V3 decode on the CPU: the torch layers against the native step (engine.models.deepseek_v3.step:
 MLA, the group-limited router and the expert FFN as three native calls per layer), the native step
 twice: kv_b read as float32 copies (the reference path, the code before kv_b was read in its dense
 format) and in the dense format (int8 / bf16, engine/csrc/mla_kvb.cpp). Same weights, same process,
@@ -6,7 +6,7 @@ alternating rounds, median; greedy tokens checked equal on the exact path (float
 activations round differently in the paths' summation orders). Weight bytes read per decoded token
 of each native row (every dense linear, kv_b as that row reads it, the LM head, the routers, top-k
 routed experts per sparse layer), and kv_b's bytes per layer at DeepSeek-V3's published shape
-(computed: engine.step_deepseek.kv_b_bytes).
+(computed: engine.models.deepseek_v3.step.kv_b_bytes).
 
     python bench/deepseek_step.py                         # the default shape below
     python bench/deepseek_step.py --layers 2 --prompt 32 --new 16 --rounds 1   # a quick run
@@ -49,7 +49,7 @@ def weight_bytes_per_token(model, float_kv_b: bool, expert_fmt) -> int:
     copies or in its format), the LM head, the routers and top-k routed experts per sparse layer."""
     from engine.quant.formats import payload_bytes
     from engine.quant.linear import dense_linears
-    from engine.step_deepseek import kv_b_bytes
+    from engine.models.deepseek_v3.step import kv_b_bytes
 
     total = 0
     for parent, name in dense_linears(model):
@@ -79,12 +79,12 @@ def real_mla_layer(ctx: int, calls: int) -> None:
 
     from engine.kv.base import BatchLayout
     from engine.kv.paged import PagedKVCache
-    from engine.layers.mla import MLAttention
+    from engine.models.deepseek_v3.mla import MLAttention
     from engine.layers.norm import RMSNorm
     from engine.quant.formats import QuantFormat
     from engine.quant.kernels import DIRECT_MAX_T, int8_activations, load_extension
     from engine.quant.linear import QuantLinear
-    from engine.step_deepseek import kv_b_bytes, mla_handle
+    from engine.models.deepseek_v3.step import kv_b_bytes, mla_handle
 
     H, nh, q_lora, R, r, dn, dv = 7168, 128, 1536, 512, 64, 128, 128
     torch.manual_seed(0)
@@ -154,7 +154,7 @@ def main() -> None:
     from engine.options import configure
     from engine.quant.formats import QuantFormat
     from engine.quant.kernels import int8_activations
-    from engine.step_deepseek import DeepseekNativeStep, kv_b_bytes
+    from engine.models.deepseek_v3.step import DeepseekNativeStep, kv_b_bytes
     from engine.store import convert
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,5 @@
 """Decode tok/s of a small random gpt-oss: the torch layers against the native step
-(engine.step_gpt_oss), from an int4 and an MXFP4 expert store, every expert resident.
+(engine.models.gpt_oss.step), from an int4 and an MXFP4 expert store, every expert resident.
 
     python bench/gpt_oss_native.py                 # hidden 512, 6 layers, 16 experts top-4
     python bench/gpt_oss_native.py --prompt 64 --new 32 --rounds 3

@@ -145,7 +145,8 @@ def deltanet_table(device: torch.device, smoke: bool, iters: int) -> bool:
     one layer: the largest error against the torch reference computed on the CPU, and the time
     per call beside the torch reference on the device (one sequence at a time, as
     GatedDeltaNet's torch path runs); GB/s counts the state read and written."""
-    from engine.layers.deltanet_triton import decode_rows, reference_step
+    from engine.layers.deltanet import reference_step
+    from engine.layers.deltanet_triton import decode_rows
 
     nk, nv, dk, dv, kw = (2, 4, 16, 16, 4) if smoke else (16, 32, 128, 128, 4)  # Qwen3-Next 80B
     run = timer(device)

@@ -78,13 +78,13 @@ def build_hf(shape: dict | None = None, seed: int = WEIGHT_SEED):
     """(transformers model, moestream ModelConfig) of a random Qwen3-MoE of ``shape``."""
     import transformers as T
 
-    from engine.config import ModelConfig
+    from engine.configio.hf import config_from_hf_dict
 
     hf_cfg = T.Qwen3MoeConfig(**{**ISSUE_SHAPE, **(shape or {})}, norm_topk_prob=True,
                               max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(seed)
     hf = T.Qwen3MoeForCausalLM(hf_cfg).eval()
-    cfg = ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]})
+    cfg = config_from_hf_dict({**hf_cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]})
     return hf, cfg
 
 

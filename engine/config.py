@@ -1,106 +1,21 @@
-"""Model configuration: frozen dataclasses built from HF ``config.json`` or GGUF metadata.
+"""Model configuration: frozen dataclasses, validated on construction, and nothing else.
 
 One :class:`ModelConfig` describes every architecture moestream runs. Architecture-specific
 switches (q/k norm, qkv bias, shared expert, which layers are sparse) are plain fields, so model
-code branches on capabilities, never on architecture names.
+code branches on capabilities, never on architecture names. Reading one from a config.json, GGUF
+metadata or the store manifest's dict is engine.configio's (with each architecture's own fields
+in its home, engine.models.<arch>); this module imports neither, nor any model.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from engine.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError, quote
+from engine.errors import ConfigError
 
-# HF "architectures" entry -> our architecture key (engine.models registry key).
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen3NextForCausalLM": "qwen3_next",
-    "GptOssForCausalLM": "gpt_oss",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-}
-# HF "model_type" (used when "architectures" is absent) -> our key.
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral",
-                  "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
-HF_MODEL_TYPES["qwen3_next"] = "qwen3_next"
-HF_MODEL_TYPES.update({"gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3"})
-# GGUF "general.architecture" -> our key.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
-GGUF_ARCHITECTURES.update({"gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3"})
-GGUF_ARCHITECTURES["qwen3next"] = "qwen3_next"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# config.json fields that hold special-token ids; eos may be a list of ids.
-HF_SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def _kind(value: Any) -> str:
-    """A JSON value's kind for messages (never the value itself: it may be anything)."""
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, list):
-        return "a list"
-    return {int: "an integer", float: "a number with a fraction", str: "a string",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def token_ids(value: Any, field: str, source: object, vocab_size: int | None = None,
-              allow_list: bool = False) -> tuple[int, ...]:
-    """A special-token id field of a config file -> its ids (empty for null).
-
-    Accepts null, an integer or (``allow_list``: eos) a flat list of integers; JSON booleans,
-    strings, floats and nested lists are refused, as is an id outside ``[0, vocab_size)``,
-    with a ModelFormatError naming ``source`` and ``field``."""
-    if value is None:
-        return ()
-    items = value if allow_list and isinstance(value, list) else [value]
-    allowed = "an integer or a list of integers" if allow_list else "an integer"
-    ids = []
-    for v in items:
-        if v is None and items is value:
-            continue  # [2, null]: transformers writes null entries for unset ids
-        if not isinstance(v, int) or isinstance(v, bool):
-            where = " inside the list" if items is value else ""
-            raise ModelFormatError(source, f"{field} must be {allowed}, got {_kind(v)}{where}")
-        if vocab_size is not None and not 0 <= v < vocab_size:
-            raise ModelFormatError(
-                source, f"{field} {v} is outside the vocabulary (vocab_size {vocab_size})")
-        ids.append(v)
-    return tuple(dict.fromkeys(ids))
-
-
-def _bad_value(e: BaseException, what: str = "bad value") -> str:
-    """Message for a conversion that failed deep inside (``float("x")``, ``dict(3)``): the
-    exception's own text can quote the file, so only a bounded excerpt of it is kept."""
-    return f"{what} ({type(e).__name__}): {quote(str(e), 80)}"
-
-
-def first_present(raw: Mapping[str, Any], *keys: str) -> str:
-    """The first of ``keys`` present in ``raw`` (else the first key): names a field in messages."""
-    return next((k for k in keys if k in raw), keys[0])
-
-
-def read_hf_config_json(cfg_path: Path) -> dict[str, Any]:
-    """The parsed top-level object of a config.json (ModelFormatError if it is not one)."""
-    if not cfg_path.is_file():
-        raise ModelFormatError(cfg_path, "config.json not found; is this a Hugging Face checkpoint directory?")
-    try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise ModelFormatError(cfg_path, f"not valid UTF-8 (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ModelFormatError(cfg_path, f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except RecursionError:
-        raise ModelFormatError(cfg_path, "not valid JSON: nested too deeply") from None
-    if not isinstance(raw, dict):
-        raise ModelFormatError(cfg_path, "top level must be a JSON object")
-    return raw
 
 
 @dataclass(frozen=True)
@@ -204,24 +119,6 @@ class LinearAttentionConfig:
                 self.num_value_heads * self.key_head_dim * self.value_head_dim)
 
 
-REQUIRED: Any = ...  # gguf_keys: no default, the key must be there
-
-
-def gguf_keys(meta: Mapping[str, Any], prefix: str, source: object) -> Callable[..., Any]:
-    """``get(key, default=REQUIRED)``: the GGUF metadata value of ``{prefix}.{key}``, ``default``
-    when it is absent; a ModelFormatError naming the key when it is absent and required. One
-    reader for the generic parser and the architectures that parse their own keys."""
-
-    def get(key: str, default: Any = REQUIRED) -> Any:
-        full = f"{prefix}.{key}"
-        if full in meta:
-            return meta[full]
-        if default is REQUIRED:
-            raise ModelFormatError(source, f"missing GGUF metadata key {full!r}")
-        return default
-    return get
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything the model core needs; validated on construction."""
@@ -250,14 +147,12 @@ class ModelConfig:
     norm_zero_centred: bool = False
     linear_attn: LinearAttentionConfig | None = None
     # Architecture-specific parameters (a frozen dataclass defined by the architecture's file,
-    # e.g. engine.models.gpt_oss.GptOssParams); None for the architectures of the shared decoder.
+    # e.g. engine.models.gpt_oss.config.GptOssParams); None for the architectures of the shared decoder.
     arch_params: Any = None
 
     def __post_init__(self) -> None:
-        from engine.models.registry import ARCHITECTURES  # late: registry imports model files
-
-        if self.arch not in ARCHITECTURES:
-            raise UnsupportedArchitectureError(self.arch, list(ARCHITECTURES))
+        if not isinstance(self.arch, str) or not self.arch:
+            raise ConfigError(f"arch must be a non-empty string, got {self.arch!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -362,288 +257,3 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-        d = dict(d)
-        rope = dict(d["rope"])
-        rope["freq_factors"] = tuple(rope.get("freq_factors", ()))
-        d["rope"] = RopeConfig(**rope)
-        if d.get("moe") is not None:
-            moe = dict(d["moe"])
-            moe["mlp_only_layers"] = tuple(moe.get("mlp_only_layers", ()))
-            d["moe"] = MoEConfig(**moe)
-        if d.get("linear_attn") is not None:
-            la = dict(d["linear_attn"])
-            la["full_attention_layers"] = tuple(la.get("full_attention_layers", ()))
-            d["linear_attn"] = LinearAttentionConfig(**la)
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        if d.get("arch_params") is not None:
-            from engine.models.registry import get_spec
-
-            d["arch_params"] = get_spec(d["arch"]).params_from_dict(d["arch_params"])
-        return cls(**d)
-
-    # ---- constructors ----------------------------------------------------------------------
-    @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_hf_dir_raw(path)[0]
-
-    @classmethod
-    def from_hf_dir_raw(cls, path: str | Path) -> tuple["ModelConfig", dict[str, Any]]:
-        """``(config, the parsed config.json)`` of a checkpoint directory; config.json must
-        resolve inside the directory (engine.loading.paths)."""
-        from engine.loading.paths import confine  # late: engine.loading imports this module
-
-        cfg_path = confine(Path(path), "config.json")
-        raw = read_hf_config_json(cfg_path)
-        try:
-            return cls.from_hf_dict(raw, source=cfg_path), raw
-        except ConfigError as e:  # a value out of range: name the file it came from
-            raise ModelFormatError(cfg_path, str(e)) from None
-
-    @classmethod
-    def from_hf_dict(cls, raw: Mapping[str, Any], source: object = "config.json") -> "ModelConfig":
-        archs = raw.get("architectures") or []
-        model_type = raw.get("model_type")
-        if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
-            raise ModelFormatError(source, f"architectures must be a list of strings, got {_kind(archs)}")
-        if model_type is not None and not isinstance(model_type, str):
-            raise ModelFormatError(source, f"model_type must be a string, got {_kind(model_type)}")
-        arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
-        if arch is None and not archs:
-            arch = HF_MODEL_TYPES.get(model_type)  # type: ignore[arg-type]
-        if arch is None:
-            raise UnsupportedArchitectureError(archs[0] if archs else model_type,
-                                               list(HF_ARCHITECTURES))
-
-        def integer(key: str, *aliases: str, default: int | None = None) -> int:
-            """An integer field (JSON null counts as absent); ``default`` None: required."""
-            name = first_present(raw, key, *aliases)
-            value = raw.get(name)
-            if value is None:
-                if default is None:
-                    raise ModelFormatError(source, f"missing required field {key!r}")
-                return default
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ModelFormatError(source, f"{name} must be an integer, got {_kind(value)}")
-            return value
-
-        def layer_list(key: str) -> tuple[int, ...]:
-            value = raw.get(key) or []
-            if not (isinstance(value, list)
-                    and all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
-                raise ModelFormatError(source, f"{key} must be a list of integers")
-            return tuple(value)
-
-        try:
-            from engine.models.registry import get_spec
-
-            own_parser = get_spec(arch).config_from_hf
-            if own_parser is not None:  # architectures with their own layers parse their fields
-                return own_parser(raw, source)
-            hidden = integer("hidden_size")
-            heads = integer("num_attention_heads")
-            head_dim = integer("head_dim", default=0) or hidden // heads
-            moe = None
-            if arch == "mixtral":
-                moe = MoEConfig(
-                    num_experts=integer("num_local_experts"),
-                    top_k=integer("num_experts_per_tok"),
-                    expert_intermediate_size=integer("intermediate_size"),
-                    norm_topk_prob=True,
-                )
-            elif arch in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
-                shared = integer("shared_expert_intermediate_size", default=0)
-                moe = MoEConfig(
-                    num_experts=integer("num_experts", "num_local_experts"),
-                    top_k=integer("num_experts_per_tok"),
-                    expert_intermediate_size=integer("moe_intermediate_size"),
-                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                    shared_expert_intermediate_size=shared if arch in ("qwen2_moe", "qwen3_next") else 0,
-                    shared_expert_gate=arch in ("qwen2_moe", "qwen3_next") and shared > 0,
-                    decoder_sparse_step=integer("decoder_sparse_step", default=1) or 1,
-                    mlp_only_layers=layer_list("mlp_only_layers"),
-                )
-            if arch == "qwen2_moe":
-                bias = bool(raw.get("qkv_bias", True))
-            else:
-                bias = bool(raw.get("attention_bias", False))
-            vocab = integer("vocab_size")
-            ids = {f: token_ids(raw.get(f), f, source, vocab if vocab > 0 else None,
-                                allow_list=f == "eos_token_id") for f in HF_SPECIAL_TOKEN_FIELDS}
-            return cls(
-                arch=arch,
-                vocab_size=vocab,
-                hidden_size=hidden,
-                intermediate_size=integer("intermediate_size", default=0),
-                num_layers=integer("num_hidden_layers"),
-                num_heads=heads,
-                num_kv_heads=integer("num_key_value_heads", default=0) or heads,
-                head_dim=head_dim,
-                max_position_embeddings=integer("max_position_embeddings", default=4096),
-                rms_norm_eps=_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
-                rope=_rope_from_hf(raw, source),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bias,
-                qk_norm=arch in ("qwen3_moe", "qwen3_next"),
-                moe=moe,
-                bos_token_id=ids["bos_token_id"][0] if ids["bos_token_id"] else None,
-                eos_token_ids=ids["eos_token_id"],
-                **(_qwen3_next_fields(raw, integer, source) if arch == "qwen3_next" else {}),
-            )
-        except (TypeError, ValueError, ArithmeticError) as e:
-            if isinstance(e, (ConfigError, ModelFormatError, UnsupportedArchitectureError)):
-                raise
-            raise ModelFormatError(source, _bad_value(e)) from None
-
-    @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], source: object = "model.gguf") -> "ModelConfig":
-        """Build from GGUF key/values (already parsed: ints, floats, strings, lists)."""
-        garch = meta.get("general.architecture")
-        if garch not in GGUF_ARCHITECTURES:
-            raise UnsupportedArchitectureError(garch, list(GGUF_ARCHITECTURES))
-        arch = GGUF_ARCHITECTURES[garch]
-        from engine.models.registry import get_spec
-
-        own_parser = get_spec(arch).config_from_gguf
-        if own_parser is not None:  # architectures with their own layers parse their keys
-            try:
-                return own_parser(meta, source)
-            except (TypeError, ValueError, ArithmeticError) as e:
-                if isinstance(e, (ConfigError, ModelFormatError, UnsupportedArchitectureError)):
-                    raise
-                raise ModelFormatError(source, _bad_value(e, "bad metadata value")) from None
-        if arch == "llama" and int(meta.get("llama.expert_count", 0) or 0) > 0:
-            arch = "mixtral"  # llama.cpp writes Mixtral as a llama with experts
-
-        need = get = gguf_keys(meta, garch, source)
-
-        try:
-            hidden = int(need("embedding_length"))
-            heads = int(need("attention.head_count"))
-            kv = get("attention.head_count_kv", heads)
-            head_dim = int(get("attention.key_length", hidden // heads))
-            vocab = get("vocab_size", None)
-            if vocab is None:
-                tokens = meta.get("tokenizer.ggml.tokens")
-                if tokens is None:
-                    raise ModelFormatError(source, "no vocab_size and no tokenizer.ggml.tokens")
-                vocab = len(tokens)
-            moe = None
-            n_exp = int(get("expert_count", 0) or 0)
-            if n_exp:
-                shared = int(get("expert_shared_feed_forward_length", 0) or 0)
-                moe = MoEConfig(
-                    num_experts=n_exp,
-                    top_k=int(need("expert_used_count")),
-                    expert_intermediate_size=int(
-                        get("expert_feed_forward_length", 0) or need("feed_forward_length")
-                    ),
-                    norm_topk_prob=arch == "mixtral" or bool(get("expert_weights_norm", arch == "qwen3_moe")),
-                    shared_expert_intermediate_size=shared,
-                    shared_expert_gate=shared > 0,
-                )
-            scaling = get("rope.scaling.type", "none")
-            rope = RopeConfig(
-                theta=float(get("rope.freq_base", 10000.0)),
-                type={"none": "default", "linear": "linear", "yarn": "yarn"}.get(scaling, scaling),
-                factor=float(get("rope.scaling.factor", 1.0) or 1.0),
-                original_max_position_embeddings=int(
-                    get("rope.scaling.original_context_length", 8192) or 8192
-                ),
-                freq_factors=tuple(float(f) for f in meta.get("_rope_freq_factors", ())),
-            )
-            bos = meta.get("tokenizer.ggml.bos_token_id")
-            eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-            eos = [int(meta[f"tokenizer.ggml.{k}"]) for k in eos_keys if f"tokenizer.ggml.{k}" in meta]
-            return cls(
-                arch=arch,
-                vocab_size=int(vocab),
-                hidden_size=hidden,
-                intermediate_size=int(get("feed_forward_length", 0) or 0),
-                num_layers=int(need("block_count")),
-                num_heads=heads,
-                num_kv_heads=int(kv),
-                head_dim=head_dim,
-                max_position_embeddings=int(get("context_length", 4096)),
-                rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-                rope=rope,
-                # Not metadata keys: the GGUF reader derives these from which tensors exist
-                # (no output.weight -> tied; attn_q.bias present -> bias) and passes them in.
-                tie_word_embeddings=bool(meta.get("_tied_embeddings", False)),
-                attention_bias=bool(meta.get("_attention_bias", False)),
-                qk_norm=arch == "qwen3_moe",
-                moe=moe,
-                bos_token_id=None if bos is None else int(bos),
-                eos_token_ids=tuple(dict.fromkeys(eos)),
-            )
-        except (TypeError, ValueError, ArithmeticError) as e:
-            if isinstance(e, (ConfigError, ModelFormatError, UnsupportedArchitectureError)):
-                raise
-            raise ModelFormatError(source, _bad_value(e, "bad metadata value")) from None
-
-
-def _qwen3_next_fields(raw: Mapping[str, Any], integer, source: object) -> dict[str, Any]:
-    """The ModelConfig fields of a Qwen3-Next config.json: which layers are full attention
-    (``layer_types``, else every ``full_attention_interval``-th), the DeltaNet shapes, partial
-    RoPE (``partial_rotary_factor``, top level or in ``rope_parameters``; default 0.25)."""
-    layers = integer("num_hidden_layers")
-    types = raw.get("layer_types")
-    if types is not None:
-        if not (isinstance(types, list) and len(types) == layers
-                and all(t in ("linear_attention", "full_attention") for t in types)):
-            raise ModelFormatError(source, f"layer_types must list 'linear_attention' or "
-                                           f"'full_attention' for each of the {layers} layers")
-        full = tuple(i for i, t in enumerate(types) if t == "full_attention")
-    else:
-        interval = integer("full_attention_interval", default=4)
-        if interval < 1:
-            raise ModelFormatError(source, f"full_attention_interval must be >= 1, got {interval}")
-        full = tuple(i for i in range(layers) if (i + 1) % interval == 0)
-    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
-    prf = raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 0.25))
-    return dict(
-        attn_output_gate=True,
-        partial_rotary_factor=_number(prf, "partial_rotary_factor", source),
-        norm_zero_centred=True,
-        linear_attn=LinearAttentionConfig(
-            num_key_heads=integer("linear_num_key_heads", default=16),
-            num_value_heads=integer("linear_num_value_heads", default=32),
-            key_head_dim=integer("linear_key_head_dim", default=128),
-            value_head_dim=integer("linear_value_head_dim", default=128),
-            conv_kernel=integer("linear_conv_kernel_dim", default=4),
-            full_attention_layers=full,
-        ),
-    )
-
-
-def _number(value: Any, field: str, source: object) -> float:
-    """A numeric config field (JSON integer or float, not a boolean) as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ModelFormatError(source, f"{field} must be a number, got {_kind(value)}")
-    return float(value)
-
-
-def _rope_from_hf(raw: Mapping[str, Any], source: object = "config.json") -> RopeConfig:
-    """transformers 5 writes ``rope_parameters``; older configs ``rope_theta`` + ``rope_scaling``."""
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = dict(raw.get("rope_scaling") or {})
-    params = {**scaling, **params}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rtype = params.get("rope_type", params.get("type", "default")) or "default"
-    if not isinstance(rtype, str):
-        raise ModelFormatError(source, f"rope_type must be a string, got {_kind(rtype)}")
-    kw: dict[str, Any] = {"theta": _number(theta, "rope_theta", source), "type": rtype}
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
-                "mscale_all_dim", "attention_factor"):
-        if params.get(key) is not None:
-            kw[key] = _number(params[key], key, source)
-    if "truncate" in params:
-        kw["truncate"] = bool(params["truncate"])
-    omp = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
-    if omp:
-        kw["original_max_position_embeddings"] = int(_number(omp, "original_max_position_embeddings", source))
-    return RopeConfig(**kw)

@@ -658,11 +658,12 @@ def moe_model(fit: MoeFit, top_k: int, *, dtype: torch.dtype = torch.float32,
               max_weight_deviation: float = DEFAULT_MAX_WEIGHT_DEVIATION):
     """Our CausalLM of the MoE, built in memory (no files)."""
     from engine.loading.source import DictSource
+    from engine.configio.hf import config_from_hf_dict
     from engine.models.load import build_model
 
     tensors, facts = moe_tensors(fit, top_k, max_weight_deviation=max_weight_deviation)
     meta = {"note": "in memory"}
-    cfg = ModelConfig.from_hf_dict(hf_config(fit, top_k, meta, dtype))
+    cfg = config_from_hf_dict(hf_config(fit, top_k, meta, dtype))
     return build_model(cfg, DictSource(tensors), dtype=dtype)
 
 

@@ -27,10 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.kv.base import BatchLayout, KVCache
+from engine.kv.base import BatchLayout, KVCache, last_rows
 from engine.layers.mlp import SwiGLU
 from engine.layers.moe import SparseMoE, fetch_and_compute
-from engine.models.base import last_rows
 from engine.options import options
 from engine.quant.kernels import DIRECT_MAX_T, backend_for, int8_activations, load_extension, native_linear
 from engine.quant.linear import QuantLinear

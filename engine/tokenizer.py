@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from engine.config import token_ids
+from engine.configio.fields import token_ids
 from engine.errors import ModelFormatError, RequestValidationError, TokenizerNotFoundError, quote
 
 log = logging.getLogger(__name__)

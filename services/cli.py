@@ -274,7 +274,7 @@ def info(path):
     if note is not None:
         click.echo(f"              {note(cfg)}")
     if getattr(cfg, "linear_attn", None) is not None:  # Qwen3-Next: DeltaNet layers, recurrent state
-        from engine.models.qwen3_next import info_lines
+        from engine.models.qwen3_next.model import info_lines
 
         for line in info_lines(cfg, _human):
             click.echo(line)
@@ -283,13 +283,14 @@ def info(path):
 def _info_config(path: Path):
     """The ModelConfig ``info`` reports: from a config.json (or a directory with no weights
     beside its config.json), else from the checkpoint with its tensors validated."""
-    from engine.config import ModelConfig, read_hf_config_json
+    from engine.configio.fields import read_hf_config_json
+    from engine.configio.hf import config_from_hf_dict, config_from_hf_dir
     from engine.loading import open_model_files
 
     if path.is_file() and path.suffix == ".json":
-        return ModelConfig.from_hf_dict(read_hf_config_json(path), source=path)
+        return config_from_hf_dict(read_hf_config_json(path), source=path)
     if path.is_dir() and not any(path.glob("*.safetensors")) and not any(path.glob("*.safetensors.index.json")):
-        return ModelConfig.from_hf_dir(path)
+        return config_from_hf_dir(path)
     return open_model_files(path).config
 
 

@@ -10,7 +10,7 @@
 
 namespace ms {
 
-struct MLA {  // one MLA block with the norms around it (engine.layers.mla.MLAttention)
+struct MLA {  // one MLA block with the norms around it (engine.models.deepseek_v3.mla.MLAttention)
   std::optional<Linear> qa;   // q_a_proj (q LoRA), absent for a plain q_proj
   Linear qb, kva, o;          // q_b_proj (or q_proj), kv_a_proj_with_mqa, o_proj
   at::Tensor ln1, ln2, qan, kvan;  // float32 [H], [H], [q_lora_rank] (empty without q LoRA), [R]

@@ -1,5 +1,5 @@
 // Multi-head latent attention (DeepSeek-V2/V3) as one native call per layer, the absorbed form of
-// engine.layers.mla.MLAttention for every token (decode and prefill alike):
+// engine.models.deepseek_v3.mla.MLAttention for every token (decode and prefill alike):
 //   hn = rmsnorm(x); q = q_b(rmsnorm(q_a(hn))) (or q_proj(hn)); kv = kv_a(hn)
 //   latent = [rmsnorm(kv[:R]), rope(kv[R:])] written into the paged cache (K half | V half)
 //   per head: q_lat = q_nope W_uk [R]; s_j = (q_lat . c_j + q_rot . k_rot_j) * scale over the
@@ -26,7 +26,7 @@ namespace ms {
 namespace {
 
 // x[d] rotated in place on interleaved pairs (x0, x1), (x2, x3), ... and written de-interleaved
-// (engine.layers.mla.apply_rotary_interleaved); cos/sin [d]: d/2 frequencies repeated twice
+// (engine.models.deepseek_v3.mla.apply_rotary_interleaved); cos/sin [d]: d/2 frequencies repeated twice
 void rope_interleaved(float* x, int64_t d, const float* cos, const float* sin) {
   static thread_local std::vector<float> t;
   t.assign(x, x + d);

@@ -44,7 +44,7 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Collection
 
-from engine.experts.policy import EvictionPolicy, Key, _first_eligible
+from engine.experts.policy_base import EvictionPolicy, Key, _first_eligible
 
 __all__ = ["SweepPolicy", "DEFAULT_HALF_LIFE", "half_life_for"]
 

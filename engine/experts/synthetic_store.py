@@ -66,7 +66,8 @@ class SyntheticExpertStore:
     :class:`RAMExpertSource` made by :meth:`ram_source`."""
 
     def __init__(self, shape: ModelShape, *, seed: int = 0, group_size: int = 64) -> None:
-        from engine.quant.formats import QuantFormat, pack_expert
+        from engine.quant.formats import QuantFormat
+        from engine.quant.expert_blob import pack_expert
 
         self.shape = shape
         self.config = model_config(shape)
@@ -102,7 +103,7 @@ class SyntheticExpertStore:
         return 0  # one layout for every expert
 
     def _spans_of(self) -> list:
-        from engine.quant.formats import unpack_expert
+        from engine.quant.expert_blob import unpack_expert
 
         with self._spans_lock:
             if self._spans is None:

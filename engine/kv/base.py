@@ -49,6 +49,11 @@ class BatchLayout:
         return BatchLayout((seq_id,), (query_len,), (context_len,))
 
 
+def last_rows(layout: BatchLayout) -> list[int]:
+    """The flat row of each sequence's last token."""
+    return [o + n - 1 for o, n in zip(layout.offsets, layout.query_lens)]
+
+
 class KVCache(ABC):
     @abstractmethod
     def store_and_load(

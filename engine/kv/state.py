@@ -292,7 +292,7 @@ class HybridKVCache(KVCache):
         return self.paged.store_and_load(layer, seq_id, start, k, v)
 
     def native_view(self, layout, device):
-        """The attention layers' paged KV (compact indices) for the native step (engine.step_hybrid)."""
+        """The attention layers' paged KV (compact indices) for the native step (engine.models.qwen3_next.step)."""
         return self.paged.native_view(layout, device)
 
     def recurrent_state(self) -> RecurrentState:

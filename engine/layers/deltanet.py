@@ -100,6 +100,20 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return out.transpose(0, 1)
 
 
+def reference_step(window: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, state: torch.Tensor,
+                   g: torch.Tensor, beta: torch.Tensor, nk: int, dk: int, dv: int) -> torch.Tensor:
+    """One decode step of the Triton kernels (engine.layers.deltanet_triton.decode_step) computed
+    by the torch reference (causal_conv, l2norm, recurrent_delta_rule), on any device: for tests
+    and bench/gpu_check.py."""
+    nv = state.shape[0]
+    r = nv // nk
+    conv = causal_conv(x[None], window, weight)
+    q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
+    q = l2norm(q.reshape(1, nk, dk)).repeat_interleave(r, dim=1) * dk ** -0.5
+    k = l2norm(k.reshape(1, nk, dk)).repeat_interleave(r, dim=1)
+    return recurrent_delta_rule(q, k, v.reshape(1, nv, dv), g[None], beta[None], state)[0]
+
+
 class GatedDeltaNet(nn.Module):
     """Parameter names are the checkpoint's (``linear_attn.*``)."""
 

@@ -1,6 +1,6 @@
 """The native Gated DeltaNet decode step of one token (``deltanet_step`` in
 engine/csrc/deltanet_block.cpp, part of the native kernels of engine.quant.kernels, whose
-``deltanet_block`` runs a whole layer in the native step: engine.step_hybrid). ``decode_step``
+``deltanet_block`` runs a whole layer in the native step: engine.models.qwen3_next.step). ``decode_step``
 returns None when it cannot run here (no native build, the ``fused_step`` option off): the caller
 then runs the torch reference (engine.layers.deltanet)."""
 

@@ -150,18 +150,3 @@ def decode_step(window: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, sta
     zero = torch.zeros(1, dtype=torch.int64, device=x.device)
     return decode_rows(window[None], weight, x[None], state[None], g[None], beta[None], zero,
                        nk, dk, dv)[0]
-
-
-def reference_step(window: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, state: torch.Tensor,
-                   g: torch.Tensor, beta: torch.Tensor, nk: int, dk: int, dv: int) -> torch.Tensor:
-    """:func:`decode_step` through the torch reference (engine.layers.deltanet's causal_conv,
-    l2norm and recurrent_delta_rule), on any device: for tests and bench/gpu_check.py."""
-    from engine.layers.deltanet import causal_conv, l2norm, recurrent_delta_rule
-
-    nv = state.shape[0]
-    r = nv // nk
-    conv = causal_conv(x[None], window, weight)
-    q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
-    q = l2norm(q.reshape(1, nk, dk)).repeat_interleave(r, dim=1) * dk ** -0.5
-    k = l2norm(k.reshape(1, nk, dk)).repeat_interleave(r, dim=1)
-    return recurrent_delta_rule(q, k, v.reshape(1, nv, dv), g[None], beta[None], state)[0]

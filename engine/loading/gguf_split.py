@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import ModelFormatError
+from engine.loading.gguf_file import GGUFFile
 
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 MAX_SHARDS = 9999
@@ -27,8 +28,6 @@ MAX_SHARDS = 9999
 
 def open_gguf(path: str | os.PathLike[str]):
     """A GGUFFile, or a SplitGGUF when ``path`` is shard 1 of a split model."""
-    from engine.loading.gguf import GGUFFile
-
     first = GGUFFile(path)
     count = first.metadata.get("split.count", 1)
     if count in (0, 1):
@@ -42,8 +41,6 @@ def open_gguf(path: str | os.PathLike[str]):
 
 class SplitGGUF:
     def __init__(self, first) -> None:
-        from engine.loading.gguf import GGUFFile
-
         self.path = first.path
         count, no = first.metadata.get("split.count"), first.metadata.get("split.no", 0)
         p = Path(first.path)

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, first_present
+from engine.configio.fields import first_present
+from engine.configio.hf import config_from_hf_dir_raw
 from engine.errors import ModelFormatError, quote
 from engine.loading.paths import confine
 from engine.loading.safetensors import SafetensorsFile
@@ -76,7 +77,7 @@ class HFSource(TensorSource):
         self.path = str(root)
         if not root.is_dir():
             raise ModelFormatError(root, "not a directory; expected a Hugging Face checkpoint directory")
-        self.config, raw = ModelConfig.from_hf_dir_raw(root)
+        self.config, raw = config_from_hf_dir_raw(root)
         self.count_fields = CountFields(
             str(root / "config.json"), first_present(raw, "num_hidden_layers"),
             first_present(raw, "num_experts", "num_local_experts"))

@@ -15,7 +15,9 @@ from typing import Collection, Iterator
 
 from engine.config import ModelConfig
 from engine.errors import ModelFormatError
-from engine.loading.source import TensorSource, expert_name
+from engine.loading.expected import decoder_tensors
+from engine.loading.source import TensorSource
+from engine.models.registry import get_spec
 
 log = logging.getLogger(__name__)
 
@@ -55,66 +57,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def iter_expected(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """``(name, shape)`` of every canonical tensor ``config`` implies, lazily, in layer order."""
-    c = config
-    own = getattr(c.arch_params, "expected_tensors", None)
-    if own is not None:  # architectures with their own layers list their own tensors
-        yield from own(c)
-        return
-    if c.linear_attn is not None:  # Qwen3-Next: DeltaNet and gated-attention layers
-        from engine.models.qwen3_next import expected_tensors
-
-        yield from expected_tensors(c)
-        return
-    V, H, D = c.vocab_size, c.hidden_size, c.head_dim
-    q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
-    yield "model.embed_tokens.weight", (V, H)
-    yield "model.norm.weight", (H,)
-    if not c.tie_word_embeddings:
-        yield "lm_head.weight", (V, H)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (H,)
-        yield p + "post_attention_layernorm.weight", (H,)
-        yield p + "self_attn.q_proj.weight", (q_out, H)
-        yield p + "self_attn.k_proj.weight", (kv_out, H)
-        yield p + "self_attn.v_proj.weight", (kv_out, H)
-        yield p + "self_attn.o_proj.weight", (H, q_out)
-        if c.attention_bias:
-            yield p + "self_attn.q_proj.bias", (q_out,)
-            yield p + "self_attn.k_proj.bias", (kv_out,)
-            yield p + "self_attn.v_proj.bias", (kv_out,)
-        if c.qk_norm:
-            yield p + "self_attn.q_norm.weight", (D,)
-            yield p + "self_attn.k_norm.weight", (D,)
-        yield from mlp_tensors(c, i)
-
-
-def mlp_tensors(c: ModelConfig, i: int):
-    """(name, shape) of layer ``i``'s feed-forward part: the router, every routed expert and the
-    (gated) shared expert of a sparse layer, or a dense SwiGLU."""
-    p, H = f"model.layers.{i}.", c.hidden_size
-    if c.is_moe_layer(i):
-        m = c.moe
-        assert m is not None  # is_moe_layer is False without a MoE config
-        I = m.expert_intermediate_size
-        yield p + "mlp.gate.weight", (m.num_experts, H)
-        for j in range(m.num_experts):
-            yield expert_name(i, j, "gate_proj"), (I, H)
-            yield expert_name(i, j, "up_proj"), (I, H)
-            yield expert_name(i, j, "down_proj"), (H, I)
-        S = m.shared_expert_intermediate_size
-        if S:
-            yield p + "mlp.shared_expert.gate_proj.weight", (S, H)
-            yield p + "mlp.shared_expert.up_proj.weight", (S, H)
-            yield p + "mlp.shared_expert.down_proj.weight", (H, S)
-            if m.shared_expert_gate:
-                yield p + "mlp.shared_expert_gate.weight", (1, H)
-    else:
-        I = c.intermediate_size
-        yield p + "mlp.gate_proj.weight", (I, H)
-        yield p + "mlp.up_proj.weight", (I, H)
-        yield p + "mlp.down_proj.weight", (H, I)
+    """``(name, shape)`` of every canonical tensor ``config`` implies, lazily, in layer order:
+    the architecture's own list (ArchSpec.expected_tensors) or the shared decoder's."""
+    own = get_spec(config.arch).expected_tensors
+    yield from (own or decoder_tensors)(config)
 
 
 def check_declared_counts(config: ModelConfig, source: TensorSource) -> None:

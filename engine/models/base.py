@@ -16,18 +16,13 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.cuda_graphs import decoder_layer, prepare as prepare_graphs
 from engine.cuda_graphs import reset as reset_graphs
-from engine.kv.base import BatchLayout, KVCache
+from engine.kv.base import BatchLayout, KVCache, last_rows
 from engine.layers.attention import Attention
 from engine.layers.mlp import SwiGLU
 from engine.layers.moe import SparseMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import Rotary
 from engine.threads import step_threads
-
-
-def last_rows(layout: BatchLayout) -> list[int]:
-    """The flat row of each sequence's last token."""
-    return [o + n - 1 for o, n in zip(layout.offsets, layout.query_lens)]
 
 
 class DecoderLayer(nn.Module):

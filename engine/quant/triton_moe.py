@@ -11,7 +11,7 @@ whatever its top-k:
 
 Each expert lives in one slot of the cache's pool (``ExpertCache.slots``, uint8 [S, slot_bytes]);
 its parts (codes, fp16 scales, fp16 mins of gate, up and down) sit at the same byte offsets in
-every slot of a layer (one blob layout, engine.quant.formats.pack_expert), so a program finds
+every slot of a layer (one blob layout, engine.quant.expert_blob.pack_expert), so a program finds
 an expert from its slot number alone: the kernels take the pool twice, as bytes and as fp16
 (the same memory), and the offsets. The slot of each (token, pick) comes from the cache's
 device slot map (``ExpertCache.slot_map[layer]``, written when an expert is copied into a

@@ -125,7 +125,7 @@ class ExpertEntry(_Model):
                         description="blob_digest: sha256 of the blob's identity (layer, expert, quant "
                                     "format) followed by its nbytes bytes.")
     layout: dict[str, Any] = Field(
-        description="The layout dict engine.quant.formats.pack_expert returned for this blob "
+        description="The layout dict engine.quant.expert_blob.pack_expert returned for this blob "
                     "(format, per-projection part offsets, dtypes and shapes).")
 
 
@@ -222,12 +222,12 @@ def _config_type_problem(obj: object) -> str | None:
 
 
 def parse_model_config(raw: Mapping[str, Any], path: object):
-    """``ModelConfig.from_dict`` with every failure (and every wrongly typed field) a
-    ModelFormatError naming ``path``."""
-    from engine.config import ModelConfig
+    """``config_from_dict`` (engine.configio.plain) with every failure (and every wrongly typed
+    field) a ModelFormatError naming ``path``."""
+    from engine.configio.plain import config_from_dict
 
     try:
-        config = ModelConfig.from_dict(raw)
+        config = config_from_dict(raw)
     except (MoestreamError, TypeError, KeyError, ValueError, AttributeError, ArithmeticError) as e:
         raise ModelFormatError(path, f"model_config: {type(e).__name__}: {str(e)[:200]}") from None
     problem = _config_type_problem(config)

@@ -128,10 +128,10 @@ class ExpertStore:
         self.path = Path(path)
         self.manifest: StoreManifest = load_manifest(self.path)
         m = self.manifest
-        from engine.config import ModelConfig
+        from engine.configio.plain import config_from_dict
         from engine.quant.formats import QuantFormat
 
-        self.config = ModelConfig.from_dict(m.model_config_)
+        self.config = config_from_dict(m.model_config_)
         self.fmt = QuantFormat(m.quant.format, m.quant.group_size)
         self._entries: dict[tuple[int, int], ExpertEntry] = {(e.layer, e.expert): e for e in m.experts}
         self.expert_nbytes = max((e.nbytes for e in m.experts), default=0)
@@ -251,7 +251,7 @@ class ExpertStore:
 
         ``buf`` may be the memoryview returned, any buffer holding the blob at offset 0, or a
         uint8 tensor on any device (e.g. a CUDA slot the blob was copied into)."""
-        from engine.quant.formats import unpack_expert
+        from engine.quant.expert_blob import unpack_expert
 
         e = self.entry(layer, expert)
         if isinstance(buf, torch.Tensor):
@@ -267,7 +267,7 @@ class ExpertStore:
         """The byte ranges of an expert's parts: its layout is validated once per distinct
         layout, on a CPU probe (unpack_expert takes CPU buffers only), then remembered per
         expert, so the cache's hot path neither re-validates nor re-serializes the layout."""
-        from engine.quant.formats import unpack_expert
+        from engine.quant.expert_blob import unpack_expert
 
         spans = self._entry_spans.get((layer, expert))  # the hot path: one dict lookup
         if spans is not None:

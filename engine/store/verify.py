@@ -99,7 +99,7 @@ def _check_dense(rep: VerifyReport, root: Path, m: StoreManifest) -> None:
 
 
 def _check_blob(rep: VerifyReport, m: StoreManifest, path: Path, fd: int, e: ExpertEntry) -> None:
-    from engine.quant.formats import unpack_expert
+    from engine.quant.expert_blob import unpack_expert
 
     where = f"{path.name}: layer {e.layer} expert {e.expert} (offset {e.offset}, {e.nbytes} bytes)"
     data = os.pread(fd, e.nbytes, e.offset)

@@ -441,7 +441,7 @@ def _write_tokenizer(job: _Job, files, prog: dict[str, Any], owned: set[str]) ->
 def _write_layer(out: Path, source, layer: int, n_exp: int, fmt, bar,
                  prog: dict[str, Any]) -> tuple[list[ExpertEntry], int]:
     from engine.loading.source import expert_name
-    from engine.quant.formats import pack_expert
+    from engine.quant.expert_blob import pack_expert
 
     name = layer_file_name(layer)
     final = out / name

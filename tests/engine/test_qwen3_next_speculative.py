@@ -257,7 +257,7 @@ def test_all_rows_of_a_long_span_are_computed_without_checkpoints(model):
 @pytest.mark.skipif(not __import__("engine.quant.kernels", fromlist=["x"]).load_extension(),
                     reason="native kernels unavailable")
 def test_native_step_speculation_is_greedy_identical(hf_dir):
-    """bf16 dense linears: the native step (engine.step_hybrid) runs every DeltaNet row, verify
+    """bf16 dense linears: the native step (engine.models.qwen3_next.step) runs every DeltaNet row, verify
     rows and their checkpoints included (the torch DeltaNet module never runs). n-gram
     speculation gives plain decoding's greedy tokens, with drafts accepted and rejected and
     nothing recomputed, alone and with chunked prefill beside decode and verify rows."""

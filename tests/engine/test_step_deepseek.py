@@ -1,4 +1,4 @@
-"""DeepSeek-V3 on the native step (engine.step_deepseek: engine/csrc/mla.cpp, route_grouped.cpp)
+"""DeepSeek-V3 on the native step (engine.models.deepseek_v3.step: engine/csrc/mla.cpp, route_grouped.cpp)
 against the torch layers, on random tiny DeepSeek-V3 models in several shapes (group settings,
 dense first layers, with and without shared experts, q LoRA or a plain q_proj, YaRN with mscale,
 interleaved or plain RoPE, biases, a padded latent row): logits of mixed prefill/decode batches on
@@ -28,8 +28,9 @@ from engine.options import configure
 from engine.quant.formats import QuantFormat
 from engine.quant.kernels import DIRECT_MAX_T, load_extension
 from engine.quant.linear import QuantLinear, quantize_dense
+from engine.quant.reference import dequantize
 from engine.step import _lin
-from engine.step_deepseek import DeepseekNativeStep, kv_b_bytes, mla_handle
+from engine.models.deepseek_v3.step import DeepseekNativeStep, kv_b_bytes, mla_handle
 from engine.store import convert
 from tests.engine.models.test_deepseek_v3 import YARN, make_deepseek
 from tests.engine.test_step import (BOUND, PROMPT, check_minimal_caches, close, decode_calls, fused,  # noqa: F401
@@ -296,7 +297,7 @@ def test_mla_block_reads_kv_b_in_its_format(tmp_path, fmt, group, rank, isa):
         close(g, w, 1e-6)  # measured: 1.6e-7 of the output's scale
         assert torch.equal(g, s)  # the same weight values (code * scale) in the same operations
     # the quantization error of the weights: relative RMS of (dequantized - original) over kv_b
-    wq, w0 = QuantLinear.from_linear(original, QuantFormat(fmt, group)).q.dequantize(), original.weight.float()
+    wq, w0 = dequantize(QuantLinear.from_linear(original, QuantFormat(fmt, group)).q), original.weight.float()
     eps_w = rel_rms(wq, w0)
     assert 0 < eps_w < (0.01 if fmt == "int8" else 0.003)
     # both products of kv_b carry it into the output at about its size (errors of independent

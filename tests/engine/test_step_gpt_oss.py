@@ -1,4 +1,4 @@
-"""gpt-oss on the native step (engine.step_gpt_oss over engine/csrc/step.cpp) against the torch
+"""gpt-oss on the native step (engine.models.gpt_oss.step over engine/csrc/step.cpp) against the torch
 layers, on random tiny gpt-oss models (window smaller than the prompt, sinks non-zero, YaRN,
 biases everywhere, the SwiGLU clamp reached): logits of mixed prefill/decode batches on paged
 KV caches, the routed experts' ffn_block (biases, clamped SwiGLU, MXFP4 slots) against
@@ -147,8 +147,8 @@ def test_ffn_block_gpt_oss_experts_match_run_expert(ext, fmt, t):
     that the clamp at 7 is reached), for T = 1 (decode) and several tokens (both loop nests)."""
     from types import SimpleNamespace
 
-    from engine.models.gpt_oss import GptOssMoE
-    from engine.step_gpt_oss import ACT_CLAMPED_SWIGLU
+    from engine.models.gpt_oss.model import GptOssMoE
+    from engine.models.gpt_oss.step import ACT_CLAMPED_SWIGLU
 
     g = torch.Generator().manual_seed(40 + t)
     E, I, H, k = 4, 64, 96, 2

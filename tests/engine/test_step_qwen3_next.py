@@ -1,4 +1,4 @@
-"""Qwen3-Next on the native step (engine.step_hybrid, engine/csrc/deltanet_block.cpp, the gated
+"""Qwen3-Next on the native step (engine.models.qwen3_next.step, engine/csrc/deltanet_block.cpp, the gated
 Attn of engine/csrc/step.cpp) against its torch layers, on random tiny checkpoints in several
 shapes (attention interval, key/value head ratios, partial RoPE): logits of mixed prefill/decode
 batches over a paged HybridKVCache, greedy tokens alone and in concurrent batches, the DeltaNet

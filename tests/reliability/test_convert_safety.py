@@ -100,7 +100,7 @@ def test_unrecorded_file_under_a_store_name_is_refused(src, store, tmp_path):
 
 
 def test_exception_mid_write_leaves_no_temporary_files(src, tmp_path, monkeypatch):
-    import engine.quant.formats as formats
+    import engine.quant.expert_blob as formats
 
     real, calls = formats.pack_expert, []
 

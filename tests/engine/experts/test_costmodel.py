@@ -37,7 +37,8 @@ def test_token_time_sums_layers_and_head():
 
 
 def test_expert_bytes_match_the_quantizer():
-    from engine.quant.formats import QuantFormat, expert_bytes_for
+    from engine.quant.formats import QuantFormat
+    from engine.quant.expert_blob import expert_bytes_for
 
     for hidden, width in ((2048, 768), (512, 256), (128, 64), (1024, 512)):
         assert int4_expert_bytes(hidden, width) == expert_bytes_for(width, hidden, QuantFormat("int4", 64))

@@ -43,7 +43,7 @@ def test_blobs_share_scales_and_have_their_own_codes(store, source):
 
 def test_views_match_the_format_unpacker(store, source):
     from engine.quant import dequantize
-    from engine.quant.formats import unpack_expert
+    from engine.quant.expert_blob import unpack_expert
 
     for key in ((0, 0), (1, 7), (0, 3)):
         blob = source.blob(key).clone()

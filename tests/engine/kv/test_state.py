@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
+from engine.configio.hf import config_from_hf_dict
 from engine.errors import CapacityError, ConfigError
 from engine.kv.base import BatchLayout
 from engine.kv.paged import PagedKVCache
@@ -21,7 +22,7 @@ RAW = {"architectures": ["Qwen3NextForCausalLM"], "hidden_size": 32, "num_attent
 
 @pytest.fixture
 def cfg() -> ModelConfig:
-    return ModelConfig.from_hf_dict(RAW)
+    return config_from_hf_dict(RAW)
 
 
 def test_slot_bytes_are_conv_window_plus_matrices(cfg):
@@ -116,7 +117,7 @@ def test_hybrid_cache_budget_slots_blocks_and_metrics(cfg):
 
 def test_kv_cache_from_budget_and_side_state(cfg):
     assert isinstance(kv_cache_from_budget(cfg, 1 << 20), HybridKVCache)
-    plain = ModelConfig.from_hf_dict({**RAW, "architectures": ["Qwen3MoeForCausalLM"]})
+    plain = config_from_hf_dict({**RAW, "architectures": ["Qwen3MoeForCausalLM"]})
     assert isinstance(kv_cache_from_budget(plain, 1 << 20), PagedKVCache)
     with pytest.raises(ConfigError, match="HybridKVCache"):
         recurrent_state_for(PagedKVCache(8, 2, 16, 4), cfg)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.layers import deltanet_triton as DT
-from engine.layers.deltanet_triton import reference_step as reference
+from engine.layers.deltanet import reference_step as reference
 
 pytestmark = pytest.mark.skipif(not DT.supports(torch.device("cpu")),
                                 reason="Triton's interpreter is not available in this process")

@@ -25,7 +25,7 @@ from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.layers.sampler import SamplingConfig
 from engine.loading import open_model_files
 from engine.models.load import build_model
-from engine.models.qwen3_next_gguf import config_from_gguf
+from engine.models.qwen3_next.gguf import config_from_gguf
 from tests.engine.models.qwen3_next_tiny import make_qwen3_next
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # its vendor/llama.cpp converts qwen3next

@@ -220,12 +220,12 @@ def test_info_on_the_published_deepseek_v3_config(tmp_path):
     1 shared, MLA 512 + 64): 671B total, 37B active (the model card, without the 14B MTP module)."""
     from click.testing import CliRunner
 
-    from engine.config import ModelConfig
-    from engine.models.deepseek_v3 import mla_kv_bytes_per_token
+    from engine.configio.hf import config_from_hf_dir
+    from engine.models.deepseek_v3.config import mla_kv_bytes_per_token
     from services.cli import main
 
     T.DeepseekV3Config().save_pretrained(tmp_path)
-    cfg = ModelConfig.from_hf_dir(tmp_path)
+    cfg = config_from_hf_dir(tmp_path)
     counts = cfg.parameter_counts()
     assert abs(counts["total"] / 671e9 - 1) < 0.01 and abs(counts["active"] / 37e9 - 1) < 0.03
     kvb = mla_kv_bytes_per_token(cfg)

@@ -109,11 +109,11 @@ def test_window_only_reads_recent_keys_in_chunks(tmp_path):
 
 
 def test_config_round_trips_through_the_manifest_dict(tmp_path):
-    from engine.config import ModelConfig
+    from engine.configio.plain import config_from_dict
 
     make_gpt_oss(tmp_path)
     cfg = open_model_files(tmp_path).config
-    again = ModelConfig.from_dict(cfg.to_dict())
+    again = config_from_dict(cfg.to_dict())
     assert again == cfg and again.arch_params.layer_types == ("sliding_attention", "full_attention")
 
 
@@ -301,11 +301,11 @@ def test_info_on_the_published_gpt_oss_120b_config(tmp_path):
     and 5.1B active parameters."""
     from click.testing import CliRunner
 
-    from engine.config import ModelConfig
+    from engine.configio.hf import config_from_hf_dir
     from services.cli import main
 
     T.GptOssConfig().save_pretrained(tmp_path)
-    cfg = ModelConfig.from_hf_dir(tmp_path)
+    cfg = config_from_hf_dir(tmp_path)
     counts = cfg.parameter_counts()
     assert abs(counts["total"] / 116.83e9 - 1) < 0.01 and abs(counts["active"] / 5.13e9 - 1) < 0.02
     r = CliRunner().invoke(main, ["info", str(tmp_path / "config.json")])

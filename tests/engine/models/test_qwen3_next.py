@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
+from engine.configio.hf import config_from_hf_dict
+from engine.configio.plain import config_from_dict
 from engine.generate import generate_ids
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.kv.state import RecurrentStateError
@@ -133,11 +135,11 @@ def test_config_of_the_published_shape():
            "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
            "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "full_attention_interval": 4,
            "partial_rotary_factor": 0.25, "rope_theta": 10000000, "intermediate_size": 5120}
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = config_from_hf_dict(raw)
     assert cfg.attention_layers == tuple(range(3, 48, 4))
     assert cfg.rotary_dim == 64 and cfg.linear_attn.num_value_heads == 32
     assert cfg.moe.shared_expert_gate and cfg.moe.top_k == 10
-    assert ModelConfig.from_dict(cfg.to_dict()) == cfg  # the store manifest's round trip
+    assert config_from_dict(cfg.to_dict()) == cfg  # the store manifest's round trip
 
 
 def test_parameter_counts_equal_the_reference_model(tmp_path):
@@ -159,7 +161,7 @@ def test_info_on_the_published_80b_a3b_config(tmp_path):
     raw = T.Qwen3NextConfig().to_dict()
     raw["architectures"] = ["Qwen3NextForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = config_from_hf_dict(raw)
     counts = cfg.parameter_counts()
     assert 79e9 < counts["total"] < 81e9 and 3e9 < counts["active"] < 4e9
     r = CliRunner().invoke(main, ["info", str(tmp_path / "config.json")])

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.quant.formats import QuantFormat, QuantizedTensor, pack_expert, unpack_expert
+from engine.quant.formats import QuantFormat, QuantizedTensor
+from engine.quant.expert_blob import pack_expert, unpack_expert
 from engine.quant.mxfp4 import MXFP4, dequantize_fast, from_hf_blocks, qlinear_mxfp4_cpu
 from engine.quant.reference import dequantize, linear_ref, quantize
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from engine.quant import triton_kernels as TK
 from engine.quant import triton_moe as TM
-from engine.quant.formats import QuantFormat, pack_expert, unpack_expert
+from engine.quant.formats import QuantFormat
+from engine.quant.expert_blob import pack_expert, unpack_expert
 from engine.quant.reference import dequantize
 
 pytestmark = pytest.mark.skipif(not TK.supports(torch.device("cpu")),

@@ -29,8 +29,11 @@ from typing import Any, Mapping
 
 import torch
 
-from engine.config import REQUIRED, ModelConfig, gguf_keys
+from engine.config import ModelConfig
+from engine.configio.fields import REQUIRED, gguf_keys
+from engine.configio.hf_decoder import decoder_config
 from engine.errors import ModelFormatError
+from engine.models.qwen3_next.config import hf_fields
 
 _CENTRED = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
@@ -41,7 +44,7 @@ _NAME_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+(?:\.(?:weight|bias))?)$")
 
 def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
     """The ModelConfig of a ``qwen3next`` GGUF: its keys as the config.json they came from, read
-    by the one Qwen3-Next config parser (engine.config.ModelConfig.from_hf_dict)."""
+    by the one Qwen3-Next config parser (engine.models.qwen3_next.config)."""
 
     get = gguf_keys(meta, "qwen3next", source)
 
@@ -89,7 +92,7 @@ def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
            if f"tokenizer.ggml.{k}" in meta]
     if eos:
         raw["eos_token_id"] = list(dict.fromkeys(eos))
-    return ModelConfig.from_hf_dict(raw, source)
+    return decoder_config("qwen3_next", raw, source, hf_fields)
 
 
 def gguf_split(gname: str, shape: tuple[int, ...], config: ModelConfig):

@@ -12,8 +12,6 @@ any other cache).
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 from torch import nn
 
@@ -75,8 +73,8 @@ class Qwen3NextForCausalLM(CausalLM):
         self.rotary = Rotary(cfg.rope, cfg.rotary_dim, max_positions=min(cfg.max_position_embeddings, 4096))
 
     def native_step_type(self):
-        """Gated attention and DeltaNet layers as native calls (engine.step_hybrid)."""
-        from engine.step_hybrid import HybridStep
+        """Gated attention and DeltaNet layers as native calls (engine.models.qwen3_next.step)."""
+        from engine.models.qwen3_next.step import HybridStep
 
         return HybridStep
 
@@ -130,48 +128,6 @@ def verify_rows(layout: BatchLayout, rows: list[int] | None) -> frozenset[int]:
     wanted = set(rows)
     return frozenset(seq for seq, start, n in zip(layout.seq_ids, layout.offsets, layout.query_lens)
                      if n > 1 and all(r in wanted for r in range(start, start + n)))
-
-
-def expected_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(canonical name, shape) of every tensor a Qwen3-Next config implies, in layer order
-    (engine.loading.validate)."""
-    from engine.loading.validate import mlp_tensors
-
-    la = c.linear_attn
-    assert la is not None
-    V, H, D = c.vocab_size, c.hidden_size, c.head_dim
-    yield "model.embed_tokens.weight", (V, H)
-    yield "model.norm.weight", (H,)
-    if not c.tie_word_embeddings:
-        yield "lm_head.weight", (V, H)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (H,)
-        yield p + "post_attention_layernorm.weight", (H,)
-        if c.is_linear_attention_layer(i):
-            a = p + "linear_attn."
-            yield a + "in_proj_qkvz.weight", (2 * la.key_dim + 2 * la.value_dim, H)
-            yield a + "in_proj_ba.weight", (2 * la.num_value_heads, H)
-            yield a + "conv1d.weight", (la.conv_dim, 1, la.conv_kernel)
-            yield a + "dt_bias", (la.num_value_heads,)
-            yield a + "A_log", (la.num_value_heads,)
-            yield a + "norm.weight", (la.value_head_dim,)
-            yield a + "out_proj.weight", (H, la.value_dim)
-        else:
-            a = p + "self_attn."
-            q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
-            yield a + "q_proj.weight", (2 * q_out, H)
-            yield a + "k_proj.weight", (kv_out, H)
-            yield a + "v_proj.weight", (kv_out, H)
-            yield a + "o_proj.weight", (H, q_out)
-            if c.attention_bias:
-                yield a + "q_proj.bias", (2 * q_out,)
-                yield a + "k_proj.bias", (kv_out,)
-                yield a + "v_proj.bias", (kv_out,)
-                yield a + "o_proj.bias", (H,)
-            yield a + "q_norm.weight", (D,)
-            yield a + "k_norm.weight", (D,)
-        yield from mlp_tensors(c, i)
 
 
 def info_lines(cfg: ModelConfig, human) -> list[str]:

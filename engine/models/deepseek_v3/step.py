@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError
-from engine.layers.mla import MLAttention
+from engine.models.deepseek_v3.mla import MLAttention
 from engine.layers.moe import SparseMoE
 from engine.quant.kernels import load_extension
 from engine.quant.linear import QuantLinear

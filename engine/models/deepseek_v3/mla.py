@@ -34,6 +34,7 @@ from torch import nn
 from engine.kv.base import BatchLayout, KVCache
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import apply_rotary
+from engine.quant.reference import dequantize
 
 ABSORB_MAX_N = 4
 MODES = ("auto", "expanded", "absorbed")
@@ -141,5 +142,5 @@ class MLAttention(nn.Module):
         if isinstance(m, nn.Linear):
             return m.weight.float()
         if self._kvb is None or self._kvb[0] is not m:
-            self._kvb = (m, m.q.dequantize().to(m.q.device))
+            self._kvb = (m, dequantize(m.q).to(m.q.device))
         return self._kvb[1]
