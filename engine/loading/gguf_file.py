@@ -16,7 +16,7 @@ File layout (all integers little-endian)::
 with ne = [H, I, E] is ``[E, I, H]``.
 
 Everything a file declares is checked against the bytes it actually has *before* anything is
-allocated from it (docs: DESIGN.md §8, notes/reliability.md §1): a declared length or count is
+allocated from it (docs/design.md §8): a declared length or count is
 compared with the bytes left, shapes use bounded integer arithmetic, and every tensor must lie
 inside the file, aligned and not overlapping another. Any violation raises
 :class:`ModelFormatError` naming the file and the problem. Data are read lazily from a
