@@ -188,7 +188,6 @@ def test_layers_below_the_models_never_import_them(graph):
     assert all(any(m == p or m.startswith(p + ".") for m in graph) for p in BELOW_MODELS)  # no stale name
 
 
-@pytest.mark.xfail(strict=True, reason="services helper")
 def test_decode_does_not_import_the_app(graph):
     assert "services.app" in graph  # the rule names a module that exists
     assert "services.app" not in graph["services.decode"], "services/decode.py imports services/app.py"
