@@ -137,6 +137,8 @@ class Router(nn.Module):
 
 
 RouteObserver = Callable[[int, torch.Tensor], None]  # (layer, ids [T, K])
+# (x [T, H], allowed experts or None) -> Routing: a routing that replaces the layer's router
+RouterOverride = Callable[[torch.Tensor, list[int] | None], Routing]
 
 
 class SparseMoE(nn.Module):
@@ -155,6 +157,16 @@ class SparseMoE(nn.Module):
         )
         self.provider: ExpertProvider | None = None  # set by the model loader
         self.observers: list[RouteObserver] = []
+        # routing replaced per step (a replayed routing trace: engine.experts.synthetic_store,
+        # bench/expert_cache.py). Declared here so the fast paths (engine.step, engine.cuda_graphs)
+        # see it and route through :meth:`route` (eager, never captured) instead of their own router
+        self.router_override: RouterOverride | None = None
+
+    def route(self, x: torch.Tensor, allowed: list[int] | None = None) -> Routing:
+        """The route stage: the layer's router, or its declared :attr:`router_override`."""
+        if self.router_override is not None:
+            return self.router_override(x, allowed)
+        return self.gate(x, allowed)
 
     def run_expert(self, e: int, expert: Expert, x: torch.Tensor) -> torch.Tensor:
         """The compute stage for one expert: x [T_e, H] -> [T_e, H] (unweighted). Architectures
@@ -225,7 +237,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         provider = self.provider
         assert provider is not None, "experts not attached (engine.models.load.build_model)"
-        routing = self.gate(x, provider.allowed_experts(self.layer))  # route
+        routing = self.route(x, provider.allowed_experts(self.layer))
         for observe in self.observers:
             observe(self.layer, routing.ids)
         return self.experts_and_shared(x, routing, provider)
