@@ -37,7 +37,6 @@ from torch import nn
 from engine.kv.base import BatchLayout, KVCache
 from engine.layers.mlp import SwiGLU
 from engine.layers.moe import SparseMoE, fetch_and_compute
-from engine.models.base import last_rows
 from engine.options import options
 from engine.quant.kernels import DIRECT_MAX_T, backend_for, int8_activations, load_extension, native_linear
 from engine.quant.linear import QuantLinear
@@ -207,7 +206,7 @@ class NativeStep:
                 rows: list[int] | None) -> torch.Tensor:
         if all_logits or self.head is None:
             return model.final_logits(x, layout, all_logits, rows)
-        return self.ext.head_block(x, rows if rows is not None else last_rows(layout), self.norm, self.eps,
+        return self.ext.head_block(x, rows if rows is not None else layout.last_rows(), self.norm, self.eps,
                                    self.head, DIRECT_MAX_T, int8_activations())
 
     def _attention(self, ctx: StepContext, i: int, layer: nn.Module) -> torch.Tensor:

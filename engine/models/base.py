@@ -28,11 +28,6 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rope import Rotary
 
 
-def last_rows(layout: BatchLayout) -> list[int]:
-    """The flat row of each sequence's last token."""
-    return [o + n - 1 for o, n in zip(layout.offsets, layout.query_lens)]
-
-
 class Block(nn.Module):
     """A pre-norm residual layer: x + mixer(input_layernorm(x)), then x + mlp(post_attention_layernorm(x)).
     Subclasses give the mixer half (:meth:`mixer_residual`) and ``input_layernorm``,
@@ -152,6 +147,6 @@ class CausalLM(nn.Module):
         """Final norm and LM head of every row (all_logits), of ``rows``, or of each sequence's
         last one."""
         if not all_logits:
-            rows = rows if rows is not None else last_rows(layout)
+            rows = rows if rows is not None else layout.last_rows()
             x = x[torch.tensor(rows, device=x.device)]
         return self.lm_head(self.model.norm(x)).float()

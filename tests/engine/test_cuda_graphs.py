@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import cuda_graphs as CG
-from engine.executor import executor_for
 from engine.errors import ConfigError
+from engine.executor import executor_for
 from engine.quant import triton_kernels as TK
 
 needs_triton = pytest.mark.skipif(not TK.supports(torch.device("cpu")),
@@ -115,7 +115,8 @@ def check_model(store, factory, device: str) -> None:
             gs = CG.enable(sm.model, factory) if graphs else CG.disable(sm.model)
             c = sm.model.config
             kv = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim)
-            logits = executor_for(sm.model)(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv, all_logits=True)
+            logits = executor_for(sm.model)(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv,
+                                            all_logits=True)
             engine = Engine.for_requests(sm.model, None, len(prompt) + 8, seqs=3)
             out = engine.generate([Request(p, SamplingConfig(max_tokens=n, ignore_eos=True)) for p, n in reqs])
             return logits, [r.output_ids for r in out], gs, sm.model

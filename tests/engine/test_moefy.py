@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.executor import executor_for
 from engine.errors import ConfigError, UnsupportedArchitectureError
+from engine.executor import executor_for
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.loading import load_model
 from engine.moefy import (

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.executor import executor_for
 from engine.errors import MoestreamError
+from engine.executor import executor_for
 from engine.generate import Request, generate_ids
 from engine.kv.base import BatchLayout
 from engine.kv.state import HybridKVCache, RecurrentStateError
@@ -251,7 +251,7 @@ def test_all_rows_of_a_long_span_are_computed_without_checkpoints(model):
     with pytest.raises(RecurrentStateError, match="none kept"):
         kv.keep(0, n - 1)
     short = executor_for(model)(prompt[:MAX_CHECKPOINTS], BatchLayout.single(1, MAX_CHECKPOINTS, 0), kv,
-                  rows=list(range(MAX_CHECKPOINTS)))
+                                rows=list(range(MAX_CHECKPOINTS)))
     assert short.shape[0] == MAX_CHECKPOINTS and kv.state._checkpoints[1][1].shape[1] == MAX_CHECKPOINTS
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.executor import executor_for
 from engine.errors import ConfigError
+from engine.executor import executor_for
 from engine.experts.runtime import load_from_store
 from engine.kv.base import BatchLayout
 from engine.kv.paged import PagedKVCache

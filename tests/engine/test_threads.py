@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.executor import executor_for
 from engine.errors import ConfigError
+from engine.executor import executor_for
 from engine.options import RuntimeOptions, configure
 from engine.threads import SMALL_STEP_TOKENS, step_threads
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.executor import executor_for
 from engine.config import ModelConfig
 from engine.errors import CapacityError, ConfigError
+from engine.executor import executor_for
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.kv.paged import FP8, BlockPool, PagedKVCache
 from engine.loading import open_model_files

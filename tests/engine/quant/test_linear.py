@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.executor import executor_for
 from engine.errors import ConfigError
+from engine.executor import executor_for
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.loading import open_model_files
 from engine.models.load import build_model
