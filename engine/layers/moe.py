@@ -142,6 +142,12 @@ RouterOverride = Callable[[torch.Tensor, list[int] | None], Routing]
 
 
 class SparseMoE(nn.Module):
+    # routing replaced per step (a replayed routing trace: engine.experts.synthetic_store,
+    # bench/expert_cache.py), set on the instance. Declared here so the fast paths (engine.step,
+    # engine.cuda_graphs) see it and route through :meth:`route` (eager, never captured) instead
+    # of their own router. A class default: architectures' MoE blocks with their own __init__ have it
+    router_override: RouterOverride | None = None
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         m = cfg.moe
@@ -157,10 +163,6 @@ class SparseMoE(nn.Module):
         )
         self.provider: ExpertProvider | None = None  # set by the model loader
         self.observers: list[RouteObserver] = []
-        # routing replaced per step (a replayed routing trace: engine.experts.synthetic_store,
-        # bench/expert_cache.py). Declared here so the fast paths (engine.step, engine.cuda_graphs)
-        # see it and route through :meth:`route` (eager, never captured) instead of their own router
-        self.router_override: RouterOverride | None = None
 
     def route(self, x: torch.Tensor, allowed: list[int] | None = None) -> Routing:
         """The route stage: the layer's router, or its declared :attr:`router_override`."""
