@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine.errors import ModelFormatError
+from engine.executor import executor_for
 from engine.generate import generate_ids
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.layers.sampler import SamplingConfig
@@ -125,8 +126,8 @@ def test_converted_gguf_matches_transformers(converted):
     model = build_model(files.config, files.source)
     cfg = files.config
     prompt = torch.randint(3, cfg.vocab_size, (150,), generator=torch.Generator().manual_seed(2))
-    got = model(prompt, BatchLayout.single(0, 150, 0), ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads,
-                                                                          cfg.head_dim), all_logits=True)
+    got = executor_for(model)(prompt, BatchLayout.single(0, 150, 0),
+                              ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True)
     with torch.no_grad():
         want = ref(prompt[None]).logits[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -178,8 +179,8 @@ def test_llama_cpp_runs_the_converted_gguf_as_moestream_does(converted):
         theirs = np.array(llm.scores[:80])
     finally:
         llm.close()
-    ours = model(torch.tensor(ids), BatchLayout.single(0, 80, 0),
-                 ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True).numpy()
+    ours = executor_for(model)(torch.tensor(ids), BatchLayout.single(0, 80, 0),
+                               ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True).numpy()
     # measured: max |difference| 3.7e-4 with logits up to 2.3 (llama.cpp's own kernels and order)
     assert np.abs(theirs - ours).max() < 5e-3 * np.abs(ours).max()
     assert (theirs.argmax(-1) == ours.argmax(-1)).mean() > 0.95
