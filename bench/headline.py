@@ -55,6 +55,7 @@ import torch  # noqa: E402
 
 from engine.costmodel import (DENSE_BYTES_PER_PARAM, SHAPES, TARGETS, ModelShape, Target,  # noqa: E402
                               memory_split, predict)
+from engine.executor import executor_for  # noqa: E402
 from engine.errors import CacheCapacityError, ConfigError, DeviceBudgetError, MoestreamError  # noqa: E402
 from engine.experts.policy import can_decline, make_policy  # noqa: E402
 from engine.units import format_bytes, parse_bytes  # noqa: E402
@@ -385,9 +386,9 @@ def run(args) -> int:
                 decode(model, 1, warmup)
             v.start()
         counter = None
-        native = model.__dict__.get("_native")
-        if native is not None and native[1] is not None:
-            counter = native[1].ext = CallCounter(native[1].ext)
+        native = executor_for(model).native()  # None on CUDA and on the torch path
+        if native is not None:
+            counter = native.ext = CallCounter(native.ext)
         hit_times, miss_times, times = [], [], []
         calls = copies = copy_s = misses_calib = miss_steps = 0
         stats = []
