@@ -42,8 +42,15 @@ _NAME_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+(?:\.(?:weight|bias))?)$")
 def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
     """The ModelConfig of a ``qwen3next`` GGUF: its keys as the config.json they came from, read
     by the one Qwen3-Next config parser (engine.config.ModelConfig.from_hf_dict)."""
+    raw = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+           **hf_text_dict(meta, "qwen3next", source)}
+    return ModelConfig.from_hf_dict(raw, source)
 
-    get = gguf_keys(meta, "qwen3next", source)
+
+def hf_text_dict(meta: Mapping[str, Any], arch: str, source: object) -> dict[str, Any]:
+    """The text model's config.json fields from the GGUF keys under ``arch`` (``qwen3next`` and
+    ``qwen35moe`` write the same ones): no architectures/model_type, for the caller to add."""
+    get = gguf_keys(meta, arch, source)
 
     layers, heads = int(get("block_count")), int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
@@ -53,10 +60,9 @@ def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
     nk, nv = int(get("ssm.group_count")), int(get("ssm.time_step_rank"))
     inner = int(get("ssm.inner_size"))
     if nv < 1 or inner % nv:
-        raise ModelFormatError(source, f"qwen3next.ssm.inner_size {inner} is not a multiple of "
+        raise ModelFormatError(source, f"{arch}.ssm.inner_size {inner} is not a multiple of "
                                        f"ssm.time_step_rank {nv} (value heads)")
     raw: dict[str, Any] = {
-        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
         "vocab_size": int(vocab), "hidden_size": hidden, "num_hidden_layers": layers,
         "intermediate_size": int(get("feed_forward_length", 0) or 0),
         "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -77,7 +83,7 @@ def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
     recurrent = get("attention.recurrent_layers", None)
     if recurrent is not None:  # per block, MTP blocks appended (never recurrent)
         if not isinstance(recurrent, list) or len(recurrent) < layers:
-            raise ModelFormatError(source, f"qwen3next.attention.recurrent_layers must list at least "
+            raise ModelFormatError(source, f"{arch}.attention.recurrent_layers must list at least "
                                            f"the {layers} blocks")
         raw["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent[:layers]]
     else:
@@ -89,7 +95,7 @@ def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
            if f"tokenizer.ggml.{k}" in meta]
     if eos:
         raw["eos_token_id"] = list(dict.fromkeys(eos))
-    return ModelConfig.from_hf_dict(raw, source)
+    return raw
 
 
 def gguf_split(gname: str, shape: tuple[int, ...], config: ModelConfig):
