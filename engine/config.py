@@ -25,12 +25,13 @@ HF_ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "GptOssForCausalLM": "gpt_oss",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 # HF "model_type" (used when "architectures" is absent) -> our key.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral",
                   "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
 HF_MODEL_TYPES["qwen3_next"] = "qwen3_next"
-HF_MODEL_TYPES.update({"gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3"})
+HF_MODEL_TYPES.update({"gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "qwen3_5_moe": "qwen3_5_moe"})
 # GGUF "general.architecture" -> our key.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 GGUF_ARCHITECTURES.update({"gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3"})

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from engine.errors import UnsupportedArchitectureError
 from engine.models import llama, mixtral, qwen2_moe, qwen3_moe
-from engine.models import deepseek_v3, gpt_oss, qwen3_next_gguf
+from engine.models import deepseek_v3, gpt_oss, qwen3_5_moe, qwen3_next_gguf
 from engine.models.spec import ArchSpec
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     m.SPEC.key: m.SPEC for m in (llama, mixtral, qwen2_moe, qwen3_moe)
 }
-ARCHITECTURES.update({m.SPEC.key: m.SPEC for m in (gpt_oss, deepseek_v3)})
+ARCHITECTURES.update({m.SPEC.key: m.SPEC for m in (gpt_oss, deepseek_v3, qwen3_5_moe)})
 
 
 def _qwen3_next_class():
