@@ -36,6 +36,7 @@ HF_MODEL_TYPES.update({"gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "qwen
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 GGUF_ARCHITECTURES.update({"gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3"})
 GGUF_ARCHITECTURES["qwen3next"] = "qwen3_next"
+GGUF_ARCHITECTURES["qwen35moe"] = "qwen3_5_moe"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # config.json fields that hold special-token ids; eos may be a list of ids.
 HF_SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -10,6 +10,7 @@ MTP head never read). A request carrying images is refused (services.http.chat_c
 
 from __future__ import annotations
 
+from engine.models.qwen3_5_moe import gguf
 from engine.models.qwen3_5_moe.config import config_from_hf, params_from_dict
 from engine.models.qwen3_5_moe.names import HF_RENAMES, hf_split
 from engine.models.spec import ArchSpec
@@ -27,4 +28,5 @@ def _model_class():
 
 SPEC = ArchSpec(key="qwen3_5_moe", hf_architectures=(HF_ARCHITECTURE,), hf_renames=HF_RENAMES,
                 config_from_hf=config_from_hf, params_from_dict=params_from_dict,
-                model_class=_model_class, hf_split=hf_split)
+                model_class=_model_class, hf_split=hf_split, gguf_arch=gguf.GGUF_ARCH,
+                config_from_gguf=gguf.config_from_gguf, gguf_split=gguf.gguf_split)

@@ -35,10 +35,9 @@ import torch
 from engine.config import ModelConfig, gguf_keys
 from engine.errors import ModelFormatError
 from engine.models import qwen3_next_gguf as next_gguf
+from engine.models.qwen3_5_moe.names import merge_ba, merge_qkvz
 
 GGUF_ARCH = "qwen35moe"
-_ROWS = {"attn_gate.weight": "in_proj_z.weight", "ssm_alpha.weight": "in_proj_a.weight",
-         "ssm_beta.weight": "in_proj_b.weight"}
 
 
 def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
@@ -57,39 +56,52 @@ def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
 
 
 def gguf_split(gname: str, shape: tuple[int, ...], config: ModelConfig):
-    """[(canonical name, shape, expert None, load)] for the DeltaNet tensors (module doc), then
-    Qwen3-Next's mapping (norms, MTP blocks skipped); None: the generic map."""
+    """[(canonical name, shape, expert None, load)] for the DeltaNet tensors (module doc; the
+    canonical names are Qwen3-Next's: in_proj_qkvz and in_proj_ba fused as engine.models.
+    qwen3_5_moe.names fuses HF's split projections), then Qwen3-Next's mapping (norms, MTP
+    blocks skipped); [] for the partner read with another; None: the generic map."""
     m = next_gguf._NAME_RE.match(gname)
     la = config.linear_attn
     if m is None or la is None or int(m.group(1)) >= config.num_layers:
         return next_gguf.gguf_split(gname, shape, config)
     layer, rest = int(m.group(1)), m.group(2)
-    p = f"model.layers.{layer}.linear_attn."
-    h, nv = config.hidden_size, la.num_value_heads
+    p, b = f"model.layers.{layer}.linear_attn.", f"blk.{layer}."
+    h, nv, kd, dv = config.hidden_size, la.num_value_heads, 2 * la.key_dim, la.value_head_dim
+    if rest in ("attn_gate.weight", "ssm_alpha.weight"):
+        return []  # read with attn_qkv / ssm_beta
     if rest == "attn_qkv.weight":
-        want = (2 * la.key_dim + la.value_dim, h)
-        return [(p + "in_proj_qkv.weight", want, None, _load(gname, want, lambda t: torch.cat(
-            [t[:2 * la.key_dim], _grouped(t[2 * la.key_dim:], la, la.value_head_dim)])))]
-    if rest in _ROWS:
-        rows, d = (la.value_dim, la.value_head_dim) if rest == "attn_gate.weight" else (nv, 1)
-        return [(p + _ROWS[rest], (rows, h), None, _load(gname, (rows, h), lambda t: _grouped(t, la, d)))]
+        def qkvz(src) -> torch.Tensor:
+            qkv = _stored(src, b + "attn_qkv.weight", (kd + la.value_dim, h))
+            z = _grouped(_stored(src, b + "attn_gate.weight", (la.value_dim, h)), la, dv)
+            qkv = torch.cat([qkv[:kd], _grouped(qkv[kd:], la, dv)])
+            return merge_qkvz(qkv, z, la.num_key_heads, la.key_head_dim, nv, dv)
+        return [(p + "in_proj_qkvz.weight", (kd + 2 * la.value_dim, h), None, qkvz)]
+    if rest == "ssm_beta.weight":
+        def ba(src) -> torch.Tensor:
+            beta, alpha = (_grouped(_stored(src, b + n, (nv, h)), la, 1) for n in ("ssm_beta.weight", "ssm_alpha.weight"))
+            return merge_ba(beta, alpha, la.num_key_heads, nv)
+        return [(p + "in_proj_ba.weight", (2 * nv, h), None, ba)]
     if rest == "ssm_a":
-        return [(p + "A_log", (nv,), None, _load(gname, (nv,), lambda t: torch.log(-_grouped(t, la, 1))))]
+        return [(p + "A_log", (nv,), None, lambda src: torch.log(-_grouped(_stored(src, gname, (nv,)), la, 1)))]
     if rest == "ssm_dt.bias":
-        return [(p + "dt_bias", (nv,), None, _load(gname, (nv,), lambda t: _grouped(t, la, 1)))]
+        return [(p + "dt_bias", (nv,), None, lambda src: _grouped(_stored(src, gname, (nv,)), la, 1))]
     if rest == "ssm_conv1d.weight":
-        stored, qk = (la.conv_dim, la.conv_kernel), 2 * la.key_dim
-        return [(p + "conv1d.weight", (la.conv_dim, 1, la.conv_kernel), None, _load(gname, stored, lambda t: torch.cat(
-            [t[:qk], _grouped(t[qk:], la, la.value_head_dim)])[:, None, :]))]
+        def conv(src) -> torch.Tensor:
+            t = _stored(src, gname, (la.conv_dim, la.conv_kernel))
+            return torch.cat([t[:kd], _grouped(t[kd:], la, dv)])[:, None, :]
+        return [(p + "conv1d.weight", (la.conv_dim, 1, la.conv_kernel), None, conv)]
     if rest == "ssm_out.weight":
-        want = (h, la.value_dim)
-        return [(p + "out_proj.weight", want, None, _load(gname, want, lambda t: _grouped(t.T, la, la.value_head_dim).T))]
+        return [(p + "out_proj.weight", (h, la.value_dim), None,
+                 lambda src: _grouped(_stored(src, gname, (h, la.value_dim)).T, la, dv).T.contiguous())]
     return next_gguf.gguf_split(gname, shape, config)
 
 
-def _load(gname: str, stored: tuple[int, ...], undo):
-    """load(source): the stored tensor, shape-checked, with ``undo`` applied."""
-    return lambda src: undo(next_gguf._checked(src.stored_tensor(gname), stored, gname)).contiguous()
+def _stored(src, gname: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A GGUF tensor by name, decoded and shape-checked (ModelFormatError naming it)."""
+    if gname not in src.tensor_infos:
+        raise ModelFormatError(src.path, f"tensor {gname!r} is missing; the {GGUF_ARCH} layout needs "
+                                         f"it with shape {list(shape)}")
+    return next_gguf._checked(src.stored_tensor(gname), shape, gname)
 
 
 def _grouped(t: torch.Tensor, la, head_dim: int) -> torch.Tensor:
