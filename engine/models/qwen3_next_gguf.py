@@ -36,6 +36,7 @@ _CENTRED = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attenti
             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _AS_IS = {"ssm_ba.weight": "linear_attn.in_proj_ba.weight", "ssm_norm.weight": "linear_attn.norm.weight",
           "ssm_out.weight": "linear_attn.out_proj.weight", "ssm_dt.bias": "linear_attn.dt_bias"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 _NAME_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+(?:\.(?:weight|bias))?)$")
 
 
@@ -52,7 +53,9 @@ def hf_text_dict(meta: Mapping[str, Any], arch: str, source: object) -> dict[str
     ``qwen35moe`` write the same ones): no architectures/model_type, for the caller to add."""
     get = gguf_keys(meta, arch, source)
 
-    layers, heads = int(get("block_count")), int(get("attention.head_count"))
+    # block_count includes the MTP (nextn) blocks the converter appends after the model's own
+    layers = int(get("block_count")) - int(get("nextn_predict_layers", 0) or 0)
+    heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", hidden // heads))
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -104,12 +107,13 @@ def gguf_split(gname: str, shape: tuple[int, ...], config: ModelConfig):
     blocks); None: the generic map."""
     if gname == "output_norm.weight":
         return [("model.norm.weight", shape, None, _shifted(gname))]
+    block = _BLOCK_RE.match(gname)
+    if block is not None and int(block.group(1)) >= config.num_layers:
+        return []  # an MTP (nextn) block (blk.N.nextn.eh_proj.weight, ...): not part of the model
     m = _NAME_RE.match(gname)
     if m is None:
         return None
     layer, rest = int(m.group(1)), m.group(2)
-    if layer >= config.num_layers:
-        return []  # an MTP (nextn) block: not part of the model
     p = f"model.layers.{layer}."
     comp, _, kind = rest.partition(".")
     if comp in _CENTRED and kind == "weight":

@@ -2,18 +2,15 @@
 (convert_hf_to_gguf.py from the llama-cpp-python source distribution) loads in moestream with
 every tensor equal to the HF checkpoint's, and the model's logits match transformers'.
 
-The converter is fetched once with pip (``pip download --no-deps --no-binary :all:``, only the
-converter's files unpacked) into the pytest cache; ``MOESTREAM_LLAMA_CPP_DIR`` may point at a
-llama.cpp checkout instead. Without either (no network) the converter tests skip. The
+The converter is fetched once with pip into the pytest cache (the ``converter`` fixture,
+tests/engine/loading/conftest.py); without it (no network) the converter tests skip. The
 converter needs a tokenizer whose pre-tokenizer it recognises: SmolLM2's (the default model's
 GGUF, here as tokenizer.json), so the tiny model has its 49152-token vocabulary."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -28,7 +25,6 @@ from engine.models.load import build_model
 from engine.models.qwen3_next_gguf import config_from_gguf
 from tests.engine.models.qwen3_next_tiny import make_qwen3_next
 
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # its vendor/llama.cpp converts qwen3next
 SHAPES = {
     "interval4": dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, num_experts=8,
                       num_experts_per_tok=2, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -36,46 +32,6 @@ SHAPES = {
     "interval2_r1": dict(full_attention_interval=2, linear_num_value_heads=2, num_key_value_heads=1,
                          linear_value_head_dim=16, num_experts_per_tok=1, num_experts=4),
 }
-
-
-def _unpack_converter(sdist: Path, out: Path) -> None:
-    """convert_hf_to_gguf.py with its conversion/ and gguf-py/ packages, nothing else."""
-    keep = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/",
-            "vendor/llama.cpp/gguf-py/")
-    with tarfile.open(sdist) as tar:
-        members = []
-        for m in tar.getmembers():
-            rel = m.name.split("/", 1)[-1]
-            if m.isfile() and rel.startswith(keep):
-                m.name = rel[len("vendor/llama.cpp/"):]
-                members.append(m)
-        tar.extractall(out, members=members, filter="data")
-
-
-@pytest.fixture(scope="session")
-def converter(request) -> Path:
-    env = os.environ.get("MOESTREAM_LLAMA_CPP_DIR")
-    if env:
-        script = Path(env) / "convert_hf_to_gguf.py"
-        if not script.is_file():
-            pytest.skip(f"MOESTREAM_LLAMA_CPP_DIR={env} has no convert_hf_to_gguf.py")
-        return script
-    root = request.config.cache.mkdir("llama_cpp_converter")
-    script = root / "llama.cpp" / "convert_hf_to_gguf.py"
-    if not script.is_file():
-        dl = root / "download"
-        dl.mkdir(exist_ok=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                            "-d", str(dl), LLAMA_CPP_PYTHON], capture_output=True, text=True, timeout=600)
-        sdists = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
-        if r.returncode != 0 or not sdists:
-            pytest.skip(f"cannot fetch {LLAMA_CPP_PYTHON} with pip: {r.stderr.strip()[-300:]}")
-        _unpack_converter(sdists[-1], root / "llama.cpp")
-        for f in sdists:
-            f.unlink()  # 76 MB; the three unpacked parts are what is kept
-        if not script.is_file():
-            pytest.skip(f"{LLAMA_CPP_PYTHON} has no vendor/llama.cpp/convert_hf_to_gguf.py")
-    return script
 
 
 def _hf_checkpoint(path: Path, shape: dict):
