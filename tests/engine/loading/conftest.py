@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[3] / "bench" / "llama_cpp_converter.py"
-
-
-def converter_module():
-    """bench/llama_cpp_converter.py as a module (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("llama_cpp_converter", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.engine.loading.converted import converter_module
 
 
 @pytest.fixture(scope="session")

@@ -19,12 +19,12 @@ from safetensors.torch import load_file, save_file
 
 from engine.errors import ModelFormatError
 from engine.generate import generate_ids
-from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.layers.sampler import SamplingConfig
 from engine.loading import open_model_files
 from engine.models.load import build_model
 from engine.models.qwen3_5_moe.gguf import config_from_gguf
-from tests.engine.loading.conftest import converter_module
+from tests.engine.loading.converted import (all_logits, assert_matches_transformers, assert_same_model,
+                                            converter_module, llama_cpp_scores)
 from tests.engine.models.qwen3_5_moe_tiny import make_qwen3_5_moe
 
 # grouped: 2 key heads, 4 value heads (the converter re-orders value heads), untied, attention
@@ -100,21 +100,9 @@ def test_converted_gguf_loads_with_the_hf_tensors(converted):
     for path in (no_mtp, with_mtp):
         g = open_model_files(path)
         assert g.source.metadata["general.architecture"] == "qwen35moe"
-        cg, ch = g.config, h.config
-        assert cg.arch == ch.arch == "qwen3_5_moe"
-        assert cg.rms_norm_eps == pytest.approx(ch.rms_norm_eps, rel=1e-6)  # stored as float32
-        assert cg.linear_attn == ch.linear_attn and cg.moe == ch.moe and cg.rope == ch.rope
-        assert (cg.attention_layers, cg.rotary_dim, cg.num_kv_heads, cg.vocab_size, cg.num_layers,
-                cg.tie_word_embeddings) == (ch.attention_layers, ch.rotary_dim, ch.num_kv_heads,
-                                            ch.vocab_size, ch.num_layers, ch.tie_word_embeddings)
-        assert cg.arch_params.mrope_section == ch.arch_params.mrope_section
-        assert g.source.unmapped == []
-        assert g.source.names() == h.source.names()
-        for name in h.source.names():
-            want, got = h.source.get(name), g.source.get(name)
-            assert got.shape == want.shape, name
-            # norms come back as (1 + w) - 1 in fp32: equal to rounding
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+        assert g.config.arch == "qwen3_5_moe"
+        assert g.config.arch_params.mrope_section == h.config.arch_params.mrope_section
+        assert_same_model(g, h)
 
 
 def test_mtp_blocks_are_never_read(converted):
@@ -137,21 +125,7 @@ def test_mtp_blocks_are_never_read(converted):
 
 def test_converted_gguf_matches_transformers(converted):
     ref, hf_dir, with_mtp, _ = converted
-    files = open_model_files(with_mtp)
-    model = build_model(files.config, files.source)
-    cfg = files.config
-    # 150 positions: longer than one DeltaNet chunk (64)
-    prompt = torch.randint(3, cfg.vocab_size, (150,), generator=torch.Generator().manual_seed(2))
-    got = model(prompt, BatchLayout.single(0, 150, 0), ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads,
-                                                                          cfg.head_dim), all_logits=True)
-    with torch.no_grad():
-        want = ref(prompt[None]).logits[0]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    hf_files = open_model_files(hf_dir)
-    hf_model = build_model(hf_files.config, hf_files.source)
-    sampling = SamplingConfig(max_tokens=32, ignore_eos=True)
-    tokens = [t for t, _, _ in generate_ids(model, prompt[:20].tolist(), sampling)]
-    assert tokens == [t for t, _, _ in generate_ids(hf_model, prompt[:20].tolist(), sampling)]
+    assert_matches_transformers(ref, with_mtp, hf_dir, max_tokens=32)
 
 
 def test_llama_cpp_greedy_tokens_equal_moestreams(converted):
@@ -164,12 +138,9 @@ def test_llama_cpp_greedy_tokens_equal_moestreams(converted):
     cfg = files.config
     model = build_model(cfg, files.source)
     ids = torch.randint(3, cfg.vocab_size, (80,), generator=torch.Generator().manual_seed(6)).tolist()
-    llm = llama_cpp.Llama(model_path=str(with_mtp), n_ctx=160, n_batch=80, n_ubatch=80, n_threads=2,
-                          logits_all=True, verbose=False)
+    theirs = llama_cpp_scores(llama_cpp, with_mtp, ids, n_ctx=160)
+    llm = llama_cpp.Llama(model_path=str(with_mtp), n_ctx=160, n_threads=2, verbose=False)
     try:
-        llm.eval(ids)
-        theirs = np.array(llm.scores[:80])
-        llm.reset()
         lc_tokens = []
         for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
             lc_tokens.append(int(t))
@@ -177,8 +148,7 @@ def test_llama_cpp_greedy_tokens_equal_moestreams(converted):
                 break
     finally:
         llm.close()
-    ours = model(torch.tensor(ids), BatchLayout.single(0, 80, 0),
-                 ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True).numpy()
+    ours = all_logits(model, ids).numpy()
     # measured: max |difference| 3.2e-4 with logits up to 1.7 (llama.cpp's own kernels and order)
     assert np.abs(theirs - ours).max() < 5e-3 * np.abs(ours).max()
     sampling = SamplingConfig(max_tokens=32, ignore_eos=True)

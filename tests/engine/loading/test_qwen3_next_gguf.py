@@ -17,12 +17,11 @@ import pytest
 import torch
 
 from engine.errors import ModelFormatError
-from engine.generate import generate_ids
-from engine.kv.base import BatchLayout, ContiguousKVCache
-from engine.layers.sampler import SamplingConfig
 from engine.loading import open_model_files
 from engine.models.load import build_model
 from engine.models.qwen3_next_gguf import config_from_gguf
+from tests.engine.loading.converted import (all_logits, assert_matches_transformers, assert_same_model,
+                                            llama_cpp_scores)
 from tests.engine.models.qwen3_next_tiny import make_qwen3_next
 
 SHAPES = {
@@ -61,36 +60,12 @@ def test_converted_gguf_loads_with_the_hf_tensors(converted):
     _, hf_dir, gguf_path = converted
     g, h = open_model_files(gguf_path), open_model_files(hf_dir)
     assert g.source.metadata["general.architecture"] == "qwen3next"
-    cg, ch = g.config, h.config
-    assert cg.rms_norm_eps == pytest.approx(ch.rms_norm_eps, rel=1e-6)  # stored as float32
-    assert cg.linear_attn == ch.linear_attn and cg.moe == ch.moe and cg.rope == ch.rope
-    assert (cg.attention_layers, cg.rotary_dim, cg.num_kv_heads, cg.vocab_size) == \
-        (ch.attention_layers, ch.rotary_dim, ch.num_kv_heads, ch.vocab_size)
-    assert g.source.unmapped == []
-    assert g.source.names() == h.source.names()
-    for name in h.source.names():
-        want, got = h.source.get(name), g.source.get(name)
-        assert got.shape == want.shape, name
-        # norms come back as (1 + w) - 1 in fp32: equal to rounding
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+    assert_same_model(g, h)
 
 
 def test_converted_gguf_matches_transformers(converted):
     ref, hf_dir, gguf_path = converted
-    files = open_model_files(gguf_path)
-    model = build_model(files.config, files.source)
-    cfg = files.config
-    prompt = torch.randint(3, cfg.vocab_size, (150,), generator=torch.Generator().manual_seed(2))
-    got = model(prompt, BatchLayout.single(0, 150, 0), ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads,
-                                                                          cfg.head_dim), all_logits=True)
-    with torch.no_grad():
-        want = ref(prompt[None]).logits[0]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    hf_files = open_model_files(hf_dir)
-    hf_model = build_model(hf_files.config, hf_files.source)
-    sampling = SamplingConfig(max_tokens=16, ignore_eos=True)
-    tokens = [t for t, _, _ in generate_ids(model, prompt[:20].tolist(), sampling)]
-    assert tokens == [t for t, _, _ in generate_ids(hf_model, prompt[:20].tolist(), sampling)]
+    assert_matches_transformers(ref, gguf_path, hf_dir, max_tokens=16)
 
 
 def test_bad_ssm_metadata_is_a_format_error():
@@ -127,15 +102,8 @@ def test_llama_cpp_runs_the_converted_gguf_as_moestream_does(converted):
         pytest.skip("llama.cpp's qwen3next assumes equal DeltaNet key and value head dims")
     model = build_model(cfg, files.source)
     ids = torch.randint(3, cfg.vocab_size, (80,), generator=torch.Generator().manual_seed(6)).tolist()
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=128, n_batch=80, n_ubatch=80, n_threads=2,
-                          logits_all=True, verbose=False)
-    try:
-        llm.eval(ids)
-        theirs = np.array(llm.scores[:80])
-    finally:
-        llm.close()
-    ours = model(torch.tensor(ids), BatchLayout.single(0, 80, 0),
-                 ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True).numpy()
+    theirs = llama_cpp_scores(llama_cpp, gguf_path, ids, n_ctx=128)
+    ours = all_logits(model, ids).numpy()
     # measured: max |difference| 3.7e-4 with logits up to 2.3 (llama.cpp's own kernels and order)
     assert np.abs(theirs - ours).max() < 5e-3 * np.abs(ours).max()
     assert (theirs.argmax(-1) == ours.argmax(-1)).mean() > 0.95
