@@ -83,3 +83,22 @@ def assert_same_model(g, h) -> None:
         assert got.shape == want.shape, name
         # norms come back as (1 + w) - 1 in fp32: equal to rounding
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+
+
+def assert_generate_equal(gguf_path: Path, hf_dir: Path) -> None:
+    """`moestream generate --model x.gguf`: the tokenizer built from the GGUF's tokenizer.ggml.*
+    keys encodes as the checkpoint directory's, and the generated text is the directory's."""
+    from click.testing import CliRunner
+
+    from engine.loading import load_model
+    from services.cli import main
+
+    _, tok, _ = load_model(gguf_path)
+    _, hf_tok, _ = load_model(hf_dir)
+    text = "Hello there, tell me about recurrent state 123"
+    assert tok.encode(text) == hf_tok.encode(text) and tok.eos_token_ids == hf_tok.eos_token_ids
+    args = ["--dense", "fp32", "--max-tokens", "12", text]
+    a = CliRunner().invoke(main, ["generate", "--model", str(gguf_path), *args])
+    b = CliRunner().invoke(main, ["generate", "--model", str(hf_dir), *args])
+    assert a.exit_code == 0 and b.exit_code == 0, (a.output, b.output)
+    assert a.stdout == b.stdout and len(a.stdout.strip()) > 0

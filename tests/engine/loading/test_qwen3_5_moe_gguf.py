@@ -23,8 +23,8 @@ from engine.layers.sampler import SamplingConfig
 from engine.loading import open_model_files
 from engine.models.load import build_model
 from engine.models.qwen3_5_moe.gguf import config_from_gguf
-from tests.engine.loading.converted import (all_logits, assert_matches_transformers, assert_same_model,
-                                            converter_module, llama_cpp_scores)
+from tests.engine.loading.converted import (all_logits, assert_generate_equal, assert_matches_transformers,
+                                            assert_same_model, converter_module, llama_cpp_scores)
 from tests.engine.models.qwen3_5_moe_tiny import make_qwen3_5_moe
 
 # grouped: 2 key heads, 4 value heads (the converter re-orders value heads), untied, attention
@@ -153,6 +153,12 @@ def test_llama_cpp_greedy_tokens_equal_moestreams(converted):
     assert np.abs(theirs - ours).max() < 5e-3 * np.abs(ours).max()
     sampling = SamplingConfig(max_tokens=32, ignore_eos=True)
     assert lc_tokens == [t for t, _, _ in generate_ids(model, ids, sampling)]
+
+
+def test_generate_from_the_gguf_equals_generate_from_the_checkpoint(converted):
+    """`moestream generate --model x.gguf` on a qwen35moe GGUF: the text equals the checkpoint's."""
+    _, hf_dir, with_mtp, _ = converted
+    assert_generate_equal(with_mtp, hf_dir)
 
 
 def _copy_gguf_without(src: Path, dst: Path, drop: str | None) -> Path:

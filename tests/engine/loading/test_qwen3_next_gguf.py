@@ -20,8 +20,8 @@ from engine.errors import ModelFormatError
 from engine.loading import open_model_files
 from engine.models.load import build_model
 from engine.models.qwen3_next_gguf import config_from_gguf
-from tests.engine.loading.converted import (all_logits, assert_matches_transformers, assert_same_model,
-                                            llama_cpp_scores)
+from tests.engine.loading.converted import (all_logits, assert_generate_equal, assert_matches_transformers,
+                                            assert_same_model, llama_cpp_scores)
 from tests.engine.models.qwen3_next_tiny import make_qwen3_next
 
 SHAPES = {
@@ -113,18 +113,5 @@ def test_generate_from_the_gguf_equals_generate_from_the_checkpoint(converted):
     """`moestream generate --model x.gguf`: the tokenizer comes from the GGUF's tokenizer.ggml.*
     keys (transformers' AutoTokenizer refuses the qwen3next architecture; the fast tokenizer is
     built directly) and the text equals the HF checkpoint directory's."""
-    from click.testing import CliRunner
-
-    from engine.loading import load_model
-    from services.cli import main
-
     _, hf_dir, gguf_path = converted
-    _, tok, _ = load_model(gguf_path)
-    _, hf_tok, _ = load_model(hf_dir)
-    text = "Hello there, tell me about recurrent state 123"
-    assert tok.encode(text) == hf_tok.encode(text) and tok.eos_token_ids == hf_tok.eos_token_ids
-    args = ["generate", "--dense", "fp32", "--max-tokens", "12", text]
-    a = CliRunner().invoke(main, ["generate", "--model", str(gguf_path), *args[1:]])
-    b = CliRunner().invoke(main, ["generate", "--model", str(hf_dir), *args[1:]])
-    assert a.exit_code == 0 and b.exit_code == 0, (a.output, b.output)
-    assert a.stdout == b.stdout and len(a.stdout.strip()) > 0
+    assert_generate_equal(gguf_path, hf_dir)
