@@ -52,8 +52,8 @@ def config_from_hf(raw: Mapping[str, Any], source: object) -> ModelConfig:
     as Qwen3-Next's fields (engine.config), then marked ``qwen3_5_moe``."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
-        what = "missing" if text is None else f"a {_kind(text)}, not an object"
-        raise ModelFormatError(source, f"Qwen3.5-MoE config.json: 'text_config' is {what}; the text "
+        what = "missing" if text is None else f"{_kind(text)}, not an object"
+        raise ModelFormatError(source, f"Qwen3.5-MoE: 'text_config' is {what}; the text "
                                        f"model's fields (hidden_size, layer_types, ...) must be nested "
                                        f"in a text_config object")
     flat = {k: v for k, v in text.items() if k not in _NOT_TEXT_FIELDS}
