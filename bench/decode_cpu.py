@@ -177,12 +177,13 @@ def prefill_ops(model, prompt: list[int]) -> float:
     one prefill of ``prompt`` (a fresh cache, the LM head included), per prompt token."""
     from torch.profiler import ProfilerActivity, profile
 
+    from engine.executor import executor_for
     from engine.kv.base import BatchLayout, ContiguousKVCache
 
     cfg = model.config
     kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        model(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv)
+        executor_for(model)(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv)
     return sum(e.count for e in prof.key_averages()) / len(prompt)
 
 

@@ -150,6 +150,7 @@ def main() -> None:
 
     import transformers as T
 
+    from engine.executor import executor_for
     from engine.experts.runtime import load_from_store
     from engine.options import configure
     from engine.quant.formats import QuantFormat
@@ -183,7 +184,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for name, on, fk in PATHS:
                         use(on, fk)
-                        sm.model.native_step()  # built on an option change: not inside the timing
+                        executor_for(sm.model).native()  # built on an option change: not inside the timing
                         _, pre, dec = moestream_greedy(sm.model, prompt, args.new)
                         rows[name].append((pre, dec))
                 for name, on, fk in PATHS:

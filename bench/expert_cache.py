@@ -167,7 +167,7 @@ class ReplayRouting:
             return route
 
         for block in model.moe_blocks:
-            block.gate.forward = make(block)
+            block.router_override = make(block)
 
 
 DENSE_BYTES = {"fp32": 4, "bf16": 2, "int8": 8.25 / 8}  # per dense weight (int8 g64: fp16 scales)

@@ -42,6 +42,7 @@ def main() -> int:
         print("no store: pass --store, or run `moestream demo` once to build the demo store", file=sys.stderr)
         return 2
 
+    from engine.executor import executor_for
     from engine.experts.runtime import load_from_store
     from engine.kv.base import BatchLayout, ContiguousKVCache
     from engine.layers.sampler import SamplingConfig
@@ -55,7 +56,8 @@ def main() -> int:
 
     def teacher_forced() -> torch.Tensor:
         kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        return torch.stack([sm.model(torch.tensor([t]), BatchLayout.single(0, 1, i), kv)[0].float()
+        step = executor_for(sm.model)
+        return torch.stack([step(torch.tensor([t]), BatchLayout.single(0, 1, i), kv)[0].float()
                             for i, t in enumerate(ids[:-1])])
 
     def decode_speed() -> float:

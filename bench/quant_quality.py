@@ -74,6 +74,7 @@ def real_weights() -> None:
 
 
 def whole_models() -> None:
+    from engine.executor import executor_for
     from engine.experts.runtime import load_from_store
     from engine.generate import generate_ids
     from engine.kv.base import BatchLayout, ContiguousKVCache
@@ -105,7 +106,8 @@ def whole_models() -> None:
 
             def logits(m):
                 kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-                return m(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv, all_logits=True)
+                return executor_for(m)(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv,
+                                       all_logits=True)
 
             want = logits(ref)
             want_tokens = [t for t, _, _ in generate_ids(ref, prompt, sampling)]

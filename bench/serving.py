@@ -226,11 +226,12 @@ def paths_main(args) -> None:
     # ---- in process: the decode actor's engine, built the same way
     from engine.kv.paged import PagedKVCache
     from engine.layers.sampler import SamplingConfig
+    from engine.executor import executor_for
     from engine.options import configure
 
     sm = load_from_store(st, device_budget=dev, prefetch_depth=0, dense="bf16")
     configure(native_threads=0)
-    sm.model.native_step()
+    executor_for(sm.model).native()
     kv = PagedKVCache.from_budget(sm.store.config, 64 << 20, 16, dtype=torch.float32)
     engine = Engine(sm.model, sm.tokenizer, kv, SchedulerConfig(max_num_batched_tokens=512,
                                                                 max_num_seqs=seqs))

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
+from engine.executor import executor_for
 
 DEFAULT_WINDOW = 256
 DEFAULT_MAX_WINDOWS = 16
@@ -93,8 +94,8 @@ def window_logits(model, ids: Sequence[int]) -> torch.Tensor:
     cfg = model.config
     kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                            dtype=model.model.embed_tokens.weight.dtype)
-    return model(torch.tensor(list(ids), dtype=torch.long), BatchLayout.single(0, len(ids), 0), kv,
-                 all_logits=True).to("cpu", torch.float32)
+    return executor_for(model)(torch.tensor(list(ids), dtype=torch.long), BatchLayout.single(0, len(ids), 0), kv,
+                               all_logits=True).to("cpu", torch.float32)
 
 
 def _windows(tokenizer, text, window: int, max_windows: int | None) -> list[list[int]]:

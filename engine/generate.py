@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 import torch
 
 from engine.errors import RequestValidationError
+from engine.executor import executor_for
 from engine.kv.base import BatchLayout, ContiguousKVCache, KVCache
 from engine.layers.sampler import (SamplerState, SamplingConfig, is_int, sample, short_repr,
                                    top_logprobs)
@@ -96,10 +97,11 @@ def generate_ids(model: CausalLM, prompt_ids: Sequence[int], sampling: SamplingC
     state.prompt_tokens = set(int(t) for t in prompt_ids)
     stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_ids))
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    step = executor_for(model)
     try:
         t0 = time.perf_counter()
         tokens = torch.tensor(list(prompt_ids), dtype=torch.long)
-        logits = model(tokens, BatchLayout.single(seq_id, len(prompt_ids), 0), kv)[0]
+        logits = step(tokens, BatchLayout.single(seq_id, len(prompt_ids), 0), kv)[0]
         stats.prefill_seconds = time.perf_counter() - t0
         pos = len(prompt_ids)
         t_decode = time.perf_counter()
@@ -111,7 +113,7 @@ def generate_ids(model: CausalLM, prompt_ids: Sequence[int], sampling: SamplingC
             yield token, logits, stats
             if token in stop_ids or stats.generated_tokens >= sampling.max_tokens:
                 return
-            logits = model(torch.tensor([token]), BatchLayout.single(seq_id, 1, pos), kv)[0]
+            logits = step(torch.tensor([token]), BatchLayout.single(seq_id, 1, pos), kv)[0]
             pos += 1
     finally:
         kv.free(seq_id)

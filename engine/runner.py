@@ -2,7 +2,8 @@
 
     step():  plan = scheduler.schedule()         # which sequences, how many tokens each
              drafts for speculating decode rows   # engine.speculative: k tokens per sequence
-             logits = model(tokens, layout, kv)  # one forward; MoE groups tokens by expert
+             logits = executor(tokens, layout, kv)  # one forward (engine.executor picks the
+                                                     # path); MoE groups tokens by expert
              accept_tokens per sequence that finished its prefill or is decoding (no drafts:
              plain sampling; drafts: the accepted prefix + one target token)
              update sequences, stream text, retire the finished (their KV blocks freed)
@@ -25,6 +26,7 @@ from typing import Iterable, Iterator, Sequence as Seq
 import torch
 
 from engine.errors import ConfigError, RequestValidationError
+from engine.executor import executor_for
 from engine.generate import GenerationStats, Request, validate_prompt
 from engine.kv.base import BatchLayout
 from engine.kv.paged import KVMetrics, PagedKVCache
@@ -92,6 +94,7 @@ class Engine:
         if speculative is not None:
             speculative.check_target(model)
         self.model, self.tokenizer, self.kv = model, tokenizer, kv
+        self.executor = executor_for(model)  # how each step runs: native, CUDA graphs or torch
         self.speculative = speculative
         self.detokenize = detokenize and tokenizer is not None
         self.scheduler = Scheduler(config, kv)
@@ -178,7 +181,7 @@ class Engine:
         t0 = time.perf_counter()
         # [R, V], R = the rows that sample (each sequence's last, plus its drafts' rows); the
         # samplers' generators are on the CPU
-        logits = self.model(tokens, layout, self.kv, rows=rows).cpu()
+        logits = self.executor(tokens, layout, self.kv, rows=rows).cpu()
         t_forward = time.perf_counter() - t0
         b1, s1, _ = cache_counters(cache)
         self.scheduler.commit(plan)

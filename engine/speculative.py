@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from engine.errors import ConfigError
+from engine.executor import executor_for
 from engine.kv.base import BatchLayout, ContiguousKVCache, KVCache
 from engine.kv.state import StateSnapshot, restore_state, snapshot_state
 from engine.layers.sampler import SamplerState, SamplingConfig, distribution, sample
@@ -198,6 +199,7 @@ class DraftModelDrafter:
     def __init__(self, draft_model: CausalLM, max_draft: int = 8, seq_id: int = 0,
                  sample_drafts: bool = True) -> None:
         self.model, self.max_draft, self.seq_id = draft_model, max_draft, seq_id
+        self.forward = executor_for(draft_model)  # the draft's steps
         self.sample_drafts = sample_drafts  # False: argmax drafts even when sampling
         cfg = draft_model.config
         self.kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
@@ -227,8 +229,8 @@ class DraftModelDrafter:
         self.fed = self.fed[:keep]
         if not new:
             return None
-        logits = self.model(torch.tensor(new, dtype=torch.long),
-                            BatchLayout.single(self.seq_id, len(new), keep), self.kv)[0]
+        logits = self.forward(torch.tensor(new, dtype=torch.long),
+                              BatchLayout.single(self.seq_id, len(new), keep), self.kv)[0]
         self.fed += new
         return logits
 
@@ -256,8 +258,8 @@ class DraftModelDrafter:
                 snap = snapshot_state(self.kv, self.seq_id)  # None: no recurrent state
                 if snap is not None:
                     self._snaps[len(self.fed)] = snap
-                logits = self.model(torch.tensor([tok]), BatchLayout.single(self.seq_id, 1, len(self.fed)),
-                                    self.kv)[0]
+                logits = self.forward(torch.tensor([tok]), BatchLayout.single(self.seq_id, 1, len(self.fed)),
+                                      self.kv)[0]
                 self.fed.append(tok)
         return drafts, (qs if qs else None)
 
@@ -294,6 +296,7 @@ class SelfSpecDrafter:
     def __init__(self, model: CausalLM, cache=None, max_draft: int = 8,
                  sample_drafts: bool = True) -> None:
         self.model, self.cache, self.max_draft = model, cache, max_draft
+        self.forward = executor_for(model)  # the target's own executor: drafts run as its steps do
         self.sample_drafts = sample_drafts  # False: argmax drafts even when sampling
 
     def begin(self, prompt_ids, ctx) -> None:
@@ -309,7 +312,7 @@ class SelfSpecDrafter:
         try:
             with _resident_only(self.cache):
                 for i in range(k):
-                    logits = self.model(torch.tensor([tok]), BatchLayout.single(ctx.seq_id, 1, n + i), ctx.kv)[0]
+                    logits = self.forward(torch.tensor([tok]), BatchLayout.single(ctx.seq_id, 1, n + i), ctx.kv)[0]
                     tok, q = ctx.choose(logits, drafts, self.sample_drafts)
                     drafts.append(tok)
                     if q is not None:
@@ -333,7 +336,6 @@ def layer_skip_draft(model: CausalLM, num_layers: int) -> CausalLM:
     decoder._modules = dict(model.model._modules)
     decoder.layers = nn.ModuleList(list(model.model.layers)[:num_layers])
     draft = copy.copy(model)
-    draft.__dict__.pop("_native", None)  # its own native step, built on first use
     draft._modules = dict(model._modules)
     draft.model = decoder
     draft.config = dataclasses.replace(cfg, num_layers=num_layers)

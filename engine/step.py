@@ -16,18 +16,25 @@ So a decode layer is three native calls plus the cache's lookups, instead of hun
 ops. The torch layers (engine.layers) stay the reference: :func:`NativeStep.for_model` says
 when the model can run this way (CPU, native kernels built, dense linears quantized by
 engine.quant.linear, float32 activations) and :meth:`NativeStep.supports` per step (the KV
-cache can hand out block tables: not FP8). Anything else runs the torch path. The ``fused_step``
-runtime option (engine.options) turns it off. Tests compare both paths on random inputs.
+cache can hand out block tables: not FP8). Anything else runs the torch path; engine.executor
+chooses per step. The ``fused_step`` runtime option (engine.options) turns it off. Tests compare
+both paths on random inputs.
+
+One step is one loop over the layers (:meth:`NativeStep.forward`); what differs between
+architectures are per-layer hooks, each given the step's :class:`StepContext`: ``_attention``
+(the layer's mixer block: attention, MLA, gated attention or Gated DeltaNet), ``_route`` and
+``_expert``, and the handles built once per model (``_mixer``, ``_router``, ``_norm_weight``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine.kv.base import BatchLayout, KVCache, last_rows
+from engine.kv.base import BatchLayout, KVCache
 from engine.layers.mlp import SwiGLU
 from engine.layers.moe import SparseMoE, fetch_and_compute
 from engine.options import options
@@ -64,8 +71,36 @@ def _native_linears(model) -> bool:
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """One step's inputs as every per-layer hook sees them (built once per step).
+
+    ``x`` [T, H] float32: the hidden rows of the step (flat over its sequences), updated in place
+    by every block; ``positions`` [T]: each row's position; ``cos``/``sin``: the RoPE tables up to
+    the largest position; ``storage``/``tables``: the KV cache's native view (its storage tensor,
+    the block table of each sequence); ``qlens``/``ctxs``: new tokens and context length per
+    sequence; ``state``: the recurrent state of a hybrid model (engine.kv.state, positioned for
+    ``layout``), else None; ``dmt``/``i8a``: the kernels' direct-path row limit and whether
+    activations are quantized to int8."""
+
+    x: torch.Tensor
+    layout: BatchLayout
+    positions: list[int]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    storage: torch.Tensor
+    tables: Any
+    qlens: list[int]
+    ctxs: list[int]
+    state: Any
+    dmt: int
+    i8a: bool
+
+
 class NativeStep:
     """Per-layer native handles of one model (built once; they hold its weight tensors)."""
+
+    context_type: type[StepContext] = StepContext  # architectures with more per-step inputs extend it
 
     def __init__(self, model, ext: Any) -> None:
         from engine.quant.kernels import native_threads
@@ -85,7 +120,7 @@ class NativeStep:
                      else None)
         self.norm = self._norm_weight(model.model.norm)
 
-    # Architectures override these three (engine.step_hybrid, step_deepseek, step_gpt_oss).
+    # Architectures override these three (engine/models/{qwen3_next,deepseek_v3,gpt_oss}/step.py).
     def _mixer(self, layer: nn.Module) -> Any:
         """Layer's attention handle: RMSNorm, QKV (+ q/k norm), RoPE, paged attention, o_proj."""
         ext, a = self.ext, layer.self_attn
@@ -129,55 +164,68 @@ class NativeStep:
             return None
         return cls(model, ext)
 
-    def forward(self, model, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
+    def forward(self, model, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache, state=None,
                 all_logits: bool = False, rows: list[int] | None = None) -> torch.Tensor | None:
-        """Logits as CausalLM.forward returns them, or None when the KV cache cannot hand out
-        block tables (the caller runs the torch layers)."""
+        """Logits as the model's forward returns them, or None when the KV cache cannot hand out
+        block tables (the caller runs the torch layers). ``state``: a hybrid model's recurrent
+        state, already positioned (``begin``) for ``layout``; the caller advances it after."""
+        ctx = self._context(model, tokens, layout, kv, state)
+        if ctx is None:
+            return None
+        for i, layer in enumerate(model.model.layers):
+            h = self._attention(ctx, i, layer)
+            self._mlp(ctx, i, layer.mlp, h)
+        return self._logits(model, ctx.x, layout, all_logits, rows)
+
+    def _context(self, model, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
+                 state) -> StepContext | None:
+        """The step's context, or None when the KV cache cannot hand out block tables."""
         view = kv.native_view(layout, tokens.device)
         if view is None:
             return None
         storage, tables = view
-        dmt, i8a = DIRECT_MAX_T, int8_activations()
         qlens, ctxs = list(layout.query_lens), list(layout.context_lens)
         positions = [c + i for c, n in zip(ctxs, qlens) for i in range(n)]
         cos, sin = model.rotary.tables(max(positions) + 1)
         x = model.model.embed_tokens(tokens).float().contiguous()
-        for i, layer in enumerate(model.model.layers):
-            h = self._attention(i, x, cos, sin, positions, storage, tables, qlens, ctxs, dmt, i8a)
-            self._mlp(layer.mlp, i, x, h)
-        return self._logits(model, x, layout, all_logits, rows)
+        return self.context_type(x, layout, positions, cos, sin, storage, tables, qlens, ctxs, state,
+                                 DIRECT_MAX_T, int8_activations(), *self._extra_context(layout, state))
 
-    def _mlp(self, mlp: nn.Module, i: int, x: torch.Tensor, h: torch.Tensor) -> None:
-        """x += layer i's feed-forward of h (its post-attention norm), in place."""
+    def _extra_context(self, layout: BatchLayout, state) -> tuple:
+        """The values of the fields ``context_type`` adds to StepContext (none here)."""
+        return ()
+
+    def _mlp(self, ctx: StepContext, i: int, mlp: nn.Module, h: torch.Tensor) -> None:
+        """ctx.x += layer i's feed-forward of h (its post-attention norm), in place."""
         if self.routers[i] is None:
-            self.ext.ffn_block(x, h, EMPTY_IDS, EMPTY, [], [], EMPTY_IDS, self.ffn[i], DIRECT_MAX_T,
-                               int8_activations())
+            self.ext.ffn_block(ctx.x, h, EMPTY_IDS, EMPTY, [], [], EMPTY_IDS, self.ffn[i], ctx.dmt, ctx.i8a)
         else:
-            self._moe(mlp, i, x, h)
+            self._moe(ctx, i, mlp, h)
 
     def _logits(self, model, x: torch.Tensor, layout: BatchLayout, all_logits: bool,
                 rows: list[int] | None) -> torch.Tensor:
         if all_logits or self.head is None:
             return model.final_logits(x, layout, all_logits, rows)
-        return self.ext.head_block(x, rows if rows is not None else last_rows(layout), self.norm, self.eps,
+        return self.ext.head_block(x, rows if rows is not None else layout.last_rows(), self.norm, self.eps,
                                    self.head, DIRECT_MAX_T, int8_activations())
 
-    def _attention(self, i: int, x: torch.Tensor, cos, sin, positions, storage, tables, qlens, ctxs, dmt,
-                   i8a) -> torch.Tensor:
-        """Layer i's attention block (x updated in place); its post-attention norm. Architectures
-        with another attention override this (engine.step_deepseek)."""
-        return self.ext.attn_block(self.attn[i], x, cos, sin, positions, storage, i, tables, qlens, ctxs, dmt, i8a)
+    def _attention(self, ctx: StepContext, i: int, layer: nn.Module) -> torch.Tensor:
+        """Layer i's mixer block (ctx.x updated in place); its post-attention norm. Architectures
+        with another mixer override this (deepseek_v3/step.py: MLA; qwen3_next/step.py: gated
+        attention and Gated DeltaNet)."""
+        return self.ext.attn_block(self.attn[i], ctx.x, ctx.cos, ctx.sin, ctx.positions, ctx.storage, i,
+                                   ctx.tables, ctx.qlens, ctx.ctxs, ctx.dmt, ctx.i8a)
 
-    def _moe(self, mlp: SparseMoE, i: int, x: torch.Tensor, h: torch.Tensor) -> None:
-        """route -> fetch (the provider) -> compute + combine (native), x updated in place."""
-        ext, provider = self.ext, mlp.provider
+    def _moe(self, ctx: StepContext, i: int, mlp: SparseMoE, h: torch.Tensor) -> None:
+        """route -> fetch (the provider) -> compute + combine (native), ctx.x updated in place."""
+        ext, provider, x = self.ext, mlp.provider, ctx.x
         allowed = provider.allowed_experts(mlp.layer)
-        if allowed is None and "forward" not in vars(mlp.gate):
+        if allowed is None and mlp.router_override is None:
             # uniq: the routed experts, ascending (as the torch layer groups them)
             ids, w, uniq = self._route(mlp, i, h)
         else:  # restricted routing (self-speculative drafts: the torch router masks the rest),
-            # or a router replaced on the instance (benchmarks replaying a routing trace)
-            r = mlp.gate(h, allowed)
+            # or a declared router override (benchmarks replaying a routing trace)
+            r = mlp.route(h, allowed)
             ids, w = r.ids.contiguous(), r.weights.contiguous()
             uniq = torch.unique(ids).tolist()
         for observe in mlp.observers:
@@ -188,7 +236,7 @@ class NativeStep:
             resolved = provider.slot_table(mlp.layer, part, experts)
             table, slots = resolved if resolved is not None else (EMPTY_IDS, [-1] * len(part))
             ext.ffn_block(x, h, ids, w, part, slots, table, dense if start == 0 else None,
-                          DIRECT_MAX_T, int8_activations(), self.acts[i])
+                          ctx.dmt, ctx.i8a, self.acts[i])
             for e, slot in zip(part, slots):
                 if slot < 0:  # computed through the expert's own forward
                     tok, k = (ids == e).nonzero(as_tuple=True)

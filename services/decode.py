@@ -289,7 +289,9 @@ class DecodeService:
             from engine.quant.kernels import load_extension
 
             load_extension()  # every native kernel (DeltaNet's decode step included), even for fp32 dense
-            self.sm.model.native_step()
+            from engine.executor import executor_for
+
+            executor_for(self.sm.model).native()
         model_cfg = self.sm.store.config
         self.kv = kv_cache_from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size, dtype=dtype,
                                        device=self.device, max_seqs=cfg.max_num_seqs)

@@ -41,7 +41,7 @@ never mix (norms, linears and the grouped kernels are per row), so a row's outpu
 depend on the padding. The result is a view of the graph's static output, valid until the same
 (layer, bucket) replays (the next step: the caller consumes it before).
 
-Routing injected per step (an instance ``forward`` on the router: trace replay in
+Routing injected per step (a layer's declared ``router_override``: trace replay in
 engine.experts.synthetic_store, bench/expert_cache.py) runs eagerly on the real rows and is
 padded into the static buffers; the experts graph replays as usual.
 
@@ -72,7 +72,7 @@ from engine.cuda_graphs.feedforward import FeedForwardGraphs
 
 __all__ = ["MAX_ROWS", "VERIFY_DRAFTS", "AttentionGraphs", "CudaGraph", "FeedForwardGraphs", "Graph",
            "GraphCounters", "GraphSet", "LayerGraphs", "RecordedGraph", "StepInputs", "attention_residual",
-           "bucket_for", "decode_buckets", "decoder_layer", "disable", "enable", "graph_set", "mlp_residual",
+           "bucket_for", "decode_buckets", "disable", "enable", "graph_layer", "graph_set", "mlp_residual",
            "prepare", "reset"]
 
 
@@ -120,7 +120,7 @@ class LayerGraphs:
         rows, mlp = x.shape[0], self.layer.mlp
         if isinstance(mlp, SparseMoE):
             grouped = self.ff.sparse_layout(mlp, x)
-            if grouped is None or "forward" in vars(mlp.gate):
+            if grouped is None or mlp.router_override is not None:
                 return None  # the halves apart: the feed-forward half decides how it runs
             e, name = self.ff.entry(x, bucket, mlp.gate.top_k), "attention+route"
             tail = self.ff.route_fn(mlp, e)
@@ -178,7 +178,7 @@ def reset(model) -> None:
 
 
 def prepare(model, device: torch.device) -> GraphSet | None:
-    """Called by the model's forward: the graphs in force (enable / disable win; otherwise on for
+    """Called by engine.executor before a torch-layers step: the graphs in force (enable / disable win; otherwise on for
     CUDA when the ``cuda_graphs`` option is on (opt-in), and off elsewhere)."""
     from engine.options import generation, options
 
@@ -201,16 +201,20 @@ def graph_set(model) -> GraphSet | None:
     return model.__dict__.get("_graph_set") or None
 
 
-def decoder_layer(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  layout, kv) -> torch.Tensor:
-    """A standard decoder layer's step: on a pure decode step through its merged graphs
-    (attention + route, the acquire, experts; or attention + MLP) when graphs are on and can run,
-    else the two halves (:func:`attention_residual`, :func:`mlp_residual`)."""
+def graph_layer(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                layout, kv, state=None) -> torch.Tensor:
+    """One layer of a step with graphs on (engine.executor's layer runner): a standard decoder
+    layer on a pure decode step through its merged graphs (attention + route, the acquire,
+    experts; or attention + MLP) where they can run, else the two halves (:func:`attention_residual`
+    or, for a layer whose mixer never runs as a graph, its eager mixer; then :func:`mlp_residual`)."""
     graphs = layer.__dict__.get("_layer_graphs")
-    if graphs is not None:
-        out = graphs.run_layer(x, cos, sin, layout, kv)
-        if out is not None:
-            return out
+    if graphs is None:
+        return layer(x, cos, sin, layout, kv, state)
+    if not layer.graph_attention:
+        return mlp_residual(layer, layer.mixer_residual(x, cos, sin, layout, kv, state))
+    out = graphs.run_layer(x, cos, sin, layout, kv)
+    if out is not None:
+        return out
     return mlp_residual(layer, attention_residual(layer, x, cos, sin, layout, kv))
 
 
@@ -224,7 +228,7 @@ def attention_residual(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
         out = graphs.run_attention(x, cos, sin, layout, kv)
         if out is not None:
             return out
-    return x + layer.self_attn(layer.input_layernorm(x), cos, sin, layout, kv)
+    return layer.mixer_residual(x, cos, sin, layout, kv)
 
 
 def mlp_residual(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -235,4 +239,4 @@ def mlp_residual(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = graphs.run(x)
         if out is not None:
             return out
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return layer.ffn_residual(x)

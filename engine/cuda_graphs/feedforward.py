@@ -118,12 +118,12 @@ class FeedForwardGraphs:
         if e.broken:
             return None
         norm = self.layer.post_attention_layernorm
-        if "forward" in vars(mlp.gate):
+        if mlp.router_override is not None:
             # routing injected per step (a trace replay: engine.experts.synthetic_store) keeps
             # Python state a graph would freeze: route eagerly on the real rows, pad into the
             # static buffers, graph the rest
             h = norm(x)
-            r = mlp.gate(h)
+            r = mlp.route(h)
             for dst, src in ((e.x, x), (e.h, h), (e.weights, r.weights), (e.ids, r.ids)):
                 self.owner.stage_into(dst, src, rows)
         else:

@@ -658,7 +658,7 @@ class ExpertCache(ExpertProvider):
         """Serve ``model``'s sparse layers from this cache (its native step is rebuilt)."""
         for block in model.moe_blocks:
             block.provider = self
-        model.invalidate_native_step()
+        model.modules_changed()
 
     def replay(self, trace) -> LayerMetrics:
         """Acquire and release every record of a routing trace in order (one token's experts in

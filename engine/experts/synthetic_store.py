@@ -291,7 +291,7 @@ class TraceRouting:
             return route
 
         for block in model.moe_blocks:
-            block.gate.forward = make(block)
+            block.router_override = make(block)
 
 
 @dataclass

@@ -39,6 +39,10 @@ class BatchLayout:
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
+    def last_rows(self) -> list[int]:
+        """The flat row of each sequence's last token."""
+        return [o + n - 1 for o, n in zip(self.offsets, self.query_lens)]
+
     def positions(self) -> torch.Tensor:
         """Absolute position of every token in the flat batch, [T]."""
         parts = [torch.arange(c, c + n) for c, n in zip(self.context_lens, self.query_lens)]
@@ -47,11 +51,6 @@ class BatchLayout:
     @staticmethod
     def single(seq_id: int, query_len: int, context_len: int) -> "BatchLayout":
         return BatchLayout((seq_id,), (query_len,), (context_len,))
-
-
-def last_rows(layout: BatchLayout) -> list[int]:
-    """The flat row of each sequence's last token."""
-    return [o + n - 1 for o, n in zip(layout.offsets, layout.query_lens)]
 
 
 class KVCache(ABC):

@@ -137,9 +137,17 @@ class Router(nn.Module):
 
 
 RouteObserver = Callable[[int, torch.Tensor], None]  # (layer, ids [T, K])
+# (x [T, H], allowed experts or None) -> Routing: a routing that replaces the layer's router
+RouterOverride = Callable[[torch.Tensor, list[int] | None], Routing]
 
 
 class SparseMoE(nn.Module):
+    # routing replaced per step (a replayed routing trace: engine.experts.synthetic_store,
+    # bench/expert_cache.py), set on the instance. Declared here so the fast paths (engine.step,
+    # engine.cuda_graphs) see it and route through :meth:`route` (eager, never captured) instead
+    # of their own router. A class default: architectures' MoE blocks with their own __init__ have it
+    router_override: RouterOverride | None = None
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         m = cfg.moe
@@ -155,6 +163,12 @@ class SparseMoE(nn.Module):
         )
         self.provider: ExpertProvider | None = None  # set by the model loader
         self.observers: list[RouteObserver] = []
+
+    def route(self, x: torch.Tensor, allowed: list[int] | None = None) -> Routing:
+        """The route stage: the layer's router, or its declared :attr:`router_override`."""
+        if self.router_override is not None:
+            return self.router_override(x, allowed)
+        return self.gate(x, allowed)
 
     def run_expert(self, e: int, expert: Expert, x: torch.Tensor) -> torch.Tensor:
         """The compute stage for one expert: x [T_e, H] -> [T_e, H] (unweighted). Architectures
@@ -225,7 +239,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         provider = self.provider
         assert provider is not None, "experts not attached (engine.models.load.build_model)"
-        routing = self.gate(x, provider.allowed_experts(self.layer))  # route
+        routing = self.route(x, provider.allowed_experts(self.layer))
         for observe in self.observers:
             observe(self.layer, routing.ids)
         return self.experts_and_shared(x, routing, provider)

@@ -4,31 +4,55 @@ Architecture differences are config switches (qk_norm, attention_bias, which lay
 shared experts); the per-architecture files only describe names. Parameter names equal the
 canonical tensor names of engine.loading.source, so weights load with ``load_state_dict``.
 Routed experts are not parameters: they come through each SparseMoE's ExpertProvider.
+
+The modules here are the torch reference and nothing else: their forward runs the torch layers.
+How a step runs (the native CPU step, per-layer CUDA graphs, or these layers) is chosen per step
+by engine.executor, which every caller that runs a step goes through.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.cuda_graphs import decoder_layer, prepare as prepare_graphs
 from engine.cuda_graphs import reset as reset_graphs
-from engine.kv.base import BatchLayout, KVCache, last_rows
+from engine.kv.base import BatchLayout, KVCache
 from engine.layers.attention import Attention
 from engine.layers.mlp import SwiGLU
 from engine.layers.moe import SparseMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import Rotary
-from engine.threads import step_threads
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). Architectures pass
-    their own attention / MLP modules (gpt-oss's sinks attention, DeepSeek's MLA); the default
-    is standard attention and a SparseMoE or dense SwiGLU by the config."""
+class Block(nn.Module):
+    """A pre-norm residual layer: x + mixer(input_layernorm(x)), then x + mlp(post_attention_layernorm(x)).
+    Subclasses give the mixer half (:meth:`mixer_residual`) and ``input_layernorm``,
+    ``post_attention_layernorm`` and ``mlp``. engine.cuda_graphs runs the halves apart: each half
+    through its graphs where they can run, else these methods."""
+
+    # whether engine.cuda_graphs may run the mixer half as an attention graph (standard attention
+    # layers; it still checks the attention module and the step per call)
+    graph_attention = True
+
+    def mixer_residual(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout,
+                       kv: KVCache, state=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def ffn_residual(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin, layout, kv, state=None):
+        return self.ffn_residual(self.mixer_residual(x, cos, sin, layout, kv, state))
+
+
+class DecoderLayer(Block):
+    """Architectures pass their own attention / MLP modules (gpt-oss's sinks attention,
+    DeepSeek's MLA); the default is standard attention and a SparseMoE or dense SwiGLU by the
+    config."""
 
     def __init__(self, cfg: ModelConfig, layer: int, attn: nn.Module | None = None,
                  mlp: nn.Module | None = None) -> None:
@@ -41,9 +65,8 @@ class DecoderLayer(nn.Module):
             else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         )
 
-    def forward(self, x, cos, sin, layout, kv):
-        # x + attn(norm(x)), then x + mlp(norm(x)): through per-layer graphs where they are on
-        return decoder_layer(self, x, cos, sin, layout, kv)
+    def mixer_residual(self, x, cos, sin, layout, kv, state=None):
+        return x + self.self_attn(self.input_layernorm(x), cos, sin, layout, kv)
 
 
 LayerFactory = Callable[[ModelConfig, int], nn.Module]
@@ -57,7 +80,15 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+# (layer, x, cos, sin, layout, kv, state) -> x: how a step runs one layer (engine.cuda_graphs)
+LayerRunner = Callable[..., torch.Tensor]
+
+
 class CausalLM(nn.Module):
+    # bumped by :meth:`modules_changed`: what was built from the modules (engine.executor's
+    # native step) is stale when it differs
+    revision = 0
+
     def __init__(self, cfg: ModelConfig, layer: LayerFactory = DecoderLayer) -> None:
         super().__init__()
         self.config = cfg
@@ -65,60 +96,57 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions=min(cfg.max_position_embeddings, 4096))
 
-    def native_step(self):
-        """The fused native step for this model (engine.step), built on first use and again after
-        a runtime-option change or :meth:`invalidate_native_step`; None: the torch layers."""
-        from engine.options import generation
-
-        cached = self.__dict__.get("_native")
-        if cached is None or cached[0] != generation():
-            cached = self.__dict__["_native"] = (generation(), self.native_step_type().for_model(self))
-        return cached[1]
-
     def native_step_type(self):
-        """The class of this architecture's native step (engine.step.NativeStep or a subclass)."""
+        """The class of this architecture's native step (engine.step.NativeStep or a subclass):
+        what engine.executor builds when the native path can run this model."""
         from engine.step import NativeStep
 
         return NativeStep
 
-    def invalidate_native_step(self) -> None:
-        """Call after swapping modules (engine.quant.linear does): the native step and any
-        captured CUDA graphs read the old ones."""
-        self.__dict__.pop("_native", None)
+    def modules_changed(self) -> None:
+        """Call after swapping modules (engine.quant.linear does) or their expert provider: any
+        captured CUDA graphs are dropped, and the revision moves on so that a native step built
+        from the old modules is rebuilt."""
+        self.revision += 1
         reset_graphs(self)
 
     @property
     def moe_blocks(self) -> list[SparseMoE]:
         return [l.mlp for l in self.model.layers if isinstance(l.mlp, SparseMoE)]
 
+    @contextmanager
+    def step_state(self, layout: BatchLayout, kv: KVCache, rows: list[int] | None) -> Iterator[object]:
+        """Around one step: the per-sequence state the layers read beside the KV cache (None
+        here; hybrid models position and advance their recurrent state)."""
+        yield None
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
                 all_logits: bool = False, rows: list[int] | None = None) -> torch.Tensor:
-        """tokens [T] (flat over the batch) -> logits [T, V] if all_logits, [len(rows), V] for
-        the flat rows ``rows`` (speculative verification: a sequence's drafts), else [S, V], one
-        row per sequence for its last token."""
+        """The torch reference of one step: tokens [T] (flat over the batch) -> logits [T, V] if
+        all_logits, [len(rows), V] for the flat rows ``rows`` (speculative verification: a
+        sequence's drafts), else [S, V], one row per sequence for its last token."""
+        with self.step_state(layout, kv, rows) as state:
+            return self.run_layers(tokens, layout, kv, state, all_logits, rows)
+
+    def run_layers(self, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache, state, all_logits: bool,
+                   rows: list[int] | None, run_layer: LayerRunner | None = None) -> torch.Tensor:
+        """Embeddings, every layer, final norm and LM head. ``run_layer``: how each layer runs
+        (engine.executor passes the CUDA-graph runner); None: the layer's own forward."""
         device = self.model.embed_tokens.weight.device
         tokens = tokens.to(device)  # callers build them on the CPU
-        with step_threads(tokens.shape[0], device):
-            native = self.native_step() if device.type == "cpu" else None
-            out = native.forward(self, tokens, layout, kv, all_logits, rows) if native is not None else None
-            if out is not None:
-                return out
-            # the torch layers: the reference path (feed-forward halves through per-layer CUDA
-            # graphs on a GPU: engine.cuda_graphs)
-            prepare_graphs(self, device)
-            positions = layout.positions().to(device)
-            cos, sin = self.rotary.cos_sin(positions)
-            x = self.model.embed_tokens(tokens)
-            for layer in self.model.layers:
-                x = layer(x, cos, sin, layout, kv)
-            return self.final_logits(x, layout, all_logits, rows)
+        cos, sin = self.rotary.cos_sin(layout.positions().to(device))
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = (layer(x, cos, sin, layout, kv, state) if run_layer is None
+                 else run_layer(layer, x, cos, sin, layout, kv, state))
+        return self.final_logits(x, layout, all_logits, rows)
 
     def final_logits(self, x: torch.Tensor, layout: BatchLayout, all_logits: bool,
                      rows: list[int] | None = None) -> torch.Tensor:
         """Final norm and LM head of every row (all_logits), of ``rows``, or of each sequence's
         last one."""
         if not all_logits:
-            rows = rows if rows is not None else last_rows(layout)
+            rows = rows if rows is not None else layout.last_rows()
             x = x[torch.tensor(rows, device=x.device)]
         return self.lm_head(self.model.norm(x)).float()

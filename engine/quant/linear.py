@@ -97,5 +97,5 @@ def quantize_dense(model, fmt_name: str, group_size: int = DENSE_GROUP, head: st
         fmt = QuantFormat(want, group_size)
         use = fmt if not fmt.grouped or linear.in_features % group_size == 0 else fallback
         setattr(parent, name, QuantLinear.from_linear(linear, use))
-    model.invalidate_native_step()
+    model.modules_changed()
     return model

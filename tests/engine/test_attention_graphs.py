@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import cuda_graphs as CG
+from engine.executor import executor_for
 from engine.kv.base import BatchLayout
 from engine.kv.paged import PagedKVCache
 from tests.engine.test_cuda_graphs import _load, float_options, needs_triton, store  # noqa: F401
@@ -23,14 +24,14 @@ def run_decode(model, kv, steps: int, graphs, drop_last_after: int | None = None
     gs = CG.enable(model, graphs) if graphs else CG.disable(model)
     lens, last, logits = [], [], []
     for i, p in enumerate(PROMPTS):
-        out = model(torch.tensor(p), BatchLayout.single(i, len(p), 0), kv)
+        out = executor_for(model)(torch.tensor(p), BatchLayout.single(i, len(p), 0), kv)
         lens.append(len(p))
         last.append(int(out[0].argmax()))
     tokens = [list() for _ in PROMPTS]
     for step in range(steps):
         live = [0, 1] if drop_last_after is not None and step >= drop_last_after else [0, 1, 2]
         layout = BatchLayout(tuple(live), (1,) * len(live), tuple(lens[i] for i in live))
-        out = model(torch.tensor([last[i] for i in live]), layout, kv)
+        out = executor_for(model)(torch.tensor([last[i] for i in live]), layout, kv)
         logits.append(out)
         for r, i in enumerate(live):
             lens[i] += 1
@@ -109,15 +110,15 @@ def test_steps_that_are_not_pure_decode_run_attention_eager(store, float_options
         gs = CG.enable(model, CG.RecordedGraph)
         kv = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=8, block_size=4,
                           dtype=torch.float32)
-        model(torch.tensor(PROMPTS[0]), BatchLayout.single(0, 3, 0), kv)
-        model(torch.tensor([4, 9, 8, 1, 2]), BatchLayout((0, 1), (1, 4), (3, 0)), kv)
+        executor_for(model)(torch.tensor(PROMPTS[0]), BatchLayout.single(0, 3, 0), kv)
+        executor_for(model)(torch.tensor([4, 9, 8, 1, 2]), BatchLayout((0, 1), (1, 4), (3, 0)), kv)
         contiguous = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim)
-        model(torch.tensor([3]), BatchLayout.single(5, 1, 0), contiguous)
+        executor_for(model)(torch.tensor([3]), BatchLayout.single(5, 1, 0), contiguous)
         assert gs.counters.attention_eager == 3 * c.num_layers
         assert all(not l._layer_graphs.attn_entries for l in model.model.layers)
         assert kv._scratch is None  # eager steps take no scratch block
         gs = CG.enable(model, CG.RecordedGraph, attention=False)  # feed-forward graphs only
-        model(torch.tensor([6, 2]), BatchLayout((0, 1), (1, 1), (4, 4)), kv)
+        executor_for(model)(torch.tensor([6, 2]), BatchLayout((0, 1), (1, 1), (4, 4)), kv)
         assert gs.counters.attention_eager == c.num_layers and gs.counters.captures > 0
     finally:
         sm.close()

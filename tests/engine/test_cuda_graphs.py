@@ -9,6 +9,7 @@ import torch
 
 from engine import cuda_graphs as CG
 from engine.errors import ConfigError
+from engine.executor import executor_for
 from engine.quant import triton_kernels as TK
 
 needs_triton = pytest.mark.skipif(not TK.supports(torch.device("cpu")),
@@ -114,7 +115,8 @@ def check_model(store, factory, device: str) -> None:
             gs = CG.enable(sm.model, factory) if graphs else CG.disable(sm.model)
             c = sm.model.config
             kv = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim)
-            logits = sm.model(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv, all_logits=True)
+            logits = executor_for(sm.model)(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv,
+                                            all_logits=True)
             engine = Engine.for_requests(sm.model, None, len(prompt) + 8, seqs=3)
             out = engine.generate([Request(p, SamplingConfig(max_tokens=n, ignore_eos=True)) for p, n in reqs])
             return logits, [r.output_ids for r in out], gs, sm.model
@@ -271,20 +273,18 @@ def test_a_failed_capture_runs_eager_from_then_on(store, float_options):
 
 @needs_triton
 def test_injected_routing_runs_eager_and_the_experts_graph_follows_it(store, float_options):
-    """A router whose forward is replaced per instance (trace replay keeps Python state: here a
-    shift of the ids set between steps) is not captured: each step routes eagerly, the experts
-    graph replays on that step's routing and equals eager (a captured route would replay the
-    first step's ids)."""
+    """A declared router override (trace replay keeps Python state: here a shift of the ids set
+    between steps) is not captured: each step routes eagerly, the experts graph replays on that
+    step's routing and equals eager (a captured route would replay the first step's ids)."""
     from engine.layers.moe import Routing
 
     sm = _load(store, slots=32)
     try:
         layer = sm.model.model.layers[0]
         mlp = layer.mlp
-        real = mlp.gate.forward
         shift = {"n": 0}
-        mlp.gate.forward = lambda x, allowed=None: (lambda r: Routing(r.weights, (r.ids + shift["n"]) % 16))(
-            real(x, allowed))
+        mlp.router_override = lambda x, allowed=None: (lambda r: Routing(r.weights, (r.ids + shift["n"]) % 16))(
+            mlp.gate(x, allowed))
         gs = CG.enable(sm.model, CG.RecordedGraph, buckets=(4,))
         x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
         for n in (0, 5, 11):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.executor import executor_for
 from engine.experts.runtime import load_from_store, store_expert_bytes
 from engine.generate import Request
 from engine.kv.paged import PagedKVCache
@@ -70,7 +71,7 @@ def test_batched_speculation_is_greedy_identical_on_the_default_path(store, mode
     budget = store_expert_bytes(store) // 4  # 6 of 24 experts: misses every step
     reqs = _requests()
     with load_from_store(store, device_budget=budget, dense=dense) as sm:
-        assert sm.model.native_step() is not None  # the fused native step, not the torch layers
+        assert executor_for(sm.model).native() is not None  # the fused native step, not the torch layers
         if K.load_extension().has_vnni():  # the default on such a CPU: int8 activations
             assert K.int8_activations()
         plain = _engine(sm)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from engine.errors import ConfigError, UnsupportedArchitectureError
+from engine.executor import executor_for
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.loading import load_model
 from engine.moefy import (
@@ -70,7 +71,7 @@ def calib_windows(n: int = 6, length: int = 48, seed: int = 0) -> list[list[int]
 def our_logits(model, ids) -> torch.Tensor:
     cfg = model.config
     kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    return model(torch.tensor(ids), BatchLayout.single(0, len(ids), 0), kv, all_logits=True)
+    return executor_for(model)(torch.tensor(ids), BatchLayout.single(0, len(ids), 0), kv, all_logits=True)
 
 
 def hf_logits(model, ids) -> torch.Tensor:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from engine.executor import executor_for
 from engine.generate import Request, generate_ids
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.kv.state import HybridKVCache
@@ -116,9 +117,10 @@ def test_int4_store_minimal_cache_equals_full_residency(hf_dir, model, tmp_path)
     try:
         prompt = torch.randint(3, 96, (100,), generator=torch.Generator().manual_seed(4))
         cfg = model.config
-        want = model(prompt, BatchLayout.single(0, 100, 0), ContiguousKVCache(cfg.num_layers, 2, 16), all_logits=True)
-        got = full.model(prompt, BatchLayout.single(0, 100, 0), ContiguousKVCache(cfg.num_layers, 2, 16),
-                         all_logits=True)
+        want = executor_for(model)(prompt, BatchLayout.single(0, 100, 0), ContiguousKVCache(cfg.num_layers, 2, 16),
+                                   all_logits=True)
+        got = executor_for(full.model)(prompt, BatchLayout.single(0, 100, 0),
+                                       ContiguousKVCache(cfg.num_layers, 2, 16), all_logits=True)
         # int4 g32 experts, fp32 dense, against the fp32 model over 100 positions (measured: mean
         # cosine 0.986, mean |error| 14% of mean |logit|; a near-tie routing flip moves single rows)
         cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.errors import MoestreamError
+from engine.executor import executor_for
 from engine.generate import Request, generate_ids
 from engine.kv.base import BatchLayout
 from engine.kv.state import HybridKVCache, RecurrentStateError
@@ -96,13 +97,13 @@ def test_verify_checkpoints_are_the_plain_decoding_states(model):
     feed = [17, 40, 41, 5, 88]  # [last, d_1..d_4]
     plain_kv, verify_kv = hybrid(model), hybrid(model)
     for kv in (plain_kv, verify_kv):
-        model(torch.tensor(prompt), BatchLayout.single(0, 70, 0), kv)
+        executor_for(model)(torch.tensor(prompt), BatchLayout.single(0, 70, 0), kv)
     plain_states, plain_logits = [], []
     for i, t in enumerate(feed):
-        plain_logits.append(model(torch.tensor([t]), BatchLayout.single(0, 1, 70 + i), plain_kv)[0])
+        plain_logits.append(executor_for(model)(torch.tensor([t]), BatchLayout.single(0, 1, 70 + i), plain_kv)[0])
         plain_states.append(plain_kv.snapshot(0))
     st = verify_kv.state
-    logits = model(torch.tensor(feed), BatchLayout.single(0, 5, 70), verify_kv, rows=list(range(5)))
+    logits = executor_for(model)(torch.tensor(feed), BatchLayout.single(0, 5, 70), verify_kv, rows=list(range(5)))
     assert logits.shape == (5, cfg.vocab_size)
     torch.testing.assert_close(logits, torch.stack(plain_logits), rtol=1e-4, atol=1e-4)
     base, conv, matrix = st._checkpoints[0]
@@ -118,22 +119,22 @@ def test_verify_checkpoints_are_the_plain_decoding_states(model):
     torch.testing.assert_close(now.matrix, plain_states[1].matrix, rtol=1e-5, atol=1e-6)
     assert float((now.matrix - plain_states[4].matrix).abs().max()) > 1e-2  # the drafts had moved it
     # and decoding continues from there as plain decoding did
-    again = model(torch.tensor([feed[2]]), BatchLayout.single(0, 1, 72), verify_kv)[0]
+    again = executor_for(model)(torch.tensor([feed[2]]), BatchLayout.single(0, 1, 72), verify_kv)[0]
     torch.testing.assert_close(again, plain_logits[2], rtol=1e-4, atol=1e-4)
 
 
 def test_keep_needs_a_verify_forward(model):
     kv = hybrid(model)
     prompt = list(range(3, 23))
-    model(torch.tensor(prompt), BatchLayout.single(0, 20, 0), kv)
+    executor_for(model)(torch.tensor(prompt), BatchLayout.single(0, 20, 0), kv)
     kv.keep(0, 20)  # where it stands: nothing to do
     with pytest.raises(RecurrentStateError, match="only a verify forward"):
         kv.keep(0, 18)
     # a prefill chunk asks for its last row only: no checkpoints, so no rollback into it
-    model(torch.tensor(prompt[:5]), BatchLayout.single(0, 5, 20), kv, rows=[4])
+    executor_for(model)(torch.tensor(prompt[:5]), BatchLayout.single(0, 5, 20), kv, rows=[4])
     with pytest.raises(RecurrentStateError, match="none kept"):
         kv.keep(0, 22)
-    model(torch.tensor(prompt[:3]), BatchLayout.single(0, 3, 25), kv, rows=[0, 1, 2])
+    executor_for(model)(torch.tensor(prompt[:3]), BatchLayout.single(0, 3, 25), kv, rows=[0, 1, 2])
     with pytest.raises(RecurrentStateError, match="positions 26..28 kept"):
         kv.keep(0, 25)  # before the verify forward's first token
     assert isinstance(RecurrentStateError("x"), MoestreamError)
@@ -226,9 +227,9 @@ def test_recurrent_draft_model_rolls_back_its_own_state(model):
 
     def counting(tokens, layout, kv):
         fed.append(tokens.numel())
-        return draft(tokens, layout, kv)
+        return executor_for(draft)(tokens, layout, kv)
 
-    d.model = counting
+    d.forward = counting
     kept = history + drafts[:2] + [(drafts[2] + 1) % 96]  # d_1, d_2 accepted, then a correction
     assert d.propose(kept, 4, ctx)[0] == fresh(kept)
     assert fed == [1, 1, 1, 1]  # the correction, then 3 drafts: the state came back from position 32
@@ -245,12 +246,12 @@ def test_all_rows_of_a_long_span_are_computed_without_checkpoints(model):
     kv = hybrid(model)
     n = MAX_CHECKPOINTS + 5
     prompt = torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(3))
-    logits = model(prompt, BatchLayout.single(0, n, 0), kv, rows=list(range(n)))
+    logits = executor_for(model)(prompt, BatchLayout.single(0, n, 0), kv, rows=list(range(n)))
     assert logits.shape == (n, model.config.vocab_size) and kv.state._checkpoints == {}
     with pytest.raises(RecurrentStateError, match="none kept"):
         kv.keep(0, n - 1)
-    short = model(prompt[:MAX_CHECKPOINTS], BatchLayout.single(1, MAX_CHECKPOINTS, 0), kv,
-                  rows=list(range(MAX_CHECKPOINTS)))
+    short = executor_for(model)(prompt[:MAX_CHECKPOINTS], BatchLayout.single(1, MAX_CHECKPOINTS, 0), kv,
+                                rows=list(range(MAX_CHECKPOINTS)))
     assert short.shape[0] == MAX_CHECKPOINTS and kv.state._checkpoints[1][1].shape[1] == MAX_CHECKPOINTS
 
 
@@ -270,7 +271,7 @@ def test_native_step_speculation_is_greedy_identical(hf_dir):
         configure(fused_step=True, int8_activations=False)
         files = open_model_files(hf_dir)
         native = quantize_dense(build_model(files.config, files.source), "bf16")
-        step = native.native_step()
+        step = executor_for(native).native()
         assert step is not None and options().fused_step
         step.ext = spy = Counting(step.ext)
         torch_rows = []

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from engine.executor import executor_for
 from engine.experts.runtime import load_from_store, store_expert_bytes
 from engine.generate import generate_ids
 from engine.kv.base import BatchLayout, ContiguousKVCache
@@ -254,7 +255,7 @@ def exact_joint(model, prompt, n, cfg: SamplingConfig) -> dict[tuple[int, ...], 
     def next_probs(prefix):
         kv = ContiguousKVCache(1, model.config.num_kv_heads, model.config.head_dim)
         ids = prompt + list(prefix)
-        logits = model(torch.tensor(ids), BatchLayout.single(0, len(ids), 0), kv)[0].clone()
+        logits = executor_for(model)(torch.tensor(ids), BatchLayout.single(0, len(ids), 0), kv)[0].clone()
         seen = torch.tensor(sorted(set(prompt) | set(prefix)))
         v = logits[seen]
         logits[seen] = torch.where(v > 0, v / cfg.repetition_penalty, v * cfg.repetition_penalty)

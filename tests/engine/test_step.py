@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from engine.executor import executor_for
 from engine.experts.runtime import load_from_store
 from engine.experts.tiers import align_up
 from engine.generate import generate_ids
@@ -78,7 +79,7 @@ class Counting:
 
 def spy(model, fused) -> Counting:
     fused(True)
-    step = model.native_step()
+    step = executor_for(model).native()
     assert step is not None, "the native step should apply to this model"
     step.ext = Counting(step.ext)
     return step.ext
@@ -96,7 +97,7 @@ def steps(model, kv, fused_on: bool, fused) -> list[torch.Tensor]:
     out = []
     for layout in plan:
         tokens = torch.randint(0, v, (layout.num_tokens,), generator=g)
-        out.append(model(tokens, layout, kv, all_logits=True))
+        out.append(executor_for(model)(tokens, layout, kv, all_logits=True))
     return out
 
 
@@ -129,7 +130,7 @@ def test_native_step_matches_torch_layers_on_mixed_batches(store, dense, i8a, kv
         got = steps(sm.model, kv(), True, fused)
         assert calls["attn_block"] == 3 * cfg.num_layers  # the native path ran every step
         for a, b in zip(got, want):
-            close(a, b, BOUND[i8a and sm.model.native_step().ext.ext.has_vnni()])
+            close(a, b, BOUND[i8a and executor_for(sm.model).native().ext.ext.has_vnni()])
 
 
 def greedy(model, n=16, kv=None):
@@ -157,9 +158,9 @@ def decode_calls(sm, fused) -> dict[str, int]:
     """The native calls of one decoded token after PROMPT (a contiguous KV cache)."""
     cfg = sm.model.config
     kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    sm.model(torch.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv)
+    executor_for(sm.model)(torch.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv)
     calls = spy(sm.model, fused).calls
-    sm.model(torch.tensor([7]), BatchLayout.single(0, 1, len(PROMPT)), kv)
+    executor_for(sm.model)(torch.tensor([7]), BatchLayout.single(0, 1, len(PROMPT)), kv)
     return dict(calls)
 
 
@@ -185,7 +186,7 @@ def test_decode_is_three_native_calls_per_layer_and_one_for_the_head(store, fuse
 def test_fp8_kv_and_fp32_dense_run_the_torch_layers(store, fused):
     fused(True)
     with load_from_store(store, prefetch_depth=0, dense="fp32") as sm:
-        assert sm.model.native_step() is None  # fp32 dense: the exact reference path
+        assert executor_for(sm.model).native() is None  # fp32 dense: the exact reference path
     with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
         cfg = sm.model.config
         kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=8, block_size=4, dtype=FP8)

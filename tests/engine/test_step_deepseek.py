@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
+from engine.executor import executor_for
 from engine.experts.runtime import load_from_store
 from engine.kv.base import BatchLayout
 from engine.kv.paged import PagedKVCache
@@ -73,14 +74,14 @@ def test_native_step_matches_torch_layers_on_mixed_batches(store, dense, i8a, kv
         cfg = sm.model.config
         want = steps(sm.model, latent_kv(cfg, kv_dtype), False, fused)
         calls = spy(sm.model, fused).calls
-        step = sm.model.native_step()
+        step = executor_for(sm.model).native()
         assert isinstance(step, DeepseekNativeStep)
         assert all(h.kvb is not None for h in step.attn)  # kv_b read in its dense format
         got = steps(sm.model, latent_kv(cfg, kv_dtype), True, fused)
         assert calls["mla_block"] == 3 * cfg.num_layers and calls["attn_block"] == 0  # native every step
         assert calls["route_grouped"] == 3 * len(sm.model.moe_blocks) and calls["route"] == 0
         for a, b in zip(got, want):
-            close(a, b, BOUND[i8a and sm.model.native_step().ext.ext.has_vnni()])
+            close(a, b, BOUND[i8a and executor_for(sm.model).native().ext.ext.has_vnni()])
 
 
 def test_greedy_tokens_identical_through_the_expert_cache(store, fused):
@@ -196,7 +197,7 @@ def test_native_step_on_the_avx2_build(tmp_path, fused):
             cfg = sm.model.config
             want = steps(sm.model, latent_kv(cfg, torch.float32), False, fused)
             calls = spy(sm.model, fused).calls
-            assert "avx2" in sm.model.native_step().ext.ext.__name__
+            assert "avx2" in executor_for(sm.model).native().ext.ext.__name__
             got = steps(sm.model, latent_kv(cfg, torch.float32), True, fused)
             assert calls["mla_block"] == 3 * cfg.num_layers and calls["route_grouped"] > 0
             for a, b in zip(got, want):

@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
+from engine.executor import executor_for
 from engine.experts.runtime import load_from_store
 from engine.generate import generate_ids
 from engine.kv.base import BatchLayout, ContiguousKVCache
@@ -100,15 +101,15 @@ def test_decode_is_three_native_calls_and_few_ops_per_layer(store, fused):
     with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
         cfg = sm.model.config
         kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        sm.model(torch.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv)
-        sm.model(torch.tensor([7]), BatchLayout.single(0, 1, len(PROMPT)), kv)  # first-use work
+        executor_for(sm.model)(torch.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv)
+        executor_for(sm.model)(torch.tensor([7]), BatchLayout.single(0, 1, len(PROMPT)), kv)  # first-use work
         calls = spy(sm.model, fused).calls
         layers, n, ops = sm.model.model.layers, cfg.num_layers, {}
         for keep in (n, 1):
             sm.model.model.layers = layers[:keep]
             try:
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    sm.model(torch.tensor([9]), BatchLayout.single(0, 1, len(PROMPT) + 1), kv)
+                    executor_for(sm.model)(torch.tensor([9]), BatchLayout.single(0, 1, len(PROMPT) + 1), kv)
             finally:
                 sm.model.model.layers = layers
             ops[keep] = Counter()
@@ -199,7 +200,7 @@ def test_native_step_under_avx2_matches_torch_layers(store, fused):
             if K.load_extension() is None or K.native_isa() != "avx2":
                 pytest.skip(f"AVX2 kernels unavailable: {K.extension_error()}")
             fused(True)
-            step = sm.model.native_step()
+            step = executor_for(sm.model).native()
             assert step is not None and "avx2" in step.ext.__name__
             calls = spy(sm.model, fused).calls
             got = steps(sm.model, kv(), True, fused)

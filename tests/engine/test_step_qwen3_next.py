@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
+from engine.executor import executor_for
 from engine.experts.runtime import load_from_store
 from engine.generate import Request, generate_ids
 from engine.kv.base import BatchLayout, ContiguousKVCache
@@ -80,7 +81,7 @@ def schedule(model, kv, fused_on: bool, fused) -> list[torch.Tensor]:
         if layout.seq_ids == (1, 3):
             kv.free(0)
         tokens = torch.randint(0, model.config.vocab_size, (layout.num_tokens,), generator=g)
-        out.append(model(tokens, layout, kv, all_logits=True))
+        out.append(executor_for(model)(tokens, layout, kv, all_logits=True))
     return out
 
 
@@ -127,7 +128,7 @@ def test_deltanet_block_equals_the_torch_layer_on_mixed_rows(hf_dir, fused):
     configure(int8_activations=False)  # the torch layer's linears as the native call's (i8a False)
     model = quantized(hf_dir, "int8")
     fused(True)
-    step = model.native_step()
+    step = executor_for(model).native()
     fused(False)  # the reference: the torch layer throughout (no deltanet_step inside it)
     i = next(j for j, layer in enumerate(model.model.layers) if layer.linear)
     layer, li = model.model.layers[i], model.model.layers[i].linear_attn.state_layer
@@ -235,18 +236,18 @@ def decode_token(model, spy_calls=None, profile_it=False):
     cfg = model.config
     kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     prompt = list(range(3, 12))
-    model(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv)
-    model(torch.tensor([7]), BatchLayout.single(0, 1, len(prompt)), kv)
+    executor_for(model)(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv)
+    executor_for(model)(torch.tensor([7]), BatchLayout.single(0, 1, len(prompt)), kv)
     spy_calls.clear()
     token = torch.tensor([8])
     ops = Counter()
     if profile_it:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            model(token, BatchLayout.single(0, 1, len(prompt) + 1), kv)
+            executor_for(model)(token, BatchLayout.single(0, 1, len(prompt) + 1), kv)
         for e in prof.key_averages():
             ops[e.key] += e.count
     else:
-        model(token, BatchLayout.single(0, 1, len(prompt) + 1), kv)
+        executor_for(model)(token, BatchLayout.single(0, 1, len(prompt) + 1), kv)
     return ops
 
 

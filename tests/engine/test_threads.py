@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
+from engine.executor import executor_for
 from engine.options import RuntimeOptions, configure
 from engine.threads import SMALL_STEP_TOKENS, step_threads
 
@@ -61,6 +62,6 @@ def test_model_forward_applies_it(two_threads):
     seen = []
     model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(torch.get_num_threads()))
     kv = ContiguousKVCache(1, 1, 16)
-    model(torch.arange(20), BatchLayout.single(0, 20, 0), kv)
-    model(torch.tensor([3]), BatchLayout.single(0, 1, 20), kv)
+    executor_for(model)(torch.arange(20), BatchLayout.single(0, 20, 0), kv)
+    executor_for(model)(torch.tensor([3]), BatchLayout.single(0, 1, 20), kv)
     assert seen == [2, 1] and torch.get_num_threads() == 2

@@ -10,6 +10,7 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+from engine.executor import executor_for  # noqa: E402
 from engine.experts.runtime import load_from_store  # noqa: E402
 from engine.generate import generate_ids  # noqa: E402
 from engine.layers.sampler import SamplingConfig  # noqa: E402
@@ -78,8 +79,8 @@ def test_grouped_kernels_compiled_equal_the_per_expert_path(store):
             sm.cache.grouped = grouped
             c = sm.model.config
             kv = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim)
-            out[grouped] = sm.model(T.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv,
-                                    all_logits=True).cpu()
+            out[grouped] = executor_for(sm.model)(T.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv,
+                                                  all_logits=True).cpu()
             layout = sm.cache.grouped_layout(sm.model.moe_blocks[0].layer, T.device("cuda"))
             # int4 and int8 run grouped; nf4 keeps the per-expert kernels
             assert (layout is not None) == (grouped and "nf4" not in str(store))

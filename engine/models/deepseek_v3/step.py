@@ -31,7 +31,7 @@ from engine.models.deepseek_v3.mla import MLAttention
 from engine.layers.moe import SparseMoE
 from engine.quant.kernels import load_extension
 from engine.quant.linear import QuantLinear
-from engine.step import EMPTY, NativeStep, _f32, _lin
+from engine.step import EMPTY, NativeStep, StepContext, _f32, _lin
 
 
 KV_B_FORMATS = ("int8", "bf16")  # kv_b_proj formats mla_block reads in place (engine/csrc/mla_kvb.cpp)
@@ -101,8 +101,9 @@ class DeepseekNativeStep(NativeStep):
             return None
         return super().for_model(model)
 
-    def _attention(self, i, x, cos, sin, positions, storage, tables, qlens, ctxs, dmt, i8a) -> torch.Tensor:
-        return self.ext.mla_block(self.attn[i], x, cos, sin, positions, storage, i, tables, qlens, ctxs, dmt, i8a)
+    def _attention(self, ctx: StepContext, i: int, layer) -> torch.Tensor:
+        return self.ext.mla_block(self.attn[i], ctx.x, ctx.cos, ctx.sin, ctx.positions, ctx.storage, i,
+                                  ctx.tables, ctx.qlens, ctx.ctxs, ctx.dmt, ctx.i8a)
 
     def _route(self, mlp: SparseMoE, i: int, h: torch.Tensor):
         return self.ext.route_grouped(h, self.routers[i])

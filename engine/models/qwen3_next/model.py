@@ -12,24 +12,27 @@ any other cache).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.kv.base import BatchLayout, KVCache
-from engine.kv.state import recurrent_state_for
+from engine.kv.state import RecurrentState, recurrent_state_for
 from engine.layers.centred_norm import CentredRMSNorm
 from engine.layers.deltanet import GatedDeltaNet
 from engine.layers.gated_attention import GatedAttention
 from engine.layers.mlp import SwiGLU
 from engine.layers.moe import SparseMoE
 from engine.layers.rope import Rotary
-from engine.cuda_graphs import mlp_residual, prepare as prepare_graphs
-from engine.models.base import CausalLM
-from engine.threads import step_threads
+from engine.models.base import Block, CausalLM
 
 
-class HybridLayer(nn.Module):
+class HybridLayer(Block):
+    graph_attention = False  # the mixer half runs eager; the feed-forward half may run as graphs
+
     def __init__(self, cfg: ModelConfig, layer: int, kv_layer: int, state_layer: int) -> None:
         super().__init__()
         self.linear = cfg.is_linear_attention_layer(layer)
@@ -42,11 +45,10 @@ class HybridLayer(nn.Module):
         self.mlp: nn.Module = (SparseMoE(cfg, layer) if cfg.is_moe_layer(layer)
                                else SwiGLU(cfg.hidden_size, cfg.intermediate_size))
 
-    def forward(self, x, cos, sin, layout, kv, state):
+    def mixer_residual(self, x, cos, sin, layout, kv, state=None):
         h = self.input_layernorm(x)
         h = self.linear_attn(h, layout, state) if self.linear else self.self_attn(h, cos, sin, layout, kv)
-        x = x + h
-        return mlp_residual(self, x)  # x + mlp(norm(x)): per-layer graphs where they are on
+        return x + h
 
 
 class HybridDecoder(nn.Module):
@@ -78,29 +80,17 @@ class Qwen3NextForCausalLM(CausalLM):
 
         return HybridStep
 
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
-                all_logits: bool = False, rows: list[int] | None = None) -> torch.Tensor:
-        """As CausalLM.forward; the DeltaNet layers read and advance each sequence's recurrent
-        state (engine.kv.state), which must stand at the sequence's context length. A sequence
-        of several tokens whose every row is in ``rows`` is a speculative verify row: its state
-        is kept after each position, for ``kv.keep`` after acceptance."""
-        device = self.model.embed_tokens.weight.device
-        tokens = tokens.to(device)
+    @contextmanager
+    def step_state(self, layout: BatchLayout, kv: KVCache, rows: list[int] | None) -> Iterator[RecurrentState]:
+        """The DeltaNet layers read and advance each sequence's recurrent state (engine.kv.state),
+        which must stand at the sequence's context length: positioned here before the step
+        (raises before computing from a wrong state), advanced after it. A sequence of several
+        tokens whose every row is in ``rows`` is a speculative verify row: its state is kept
+        after each position, for ``kv.keep`` after acceptance."""
         state = recurrent_state_for(kv, self.config)
-        state.begin(layout, verify_rows(layout, rows))  # raises before computing from a wrong state
-        with step_threads(tokens.shape[0], device):
-            native = self.native_step() if device.type == "cpu" else None
-            out = native.forward(self, tokens, layout, kv, state, all_logits, rows) if native is not None else None
-            if out is None:  # the torch layers: the reference path (per-layer CUDA graphs on a GPU)
-                cos, sin = self.rotary.cos_sin(layout.positions().to(device))
-                x = self.model.embed_tokens(tokens)
-                prepare_graphs(self, device)
-                for layer in self.model.layers:
-                    x = layer(x, cos, sin, layout, kv, state)
-                out = self.final_logits(x, layout, all_logits, rows)
-            state.advance(layout)
-            return out
+        state.begin(layout, verify_rows(layout, rows))
+        yield state
+        state.advance(layout)
 
     def dense_linear_slots(self) -> list[tuple[nn.Module, str]]:
         """(parent, attribute) of every dense linear engine.quant.linear may swap."""

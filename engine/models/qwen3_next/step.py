@@ -18,16 +18,19 @@ Zero-centred norms run as plain RMSNorms with the weight 1 + w (no kernel change
 block runs the delta rule position by position (the recurrent form); the torch layers
 (engine.layers.deltanet, the reference path) run a prefill chunk in the chunked form, equal up to
 float32 summation order. The recurrent state is positioned (``begin``, which also allocates the
-checkpoints) and advanced by the model's forward around this step, as for the torch layers.
+checkpoints) and advanced around this step by the model's ``step_state`` (engine.executor enters
+it for every path), as for the torch layers. The layer loop is NativeStep.forward's: this step
+provides the per-layer mixer hook (``_attention``) and the context's extra fields.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.kv.base import BatchLayout, KVCache
-from engine.quant.kernels import DIRECT_MAX_T, int8_activations
-from engine.step import NativeStep, _f32, _lin
+from engine.kv.base import BatchLayout
+from engine.step import NativeStep, StepContext, _f32, _lin
 
 
 def _centred(norm) -> torch.Tensor:
@@ -35,8 +38,19 @@ def _centred(norm) -> torch.Tensor:
     return (1.0 + norm.weight.detach().float()).contiguous()
 
 
+@dataclass(frozen=True, slots=True)
+class HybridContext(StepContext):
+    """StepContext + per sequence of the layout its recurrent state slot, and the sequences whose
+    rows are a speculative verify row."""
+
+    state_slots: list[int]
+    verify: list[int]
+
+
 class HybridStep(NativeStep):
     """Per-layer native handles of a Qwen3-Next model."""
+
+    context_type = HybridContext
 
     def __init__(self, model, ext) -> None:
         self.rotary_dim = model.config.rotary_dim
@@ -66,32 +80,24 @@ class HybridStep(NativeStep):
         step = super().for_model(model)
         return step if step is None or hasattr(step.ext, "deltanet_block") else None
 
-    def forward(self, model, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache, state=None,
-                all_logits: bool = False, rows: list[int] | None = None) -> torch.Tensor | None:
-        """Logits as the model's forward returns them, or None when the KV cache cannot hand out
-        block tables (the caller runs the torch layers). ``state``: the RecurrentState, already
-        positioned (``begin``) for ``layout``; the caller advances it after."""
-        view = kv.native_view(layout, tokens.device)
-        if view is None:
-            return None
-        storage, tables = view
-        ext, dmt, i8a = self.ext, DIRECT_MAX_T, int8_activations()
-        qlens, ctxs = list(layout.query_lens), list(layout.context_lens)
-        positions = [c + i for c, n in zip(ctxs, qlens) for i in range(n)]
-        cos, sin = model.rotary.tables(max(positions) + 1)
+    def _extra_context(self, layout: BatchLayout, state) -> tuple:
+        """HybridContext's fields: each sequence's state slot, and the sequences whose rows are a
+        verify row (their state checkpointed after each position)."""
         slots = [state.slot[s] for s in layout.seq_ids]
-        verify = [s for s, n in zip(layout.seq_ids, qlens) if n > 1 and state.checkpoint(0, s) is not None]
-        x = model.model.embed_tokens(tokens).float().contiguous()
-        for i, layer in enumerate(model.model.layers):
-            if not layer.linear:
-                h = ext.attn_block(self.attn[i], x, cos, sin, positions, storage, layer.self_attn.kv_layer,
-                                   tables, qlens, ctxs, dmt, i8a)
-            else:
-                ck_conv, ck_matrix = self._checkpoints(state, layer.linear_attn.state_layer, layout, verify)
-                h = ext.deltanet_block(self.attn[i], x, state.conv, state.matrix, layer.linear_attn.state_layer,
-                                       slots, qlens, ck_conv, ck_matrix, dmt, i8a)
-            self._mlp(layer.mlp, i, x, h)
-        return self._logits(model, x, layout, all_logits, rows)
+        verify = [s for s, n in zip(layout.seq_ids, layout.query_lens)
+                  if n > 1 and state.checkpoint(0, s) is not None]
+        return slots, verify
+
+    def _attention(self, ctx: "HybridContext", i: int, layer) -> torch.Tensor:
+        """Layer i's mixer: gated attention over the KV cache at its compact attention index, or
+        Gated DeltaNet on the sequences' recurrent state at its state index."""
+        if not layer.linear:
+            return self.ext.attn_block(self.attn[i], ctx.x, ctx.cos, ctx.sin, ctx.positions, ctx.storage,
+                                       layer.self_attn.kv_layer, ctx.tables, ctx.qlens, ctx.ctxs, ctx.dmt, ctx.i8a)
+        state, j = ctx.state, layer.linear_attn.state_layer
+        ck_conv, ck_matrix = self._checkpoints(state, j, ctx.layout, ctx.verify)
+        return self.ext.deltanet_block(self.attn[i], ctx.x, state.conv, state.matrix, j, ctx.state_slots,
+                                       ctx.qlens, ck_conv, ck_matrix, ctx.dmt, ctx.i8a)
 
     @staticmethod
     def _checkpoints(state, layer: int, layout: BatchLayout, verify: list[int]):

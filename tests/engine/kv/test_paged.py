@@ -8,6 +8,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import CapacityError, ConfigError
+from engine.executor import executor_for
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.kv.paged import FP8, BlockPool, PagedKVCache
 from engine.loading import open_model_files
@@ -154,7 +155,7 @@ def test_model_logits_paged_equal_contiguous(tiny, dtype):
             flat = torch.cat([tokens[s, pos[s]:pos[s] + n] for s, n in step])
             layout = BatchLayout(tuple(s for s, _ in step), tuple(n for _, n in step),
                                  tuple(pos[s] for s, _ in step))
-            logits.append(model(flat, layout, kv, all_logits=True))
+            logits.append(executor_for(model)(flat, layout, kv, all_logits=True))
             for s, n in step:
                 pos[s] += n
         outs.append(torch.cat(logits))

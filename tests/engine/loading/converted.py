@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.executor import executor_for
 from engine.generate import generate_ids
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.layers.sampler import SamplingConfig
@@ -27,11 +28,11 @@ def converter_module():
 
 
 def all_logits(model, ids) -> torch.Tensor:
-    """[len(ids), vocab] logits of one prefill of ``ids``."""
+    """[len(ids), vocab] logits of one prefill of ``ids`` (through the executor, as serving runs it)."""
     cfg = model.config
     ids = torch.as_tensor(ids)
-    return model(ids, BatchLayout.single(0, len(ids), 0),
-                 ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True)
+    return executor_for(model)(ids, BatchLayout.single(0, len(ids), 0),
+                               ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True)
 
 
 def assert_matches_transformers(ref, gguf_path: Path, hf_dir: Path, max_tokens: int):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.executor import executor_for
 from engine.experts.runtime import load_from_store
 from engine.experts.tiers import align_up
 from engine.generate import generate_ids
@@ -195,7 +196,7 @@ def test_fused_step_greedy_tokens_match_the_torch_layers(ext, store):
     try:
         sm = load_from_store(store, prefetch_depth=0, dense="int8")
         try:
-            assert sm.model.native_step() is None
+            assert executor_for(sm.model).native() is None
             want, want_logits = greedy(sm.model)
         finally:
             sm.close()
@@ -203,7 +204,7 @@ def test_fused_step_greedy_tokens_match_the_torch_layers(ext, store):
         for kw in (dict(prefetch_depth=0), dict(device_budget=top_k * slot, prefetch_depth=0, miss_compute="cpu")):
             sm = load_from_store(store, dense="int8", **kw)
             try:
-                step = sm.model.native_step()
+                step = executor_for(sm.model).native()
                 assert step is not None and step.ext is ext
                 calls = {"ffn_block": 0}
                 real = ext.ffn_block

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from engine.errors import ConfigError
+from engine.executor import executor_for
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.loading import open_model_files
 from engine.models.load import build_model
@@ -46,8 +47,8 @@ def test_quantized_dense_model_tracks_fp32(tmp_path, arch):
     prompt = torch.arange(3, 19)
 
     def logits(m):
-        return m(prompt, BatchLayout.single(0, len(prompt), 0),
-                 ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True)
+        return executor_for(m)(prompt, BatchLayout.single(0, len(prompt), 0),
+                               ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True)
 
     want = logits(ref)
     for name, tol in (("bf16", 0.02), ("int8", 0.05)):
@@ -71,8 +72,8 @@ def test_lm_head_gets_its_own_format(tmp_path):
     prompt = torch.arange(3, 19)
 
     def logits(m):
-        return m(prompt, BatchLayout.single(0, len(prompt), 0),
-                 ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True)
+        return executor_for(m)(prompt, BatchLayout.single(0, len(prompt), 0),
+                               ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True)
 
     want = logits(build_model(cfg, files.source))
     model = quantize_dense(build_model(cfg, files.source), "int8", head="int4")

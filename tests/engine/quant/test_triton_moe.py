@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.executor import executor_for
 from engine.quant import triton_kernels as TK
 from engine.quant import triton_moe as TM
 from engine.quant.formats import QuantFormat
@@ -108,7 +109,8 @@ def test_the_expert_cache_runs_each_layer_as_two_grouped_launches(tmp_path, monk
             sm.cache.grouped = grouped
             c = sm.model.config
             kv = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim)
-            logits = sm.model(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv, all_logits=True)
+            logits = executor_for(sm.model)(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv,
+                                            all_logits=True)
             engine = Engine.for_requests(sm.model, None, len(prompt) + 12)
             tokens = engine.generate([Request(prompt, SamplingConfig(max_tokens=12, ignore_eos=True))])[0]
             return logits, tokens.output_ids, sm.cache.slot_map.clone()
