@@ -98,6 +98,18 @@ def _unsupported(param: str, what: str) -> OpenAIError:
                        code="unsupported_parameter")
 
 
+# Content parts carrying pixels (OpenAI chat's image_url, the Responses API's input_image, and
+# their video forms): every model here is served text-only (a vision-language checkpoint such as
+# Qwen3.5-MoE runs without its vision tower, which is never loaded).
+VISUAL_PART_TYPES = frozenset({"image_url", "input_image", "image", "video_url", "input_video", "video"})
+
+
+def _visual_refused(param: str, part_type: str, model: str) -> OpenAIError:
+    return OpenAIError(400, f"{param}: model {model!r} does not accept images or video (a content part "
+                            f"of type {part_type!r}); it is served text-only, without a vision tower: "
+                            f"send text content parts only", param=param, code="unsupported_modality")
+
+
 class _Sampling(_Body):
     """The fields both endpoints share."""
 
@@ -216,10 +228,10 @@ class ChatCompletionRequest(_Sampling):
             if isinstance(m.content, list):
                 texts = []
                 for j, part in enumerate(m.content):
+                    if part.type in VISUAL_PART_TYPES:
+                        raise _visual_refused(f"{where}.content[{j}]", part.type, self.model)
                     if part.type != "text":
-                        what = "image content" if part.type.startswith("image") else \
-                            f"content parts of type {part.type!r}"
-                        raise _unsupported(f"{where}.content[{j}]", what)
+                        raise _unsupported(f"{where}.content[{j}]", f"content parts of type {part.type!r}")
                     text = (part.model_extra or {}).get("text")
                     if not isinstance(text, str):
                         raise OpenAIError(400, f"{where}.content[{j}].text: a text part needs a "

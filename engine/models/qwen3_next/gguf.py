@@ -39,16 +39,26 @@ _CENTRED = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attenti
             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _AS_IS = {"ssm_ba.weight": "linear_attn.in_proj_ba.weight", "ssm_norm.weight": "linear_attn.norm.weight",
           "ssm_out.weight": "linear_attn.out_proj.weight", "ssm_dt.bias": "linear_attn.dt_bias"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 _NAME_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+(?:\.(?:weight|bias))?)$")
 
 
 def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
     """The ModelConfig of a ``qwen3next`` GGUF: its keys as the config.json they came from, read
     by the one Qwen3-Next config parser (engine.models.qwen3_next.config)."""
+    raw = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+           **hf_text_dict(meta, "qwen3next", source)}
+    return decoder_config("qwen3_next", raw, source, hf_fields)
 
-    get = gguf_keys(meta, "qwen3next", source)
 
-    layers, heads = int(get("block_count")), int(get("attention.head_count"))
+def hf_text_dict(meta: Mapping[str, Any], arch: str, source: object) -> dict[str, Any]:
+    """The text model's config.json fields from the GGUF keys under ``arch`` (``qwen3next`` and
+    ``qwen35moe`` write the same ones): no architectures/model_type, for the caller to add."""
+    get = gguf_keys(meta, arch, source)
+
+    # block_count includes the MTP (nextn) blocks the converter appends after the model's own
+    layers = int(get("block_count")) - int(get("nextn_predict_layers", 0) or 0)
+    heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", hidden // heads))
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -56,10 +66,9 @@ def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
     nk, nv = int(get("ssm.group_count")), int(get("ssm.time_step_rank"))
     inner = int(get("ssm.inner_size"))
     if nv < 1 or inner % nv:
-        raise ModelFormatError(source, f"qwen3next.ssm.inner_size {inner} is not a multiple of "
+        raise ModelFormatError(source, f"{arch}.ssm.inner_size {inner} is not a multiple of "
                                        f"ssm.time_step_rank {nv} (value heads)")
     raw: dict[str, Any] = {
-        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
         "vocab_size": int(vocab), "hidden_size": hidden, "num_hidden_layers": layers,
         "intermediate_size": int(get("feed_forward_length", 0) or 0),
         "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -80,7 +89,7 @@ def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
     recurrent = get("attention.recurrent_layers", None)
     if recurrent is not None:  # per block, MTP blocks appended (never recurrent)
         if not isinstance(recurrent, list) or len(recurrent) < layers:
-            raise ModelFormatError(source, f"qwen3next.attention.recurrent_layers must list at least "
+            raise ModelFormatError(source, f"{arch}.attention.recurrent_layers must list at least "
                                            f"the {layers} blocks")
         raw["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent[:layers]]
     else:
@@ -92,7 +101,7 @@ def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
            if f"tokenizer.ggml.{k}" in meta]
     if eos:
         raw["eos_token_id"] = list(dict.fromkeys(eos))
-    return decoder_config("qwen3_next", raw, source, hf_fields)
+    return raw
 
 
 def gguf_split(gname: str, shape: tuple[int, ...], config: ModelConfig):
@@ -101,12 +110,13 @@ def gguf_split(gname: str, shape: tuple[int, ...], config: ModelConfig):
     blocks); None: the generic map."""
     if gname == "output_norm.weight":
         return [("model.norm.weight", shape, None, _shifted(gname))]
+    block = _BLOCK_RE.match(gname)
+    if block is not None and int(block.group(1)) >= config.num_layers:
+        return []  # an MTP (nextn) block (blk.N.nextn.eh_proj.weight, ...): not part of the model
     m = _NAME_RE.match(gname)
     if m is None:
         return None
     layer, rest = int(m.group(1)), m.group(2)
-    if layer >= config.num_layers:
-        return []  # an MTP (nextn) block: not part of the model
     p = f"model.layers.{layer}."
     comp, _, kind = rest.partition(".")
     if comp in _CENTRED and kind == "weight":

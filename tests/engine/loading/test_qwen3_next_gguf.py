@@ -2,34 +2,28 @@
 (convert_hf_to_gguf.py from the llama-cpp-python source distribution) loads in moestream with
 every tensor equal to the HF checkpoint's, and the model's logits match transformers'.
 
-The converter is fetched once with pip (``pip download --no-deps --no-binary :all:``, only the
-converter's files unpacked) into the pytest cache; ``MOESTREAM_LLAMA_CPP_DIR`` may point at a
-llama.cpp checkout instead. Without either (no network) the converter tests skip. The
+The converter is fetched once with pip into the pytest cache (the ``converter`` fixture,
+tests/engine/loading/conftest.py); without it (no network) the converter tests skip. The
 converter needs a tokenizer whose pre-tokenizer it recognises: SmolLM2's (the default model's
 GGUF, here as tokenizer.json), so the tiny model has its 49152-token vocabulary."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.errors import ModelFormatError
-from engine.executor import executor_for
-from engine.generate import generate_ids
-from engine.kv.base import BatchLayout, ContiguousKVCache
-from engine.layers.sampler import SamplingConfig
 from engine.loading import open_model_files
 from engine.models.load import build_model
 from engine.models.qwen3_next.gguf import config_from_gguf
+from tests.engine.loading.converted import (all_logits, assert_generate_equal, assert_matches_transformers,
+                                            assert_same_model, llama_cpp_scores)
 from tests.engine.models.qwen3_next_tiny import make_qwen3_next
 
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # its vendor/llama.cpp converts qwen3next
 SHAPES = {
     "interval4": dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, num_experts=8,
                       num_experts_per_tok=2, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -37,46 +31,6 @@ SHAPES = {
     "interval2_r1": dict(full_attention_interval=2, linear_num_value_heads=2, num_key_value_heads=1,
                          linear_value_head_dim=16, num_experts_per_tok=1, num_experts=4),
 }
-
-
-def _unpack_converter(sdist: Path, out: Path) -> None:
-    """convert_hf_to_gguf.py with its conversion/ and gguf-py/ packages, nothing else."""
-    keep = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/",
-            "vendor/llama.cpp/gguf-py/")
-    with tarfile.open(sdist) as tar:
-        members = []
-        for m in tar.getmembers():
-            rel = m.name.split("/", 1)[-1]
-            if m.isfile() and rel.startswith(keep):
-                m.name = rel[len("vendor/llama.cpp/"):]
-                members.append(m)
-        tar.extractall(out, members=members, filter="data")
-
-
-@pytest.fixture(scope="session")
-def converter(request) -> Path:
-    env = os.environ.get("MOESTREAM_LLAMA_CPP_DIR")
-    if env:
-        script = Path(env) / "convert_hf_to_gguf.py"
-        if not script.is_file():
-            pytest.skip(f"MOESTREAM_LLAMA_CPP_DIR={env} has no convert_hf_to_gguf.py")
-        return script
-    root = request.config.cache.mkdir("llama_cpp_converter")
-    script = root / "llama.cpp" / "convert_hf_to_gguf.py"
-    if not script.is_file():
-        dl = root / "download"
-        dl.mkdir(exist_ok=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                            "-d", str(dl), LLAMA_CPP_PYTHON], capture_output=True, text=True, timeout=600)
-        sdists = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
-        if r.returncode != 0 or not sdists:
-            pytest.skip(f"cannot fetch {LLAMA_CPP_PYTHON} with pip: {r.stderr.strip()[-300:]}")
-        _unpack_converter(sdists[-1], root / "llama.cpp")
-        for f in sdists:
-            f.unlink()  # 76 MB; the three unpacked parts are what is kept
-        if not script.is_file():
-            pytest.skip(f"{LLAMA_CPP_PYTHON} has no vendor/llama.cpp/convert_hf_to_gguf.py")
-    return script
 
 
 def _hf_checkpoint(path: Path, shape: dict):
@@ -106,36 +60,12 @@ def test_converted_gguf_loads_with_the_hf_tensors(converted):
     _, hf_dir, gguf_path = converted
     g, h = open_model_files(gguf_path), open_model_files(hf_dir)
     assert g.source.metadata["general.architecture"] == "qwen3next"
-    cg, ch = g.config, h.config
-    assert cg.rms_norm_eps == pytest.approx(ch.rms_norm_eps, rel=1e-6)  # stored as float32
-    assert cg.linear_attn == ch.linear_attn and cg.moe == ch.moe and cg.rope == ch.rope
-    assert (cg.attention_layers, cg.rotary_dim, cg.num_kv_heads, cg.vocab_size) == \
-        (ch.attention_layers, ch.rotary_dim, ch.num_kv_heads, ch.vocab_size)
-    assert g.source.unmapped == []
-    assert g.source.names() == h.source.names()
-    for name in h.source.names():
-        want, got = h.source.get(name), g.source.get(name)
-        assert got.shape == want.shape, name
-        # norms come back as (1 + w) - 1 in fp32: equal to rounding
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+    assert_same_model(g, h)
 
 
 def test_converted_gguf_matches_transformers(converted):
     ref, hf_dir, gguf_path = converted
-    files = open_model_files(gguf_path)
-    model = build_model(files.config, files.source)
-    cfg = files.config
-    prompt = torch.randint(3, cfg.vocab_size, (150,), generator=torch.Generator().manual_seed(2))
-    got = executor_for(model)(prompt, BatchLayout.single(0, 150, 0),
-                              ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True)
-    with torch.no_grad():
-        want = ref(prompt[None]).logits[0]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    hf_files = open_model_files(hf_dir)
-    hf_model = build_model(hf_files.config, hf_files.source)
-    sampling = SamplingConfig(max_tokens=16, ignore_eos=True)
-    tokens = [t for t, _, _ in generate_ids(model, prompt[:20].tolist(), sampling)]
-    assert tokens == [t for t, _, _ in generate_ids(hf_model, prompt[:20].tolist(), sampling)]
+    assert_matches_transformers(ref, gguf_path, hf_dir, max_tokens=16)
 
 
 def test_bad_ssm_metadata_is_a_format_error():
@@ -172,15 +102,8 @@ def test_llama_cpp_runs_the_converted_gguf_as_moestream_does(converted):
         pytest.skip("llama.cpp's qwen3next assumes equal DeltaNet key and value head dims")
     model = build_model(cfg, files.source)
     ids = torch.randint(3, cfg.vocab_size, (80,), generator=torch.Generator().manual_seed(6)).tolist()
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=128, n_batch=80, n_ubatch=80, n_threads=2,
-                          logits_all=True, verbose=False)
-    try:
-        llm.eval(ids)
-        theirs = np.array(llm.scores[:80])
-    finally:
-        llm.close()
-    ours = executor_for(model)(torch.tensor(ids), BatchLayout.single(0, 80, 0),
-                               ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), all_logits=True).numpy()
+    theirs = llama_cpp_scores(llama_cpp, gguf_path, ids, n_ctx=128)
+    ours = all_logits(model, ids).numpy()
     # measured: max |difference| 3.7e-4 with logits up to 2.3 (llama.cpp's own kernels and order)
     assert np.abs(theirs - ours).max() < 5e-3 * np.abs(ours).max()
     assert (theirs.argmax(-1) == ours.argmax(-1)).mean() > 0.95
@@ -190,18 +113,5 @@ def test_generate_from_the_gguf_equals_generate_from_the_checkpoint(converted):
     """`moestream generate --model x.gguf`: the tokenizer comes from the GGUF's tokenizer.ggml.*
     keys (transformers' AutoTokenizer refuses the qwen3next architecture; the fast tokenizer is
     built directly) and the text equals the HF checkpoint directory's."""
-    from click.testing import CliRunner
-
-    from engine.loading import load_model
-    from services.cli import main
-
     _, hf_dir, gguf_path = converted
-    _, tok, _ = load_model(gguf_path)
-    _, hf_tok, _ = load_model(hf_dir)
-    text = "Hello there, tell me about recurrent state 123"
-    assert tok.encode(text) == hf_tok.encode(text) and tok.eos_token_ids == hf_tok.eos_token_ids
-    args = ["generate", "--dense", "fp32", "--max-tokens", "12", text]
-    a = CliRunner().invoke(main, ["generate", "--model", str(gguf_path), *args[1:]])
-    b = CliRunner().invoke(main, ["generate", "--model", str(hf_dir), *args[1:]])
-    assert a.exit_code == 0 and b.exit_code == 0, (a.output, b.output)
-    assert a.stdout == b.stdout and len(a.stdout.strip()) > 0
+    assert_generate_equal(gguf_path, hf_dir)

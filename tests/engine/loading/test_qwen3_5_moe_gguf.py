@@ -1,0 +1,226 @@
+"""Qwen3.5-MoE from GGUF: tiny random Qwen3_5MoeForConditionalGeneration checkpoints (the VLM
+layout, vision tower and an MTP head on disk) converted by llama.cpp's own converter
+(convert_hf_to_gguf.py, arch ``qwen35moe``; the ``converter`` fixture, conftest.py) load in
+moestream with every tensor equal to the HF checkpoint's, logits equal to transformers', greedy
+tokens equal to llama.cpp's on the same file; the MTP blocks the converter appends are never
+read; a file missing a DeltaNet tensor is one ModelFormatError.
+
+Tokenizer: SmolLM2's (tokenizer.json), as in test_qwen3_next_gguf.py; see
+bench/llama_cpp_converter.py for the one transformers mapping the converter is run with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.errors import ModelFormatError
+from engine.generate import generate_ids
+from engine.layers.sampler import SamplingConfig
+from engine.loading import open_model_files
+from engine.models.load import build_model
+from engine.models.qwen3_5_moe.gguf import config_from_gguf
+from tests.engine.loading.converted import (all_logits, assert_generate_equal, assert_matches_transformers,
+                                            assert_same_model, converter_module, llama_cpp_scores)
+from tests.engine.models.qwen3_5_moe_tiny import make_qwen3_5_moe
+
+# grouped: 2 key heads, 4 value heads (the converter re-orders value heads), untied, attention
+# every 4th layer; tied_r1: as many key as value heads, tied head, attention every 2nd layer.
+SHAPES = {
+    "grouped": dict(),
+    "tied_r1": dict(tied=True, full_attention_interval=2, linear_num_value_heads=2, num_hidden_layers=4),
+}
+
+
+def add_mtp(out: Path, seed: int) -> None:
+    """Write a random MTP head into the checkpoint as the published ones carry it (``mtp.*``: fc,
+    the two pre-fc norms, one full-attention MoE block, its final norm) and declare it in
+    text_config.mtp_num_hidden_layers; transformers ignores both."""
+    import json
+
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    tc = cfg["text_config"]
+    tc["mtp_num_hidden_layers"] = 1
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    h, hd, e = tc["hidden_size"], tc["head_dim"], tc["num_experts"]
+    qh, kvh, i, si = tc["num_attention_heads"], tc["num_key_value_heads"], tc["moe_intermediate_size"], \
+        tc["shared_expert_intermediate_size"]
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"fc.weight": (h, 2 * h), "pre_fc_norm_embedding.weight": (h,), "pre_fc_norm_hidden.weight": (h,),
+              "norm.weight": (h,), "layers.0.input_layernorm.weight": (h,),
+              "layers.0.post_attention_layernorm.weight": (h,),
+              "layers.0.self_attn.q_proj.weight": (2 * qh * hd, h), "layers.0.self_attn.k_proj.weight": (kvh * hd, h),
+              "layers.0.self_attn.v_proj.weight": (kvh * hd, h), "layers.0.self_attn.o_proj.weight": (h, qh * hd),
+              "layers.0.self_attn.q_norm.weight": (hd,), "layers.0.self_attn.k_norm.weight": (hd,),
+              "layers.0.mlp.gate.weight": (e, h), "layers.0.mlp.shared_expert_gate.weight": (1, h),
+              "layers.0.mlp.shared_expert.gate_proj.weight": (si, h),
+              "layers.0.mlp.shared_expert.up_proj.weight": (si, h),
+              "layers.0.mlp.shared_expert.down_proj.weight": (h, si)}
+    for j in range(e):
+        shapes.update({f"layers.0.mlp.experts.{j}.gate_proj.weight": (i, h),
+                       f"layers.0.mlp.experts.{j}.up_proj.weight": (i, h),
+                       f"layers.0.mlp.experts.{j}.down_proj.weight": (h, i)})
+    tensors = load_file(out / "model.safetensors")
+    tensors.update({f"mtp.{k}": torch.randn(s, generator=g) * 0.05 for k, s in shapes.items()})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def hf_checkpoint(path: Path, seed: int = 4, **shape):
+    """A tiny random Qwen3.5-MoE with SmolLM2's tokenizer and an MTP head; the transformers model."""
+    from transformers import AutoTokenizer
+
+    from engine.assets import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    ref = make_qwen3_5_moe(path, seed=seed, vocab=len(tok), **shape)
+    add_mtp(path, seed + 1)
+    tok.save_pretrained(str(path))
+    return ref
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def converted(request, converter, tmp_path_factory):
+    """(transformers model, HF dir, GGUF with the MTP block, GGUF without it)"""
+    conv = converter_module()
+    d = tmp_path_factory.mktemp(f"qwen35moe_gguf_{request.param}")
+    ref = hf_checkpoint(d / "hf", **SHAPES[request.param])
+    with_mtp = conv.convert(converter, d / "hf", d / "mtp.gguf", "--outtype", "f32")
+    no_mtp = conv.convert(converter, d / "hf", d / "model.gguf", "--outtype", "f32", "--no-mtp")
+    return ref, d / "hf", with_mtp, no_mtp
+
+
+def test_converted_gguf_loads_with_the_hf_tensors(converted):
+    _, hf_dir, with_mtp, no_mtp = converted
+    h = open_model_files(hf_dir)
+    for path in (no_mtp, with_mtp):
+        g = open_model_files(path)
+        assert g.source.metadata["general.architecture"] == "qwen35moe"
+        assert g.config.arch == "qwen3_5_moe"
+        assert g.config.arch_params.mrope_section == h.config.arch_params.mrope_section
+        assert_same_model(g, h)
+
+
+def test_mtp_blocks_are_never_read(converted):
+    """The converter appends the MTP head as block num_layers (nextn_predict_layers 1): it is not a
+    layer of the model and none of its tensors is read."""
+    _, _, with_mtp, _ = converted
+    files = open_model_files(with_mtp)
+    n = files.config.num_layers
+    meta = files.source.metadata
+    assert meta["qwen35moe.nextn_predict_layers"] == 1 and meta["qwen35moe.block_count"] == n + 1
+    mtp = [g for g in files.source.tensor_infos if g.startswith(f"blk.{n}.")]
+    assert "blk.%d.nextn.eh_proj.weight" % n in mtp and len(mtp) > 10
+    read: list[str] = []
+    stored, raw = files.source.stored_tensor, files.source._file.raw
+    files.source.stored_tensor = lambda g: read.append(g) or stored(g)
+    files.source._file.raw = lambda g, *a: read.append(g) or raw(g, *a)
+    build_model(files.config, files.source)
+    assert read and not [g for g in read if g.startswith(f"blk.{n}.")]
+
+
+def test_converted_gguf_matches_transformers(converted):
+    ref, hf_dir, with_mtp, _ = converted
+    assert_matches_transformers(ref, with_mtp, hf_dir, max_tokens=32)
+
+
+def test_llama_cpp_greedy_tokens_equal_moestreams(converted):
+    """llama.cpp's own qwen35moe runtime (llama-cpp-python, when installed) on the converter's
+    F32 GGUF: logits over 80 prompt tokens close to moestream's on the same file, and the same
+    32 greedy tokens."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _, _, with_mtp, _ = converted
+    files = open_model_files(with_mtp)
+    cfg = files.config
+    model = build_model(cfg, files.source)
+    ids = torch.randint(3, cfg.vocab_size, (80,), generator=torch.Generator().manual_seed(6)).tolist()
+    theirs = llama_cpp_scores(llama_cpp, with_mtp, ids, n_ctx=160)
+    llm = llama_cpp.Llama(model_path=str(with_mtp), n_ctx=160, n_threads=2, verbose=False)
+    try:
+        lc_tokens = []
+        for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            lc_tokens.append(int(t))
+            if len(lc_tokens) == 32:
+                break
+    finally:
+        llm.close()
+    ours = all_logits(model, ids).numpy()
+    # measured: max |difference| 3.2e-4 with logits up to 1.7 (llama.cpp's own kernels and order)
+    assert np.abs(theirs - ours).max() < 5e-3 * np.abs(ours).max()
+    sampling = SamplingConfig(max_tokens=32, ignore_eos=True)
+    assert lc_tokens == [t for t, _, _ in generate_ids(model, ids, sampling)]
+
+
+def test_generate_from_the_gguf_equals_generate_from_the_checkpoint(converted):
+    """`moestream generate --model x.gguf` on a qwen35moe GGUF: the text equals the checkpoint's."""
+    _, hf_dir, with_mtp, _ = converted
+    assert_generate_equal(with_mtp, hf_dir)
+
+
+def _copy_gguf_without(src: Path, dst: Path, drop: str | None) -> Path:
+    """``src`` rewritten with gguf-py, every key kept, tensor ``drop`` (if any) left out."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), arch=r.fields["general.architecture"].contents())
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in r.tensors:
+        if t.name != drop:
+            w.add_tensor(t.name, np.asarray(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("drop", ["blk.0.ssm_a", "blk.0.attn_gate.weight", "blk.0.ssm_alpha.weight"])
+def test_gguf_missing_a_deltanet_tensor_is_one_format_error(converted, tmp_path, drop):
+    _, _, _, no_mtp = converted
+    full = open_model_files(_copy_gguf_without(no_mtp, tmp_path / "full.gguf", None))
+    build_model(full.config, full.source)  # the rewrite itself loses nothing
+    bad = _copy_gguf_without(no_mtp, tmp_path / "bad.gguf", drop)
+    with pytest.raises(ModelFormatError) as e:
+        files = open_model_files(bad)
+        build_model(files.config, files.source)
+    # a stored partner (attn_gate, ssm_alpha) is named by its GGUF name; a tensor of its own by
+    # the canonical one it would have been
+    named = {"blk.0.ssm_a": "model.layers.0.linear_attn.A_log"}.get(drop, drop)
+    assert named in str(e.value) and "missing" in str(e.value)
+
+
+def _meta(**changes):
+    meta = {"general.architecture": "qwen35moe", "qwen35moe.block_count": 4, "qwen35moe.embedding_length": 32,
+            "qwen35moe.attention.head_count": 4, "qwen35moe.attention.head_count_kv": 2,
+            "qwen35moe.attention.key_length": 16, "qwen35moe.vocab_size": 96, "qwen35moe.expert_count": 4,
+            "qwen35moe.expert_used_count": 2, "qwen35moe.expert_feed_forward_length": 16,
+            "qwen35moe.ssm.group_count": 2, "qwen35moe.ssm.time_step_rank": 4, "qwen35moe.ssm.inner_size": 32,
+            "qwen35moe.ssm.state_size": 8, "qwen35moe.rope.dimension_count": 8,
+            "qwen35moe.rope.dimension_sections": [2, 1, 1, 0]}
+    meta.update({f"qwen35moe.{k}": v for k, v in changes.items()})
+    return {k: v for k, v in meta.items() if v is not None}
+
+
+def test_metadata_is_parsed_as_the_vlm_config():
+    cfg = config_from_gguf(_meta(), "x.gguf")
+    assert cfg.arch == "qwen3_5_moe" and cfg.arch_params.mrope_section == (2, 1, 1)
+    assert cfg.attention_layers == (3,) and cfg.rotary_dim == 8 and cfg.linear_attn.value_head_dim == 8
+    with_mtp = config_from_gguf(_meta(block_count=5, nextn_predict_layers=1), "x.gguf")
+    assert with_mtp.num_layers == 4 and with_mtp.attention_layers == (3,)
+
+
+@pytest.mark.parametrize("sections, match", [
+    (None, "rope.dimension_sections"), ([2, 1, 1, 3], "dimension_sections"), ([8], "dimension_sections"),
+    ([3, 1, 1, 0], "mrope"),
+])
+def test_bad_rope_sections_are_a_format_error(sections, match):
+    with pytest.raises(ModelFormatError, match=match):
+        config_from_gguf(_meta(**{"rope.dimension_sections": sections}), "x.gguf")
