@@ -566,6 +566,9 @@ class SeqSpeculation:
                                                 else min(config.fixed, k),
                                                 seconds_per_byte=config.seconds_per_byte)
         self.ctx = DraftContext(kv, seq_id, state, target.config.vocab_size)
+        attach = getattr(self.drafter, "attach", None)
+        if attach is not None:  # a drafter reading the target's own forwards (MTP) sees its prefill
+            attach(seq_id)
         self.cache = config.cache
         self.stats = SpecStats()
         self.started = False

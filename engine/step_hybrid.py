@@ -91,6 +91,7 @@ class HybridStep(NativeStep):
                 h = ext.deltanet_block(self.attn[i], x, state.conv, state.matrix, layer.linear_attn.state_layer,
                                        slots, qlens, ck_conv, ck_matrix, dmt, i8a)
             self._mlp(layer.mlp, i, x, h)
+        model.tap_hidden(x, layout)  # the MTP drafter's hidden states (engine.models.qwen3_next)
         return self._logits(model, x, layout, all_logits, rows)
 
     @staticmethod

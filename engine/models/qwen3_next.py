@@ -100,9 +100,17 @@ class Qwen3NextForCausalLM(CausalLM):
                 prepare_graphs(self, device)
                 for layer in self.model.layers:
                     x = layer(x, cos, sin, layout, kv, state)
+                self.tap_hidden(x, layout)
                 out = self.final_logits(x, layout, all_logits, rows)
             state.advance(layout)
             return out
+
+    def tap_hidden(self, x: torch.Tensor, layout: BatchLayout) -> None:
+        """Hand the final hidden states x [T, H] (before the final norm, every row of the
+        forward) to the taps that asked for them: the MTP drafter reads its sequence's rows
+        (engine.models.qwen3_5_moe.mtp_draft). Both the torch and the native step call this."""
+        for tap in self.__dict__.get("hidden_taps", ()):
+            tap(x, layout)
 
     def dense_linear_slots(self) -> list[tuple[nn.Module, str]]:
         """(parent, attribute) of every dense linear engine.quant.linear may swap."""

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine.errors import ModelFormatError
 from engine.generate import generate_ids
@@ -25,7 +24,7 @@ from engine.models.load import build_model
 from engine.models.qwen3_5_moe.gguf import config_from_gguf
 from tests.engine.loading.converted import (all_logits, assert_generate_equal, assert_matches_transformers,
                                             assert_same_model, converter_module, llama_cpp_scores)
-from tests.engine.models.qwen3_5_moe_tiny import make_qwen3_5_moe
+from tests.engine.models.qwen3_5_moe_tiny import add_mtp, make_qwen3_5_moe
 
 # grouped: 2 key heads, 4 value heads (the converter re-orders value heads), untied, attention
 # every 4th layer; tied_r1: as many key as value heads, tied head, attention every 2nd layer.
@@ -33,40 +32,6 @@ SHAPES = {
     "grouped": dict(),
     "tied_r1": dict(tied=True, full_attention_interval=2, linear_num_value_heads=2, num_hidden_layers=4),
 }
-
-
-def add_mtp(out: Path, seed: int) -> None:
-    """Write a random MTP head into the checkpoint as the published ones carry it (``mtp.*``: fc,
-    the two pre-fc norms, one full-attention MoE block, its final norm) and declare it in
-    text_config.mtp_num_hidden_layers; transformers ignores both."""
-    import json
-
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    tc = cfg["text_config"]
-    tc["mtp_num_hidden_layers"] = 1
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-    h, hd, e = tc["hidden_size"], tc["head_dim"], tc["num_experts"]
-    qh, kvh, i, si = tc["num_attention_heads"], tc["num_key_value_heads"], tc["moe_intermediate_size"], \
-        tc["shared_expert_intermediate_size"]
-    g = torch.Generator().manual_seed(seed)
-    shapes = {"fc.weight": (h, 2 * h), "pre_fc_norm_embedding.weight": (h,), "pre_fc_norm_hidden.weight": (h,),
-              "norm.weight": (h,), "layers.0.input_layernorm.weight": (h,),
-              "layers.0.post_attention_layernorm.weight": (h,),
-              "layers.0.self_attn.q_proj.weight": (2 * qh * hd, h), "layers.0.self_attn.k_proj.weight": (kvh * hd, h),
-              "layers.0.self_attn.v_proj.weight": (kvh * hd, h), "layers.0.self_attn.o_proj.weight": (h, qh * hd),
-              "layers.0.self_attn.q_norm.weight": (hd,), "layers.0.self_attn.k_norm.weight": (hd,),
-              "layers.0.mlp.gate.weight": (e, h), "layers.0.mlp.shared_expert_gate.weight": (1, h),
-              "layers.0.mlp.shared_expert.gate_proj.weight": (si, h),
-              "layers.0.mlp.shared_expert.up_proj.weight": (si, h),
-              "layers.0.mlp.shared_expert.down_proj.weight": (h, si)}
-    for j in range(e):
-        shapes.update({f"layers.0.mlp.experts.{j}.gate_proj.weight": (i, h),
-                       f"layers.0.mlp.experts.{j}.up_proj.weight": (i, h),
-                       f"layers.0.mlp.experts.{j}.down_proj.weight": (h, i)})
-    tensors = load_file(out / "model.safetensors")
-    tensors.update({f"mtp.{k}": torch.randn(s, generator=g) * 0.05 for k, s in shapes.items()})
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
 
 def hf_checkpoint(path: Path, seed: int = 4, **shape):
