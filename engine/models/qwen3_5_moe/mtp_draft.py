@@ -36,6 +36,7 @@ class MTPDrafter:
         self.seq_id: int | None = None
         self.hidden: dict[int, torch.Tensor] = {}  # position -> [H] normed target hidden
         self.fed = 0
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # slot fed-1's (logits [V], g [1, H])
         self.missing = 0  # steps with no draft because a target hidden state was not seen
 
     # ---- the target's forwards ------------------------------------------------------------
@@ -66,17 +67,21 @@ class MTPDrafter:
         n = len(history) - 1
         if k <= 0 or n < 1:
             return [], None
-        if any(p not in self.hidden for p in range(self.fed, n)):
-            self.missing += 1
+        if self.fed < n:  # catch up: slots fed..n-1, one head forward
+            if any(p not in self.hidden for p in range(self.fed, n)):
+                self.missing += 1
+                return [], None
+            new = range(self.fed, n)
+            hid = torch.stack([self.hidden.pop(p) for p in new])
+            for p in [p for p in self.hidden if p < self.fed]:  # recomputed after a preemption
+                del self.hidden[p]
+            toks = torch.tensor([history[p + 1] for p in new], dtype=torch.long)
+            logits, g = self.head(toks, hid, BatchLayout.single(self.seq_id, len(new), self.fed), self.kv)
+            self.fed, self._last = n, (logits[-1], g[-1:])
+        elif self._last is None:
             return [], None
-        new = range(self.fed, n)
-        if len(new) == 0:  # nothing accepted since the last propose cannot happen (n grows)
-            return [], None
-        hid = torch.stack([self.hidden.pop(p) for p in new])
-        toks = torch.tensor([history[p + 1] for p in new], dtype=torch.long)
-        logits, g = self.head(toks, hid, BatchLayout.single(self.seq_id, len(new), self.fed), self.kv)
-        self.fed = n
-        logits, g = logits[-1], g[-1:]
+        # (fed == n: the step these drafts were for did not run, e.g. a preemption: same start)
+        logits, g = self._last
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
@@ -95,7 +100,7 @@ class MTPDrafter:
             taps.remove(self._tap)
         if self.seq_id is not None:
             self.kv.free(self.seq_id)
-        self.hidden, self.fed = {}, 0
+        self.hidden, self.fed, self._last = {}, 0, None
 
 
 def mtp_speculative_config(target, checkpoint, **kw):
