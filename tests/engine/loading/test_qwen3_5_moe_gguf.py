@@ -270,14 +270,17 @@ def test_mtp_head_matches_llama_cpps_mtp_context(converted):
     """The MTP head loaded from the HF checkpoint (engine/models/qwen3_5_moe/mtp.py) against
     llama.cpp's MTP context on the converter's F32 GGUF of the same weights: the target hidden
     states, the head's logits at every one of 40 slots (a prompt of 41 tokens), and 4 chained
-    greedy drafts equal."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    greedy drafts equal. (The head is read from HF checkpoints only: a GGUF's nextn block is
+    refused by name.)"""
     from engine.kv.base import BatchLayout
     from engine.models.qwen3_5_moe.mtp import load_mtp_head
 
     _, hf_dir, with_mtp, _ = converted
     files = open_model_files(hf_dir)
     model = build_model(files.config, files.source)
+    with pytest.raises(ModelFormatError, match="GGUF files: not supported"):
+        load_mtp_head(model, open_model_files(with_mtp).source)
+    llama_cpp = pytest.importorskip("llama_cpp")
     head = load_mtp_head(model, files.source)
     ids = torch.randint(3, files.config.vocab_size, (41,), generator=torch.Generator().manual_seed(8)).tolist()
     their_h, their_logits, their_drafts = _llama_cpp_mtp(llama_cpp, with_mtp, ids, chain=4)
