@@ -5,7 +5,8 @@ vision-language checkpoint. Served text-only by Qwen3-Next's layers (engine.mode
 engine.step_hybrid): what differs is the config (config.py: nested ``text_config``, multimodal
 RoPE sections, an always-renormalised router) and the tensor names (names.py: the
 ``model.language_model.`` prefix, split DeltaNet projections fused on load, the vision tower and
-MTP head never read). A request carrying images is refused (services.http.chat_content).
+MTP head never read by the model). The MTP head drafts for ``--speculative mtp`` (mtp.py,
+mtp_draft.py). A request carrying images is refused (services.http.chat_content).
 """
 
 from __future__ import annotations

@@ -309,3 +309,26 @@ def test_mtp_head_matches_llama_cpps_mtp_context(converted):
         last, gl = head(torch.tensor([drafts[-1]]), gl, BatchLayout.single(0, 1, 40 + j), kv)
         last = last[-1]
     assert drafts == their_drafts
+
+
+def test_generate_speculative_mtp_gives_the_plain_text(converted):
+    """`moestream generate --model HF_DIR --speculative mtp`: the checkpoint's MTP head drafts,
+    the text equals plain decoding's; the same with a GGUF is refused by name."""
+    import re
+
+    from click.testing import CliRunner
+
+    from services.cli import main
+
+    _, hf_dir, with_mtp, _ = converted
+
+    def run(*args):
+        return CliRunner().invoke(main, ["generate", *map(str, args), "--max-tokens", "16", "one two three"])
+
+    plain, mtp = run("--model", hf_dir), run("--model", hf_dir, "--speculative", "mtp")
+    assert plain.exit_code == 0 and mtp.exit_code == 0, mtp.output
+    assert mtp.stdout == plain.stdout
+    drafted = re.search(r"drafted (\d+), accepted (\d+)", mtp.stderr)
+    assert drafted and int(drafted.group(1)) > 0, mtp.stderr
+    bad = run("--model", with_mtp, "--speculative", "mtp")
+    assert bad.exit_code != 0 and "GGUF files: not supported" in bad.output + str(bad.exception)
