@@ -24,6 +24,7 @@ import torch
 from engine.errors import ConfigError
 from engine.kv.base import BatchLayout
 from engine.models.qwen3_5_moe.mtp import MTPHead
+from engine.speculative import chain_drafts
 
 
 class MTPDrafter:
@@ -82,17 +83,14 @@ class MTPDrafter:
             return [], None
         # (fed == n: the step these drafts were for did not run, e.g. a preemption: same start)
         logits, g = self._last
-        drafts: list[int] = []
-        qs: list[torch.Tensor] = []
-        for i in range(k):
-            tok, q = ctx.choose(logits, drafts, self.sample_drafts)
-            drafts.append(tok)
-            if q is not None:
-                qs.append(q)
-            if i + 1 < k:  # slot n + i: (d_{i+1}, the head's own hidden), overwritten later
-                logits, g = self.head(torch.tensor([tok]), g, BatchLayout.single(self.seq_id, 1, n + i), self.kv)
-                logits = logits[-1]
-        return drafts, (qs if qs else None)
+        state = {"g": g}
+
+        def advance(i: int, tok: int) -> torch.Tensor:  # slot n + i: (d_{i+1}, the head's own g)
+            out, state["g"] = self.head(torch.tensor([tok]), state["g"], BatchLayout.single(self.seq_id, 1, n + i),
+                                        self.kv)
+            return out[-1]
+
+        return chain_drafts(ctx, logits, k, self.sample_drafts, advance)
 
     def end(self) -> None:
         taps = self.head.target.__dict__.get("hidden_taps", [])
