@@ -23,8 +23,8 @@ import torch
 
 from engine.errors import ConfigError
 from engine.kv.base import BatchLayout
-from engine.models.qwen3_5_moe.mtp import MTPHead
-from engine.speculative import chain_drafts
+from engine.models.qwen3_5_moe.mtp import MTPHead, load_mtp_head
+from engine.speculative import SpeculativeConfig, chain_drafts
 
 
 class MTPDrafter:
@@ -101,14 +101,11 @@ class MTPDrafter:
         self.hidden, self.fed, self._last = {}, 0, None
 
 
-def mtp_speculative_config(target, checkpoint, **kw):
+def mtp_speculative_config(target, checkpoint, **kw) -> SpeculativeConfig:
     """The engine's SpeculativeConfig drafting with ``target``'s MTP head read from ``checkpoint``
     (an HF checkpoint directory or an open TensorSource); ``kw`` as SpeculativeConfig's."""
     from engine.loading import open_model_files
-    from engine.speculative import SpeculativeConfig
 
-    source = open_model_files(checkpoint).source if not hasattr(checkpoint, "names") else checkpoint
-    from engine.models.qwen3_5_moe.mtp import load_mtp_head
-
+    source = checkpoint if hasattr(checkpoint, "names") else open_model_files(checkpoint).source
     head = load_mtp_head(target, source)
     return SpeculativeConfig("mtp", make_drafter=lambda t, k: MTPDrafter(head, max_draft=k), **kw)
