@@ -2,6 +2,7 @@
 
     python bench/speculative.py                         # SmolLM2 (a, b) + random MoE store (a, b, c)
     python bench/speculative.py --models moe --new 48 --budget 0.25
+    python bench/speculative.py --models mtp               # Qwen3.5-MoE's MTP head (random)
 
 For each mode: acceptance rate, tokens per target forward (verify step), decode tok/s, speed-up
 over plain decoding of the same model in the same run, expert bytes moved to the device per
@@ -17,6 +18,10 @@ Modes
            fast 4-bit kernels (a cheaper model sharing the tokenizer); MoE store -> the first half
            of the layers of the same store loaded with every expert resident (layer-skip draft)
     c      SelfSpecDrafter: the target routed to device-resident experts only (MoE store only)
+    mtp    the checkpoint's own MTP head (``--speculative mtp``; --models mtp): a random
+           Qwen3.5-MoE (DeltaNet + gated attention, h256 L4 E16) with a random MTP head, fp32,
+           every expert resident. Random weights: the head has learnt nothing, so its acceptance
+           is near chance and the row measures the drafting cost, not a trained head's gain.
 
 Physical limit: plain decode reads every active weight once per token, so tok/s <= bandwidth /
 active bytes (the roofline printed); a verify step reads them once for several tokens, which is
@@ -240,6 +245,41 @@ def moe_rows(args, bw: float) -> list[tuple[str, str, dict]]:
     return rows
 
 
+def mtp_rows(args, bw: float) -> list[tuple[str, str, dict]]:
+    from engine.loading import open_model_files
+    from engine.models.load import build_model
+    from engine.models.qwen3_5_moe.mtp_draft import mtp_speculative_config
+    from tests.engine.models.qwen3_5_moe_tiny import add_mtp, make_qwen3_5_moe
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        make_qwen3_5_moe(d, seed=0, vocab=4096, vision=False, hidden_size=256, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+                         linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+                         num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+                         shared_expert_intermediate_size=256,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                              mrope_section=[6, 5, 5], mrope_interleaved=True))
+        add_mtp(d, 1)
+        files = open_model_files(d)
+        model = build_model(files.config, files.source)
+        cfg = files.config
+        prompt = torch.randint(3, 4096, (24,), generator=torch.Generator().manual_seed(1)).tolist() * 4
+        name = f"random Qwen3.5-MoE h256 L4 E16 top4 fp32 + MTP head ({len(prompt)}-token prompt)"
+        print(f"{name}: plain-decode roofline {roofline(cfg, 4, 4, bw):.1f} tok/s")
+        md = args.max_draft
+        run_engine(model, [prompt], 4, mtp_speculative_config(model, d, fixed=2))  # warm-up (first-call costs)
+        rows.append((name, "plain", best_of(lambda: run_engine(model, [prompt], args.new), args.repeats)))
+        rows.append((name, "mtp (adaptive k)", best_of(
+            lambda: run_engine(model, [prompt], args.new, mtp_speculative_config(model, d, max_draft=md)),
+            args.repeats)))
+        rows.append((name, "mtp (k=1)", best_of(
+            lambda: run_engine(model, [prompt], args.new, mtp_speculative_config(model, d, max_draft=md, fixed=1)),
+            args.repeats)))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2,moe")
@@ -266,6 +306,8 @@ def main() -> None:
         rows += smollm2_rows(args, bw)
     if "moe" in args.models:
         rows += moe_rows(args, bw)
+    if "mtp" in args.models:
+        rows += mtp_rows(args, bw)
     print("\n| model | mode | acceptance | tok/verify step | mean k | decode tok/s | speed-up | "
           "expert bytes/tok | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -66,7 +66,7 @@ from engine.models.base import CausalLM
 __all__ = [
     "DraftContext", "DraftLengthController", "DraftModelDrafter", "Drafter", "NgramDrafter",
     "SelfSpecDrafter", "SeqSpeculation", "SpecStats", "SpeculativeConfig", "accept_tokens",
-    "layer_skip_draft", "processed_probs",
+    "chain_drafts", "layer_skip_draft", "processed_probs",
 ]
 
 
@@ -245,27 +245,37 @@ class DraftModelDrafter:
         return pos if snapshot_state(self.kv, self.seq_id) is None else 0
 
     def propose(self, history, k, ctx):
-        k = min(k, self.max_draft)
-        logits = self._catch_up(list(history))
-        drafts: list[int] = []
-        qs: list[torch.Tensor] = []
-        for i in range(k):
-            tok, q = ctx.choose(logits, drafts, self.sample_drafts)
-            drafts.append(tok)
-            if q is not None:
-                qs.append(q)
-            if i + 1 < k:
-                snap = snapshot_state(self.kv, self.seq_id)  # None: no recurrent state
-                if snap is not None:
-                    self._snaps[len(self.fed)] = snap
-                logits = self.forward(torch.tensor([tok]), BatchLayout.single(self.seq_id, 1, len(self.fed)),
-                                      self.kv)[0]
-                self.fed.append(tok)
-        return drafts, (qs if qs else None)
+        def advance(i: int, tok: int) -> torch.Tensor:
+            snap = snapshot_state(self.kv, self.seq_id)  # None: no recurrent state
+            if snap is not None:
+                self._snaps[len(self.fed)] = snap
+            logits = self.forward(torch.tensor([tok]), BatchLayout.single(self.seq_id, 1, len(self.fed)),
+                                  self.kv)[0]
+            self.fed.append(tok)
+            return logits
+
+        return chain_drafts(ctx, self._catch_up(list(history)), min(k, self.max_draft),
+                            self.sample_drafts, advance)
 
     def end(self) -> None:
         self.kv.free(self.seq_id)
         self.fed, self._snaps = [], {}
+
+
+def chain_drafts(ctx: DraftContext, logits: torch.Tensor, k: int, sample_drafts: bool,
+                 advance: Callable[[int, int], torch.Tensor]) -> tuple[list[int], list[torch.Tensor] | None]:
+    """k drafts, one at a time: draft i is chosen from ``logits`` [V] (ctx.choose), then, unless
+    it is the last, ``advance(i, draft)`` feeds it to the drafter and returns the next logits."""
+    drafts: list[int] = []
+    qs: list[torch.Tensor] = []
+    for i in range(k):
+        tok, q = ctx.choose(logits, drafts, sample_drafts)
+        drafts.append(tok)
+        if q is not None:
+            qs.append(q)
+        if i + 1 < k:
+            logits = advance(i, tok)
+    return drafts, (qs if qs else None)
 
 
 @contextlib.contextmanager
@@ -568,6 +578,9 @@ class SeqSpeculation:
                                                 else min(config.fixed, k),
                                                 seconds_per_byte=config.seconds_per_byte)
         self.ctx = DraftContext(kv, seq_id, state, target.config.vocab_size)
+        attach = getattr(self.drafter, "attach", None)
+        if attach is not None:  # a drafter reading the target's own forwards (MTP) sees its prefill
+            attach(seq_id)
         self.cache = config.cache
         self.stats = SpecStats()
         self.started = False

@@ -175,6 +175,7 @@ class NativeStep:
         for i, layer in enumerate(model.model.layers):
             h = self._attention(ctx, i, layer)
             self._mlp(ctx, i, layer.mlp, h)
+        model.tap_hidden(ctx.x, layout)  # the MTP drafter's hidden states (CausalLM.tap_hidden)
         return self._logits(model, ctx.x, layout, all_logits, rows)
 
     def _context(self, model, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,

@@ -81,9 +81,10 @@ def main() -> None:
 @click.option("--device", "device_name", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True, help="Where the model runs and the device expert slots live (auto: "
                                       "cuda when a GPU is visible, else cpu).")
-@click.option("--speculative", default=None, metavar="ngram|self|draft:PATH",
+@click.option("--speculative", default=None, metavar="ngram|self|mtp|draft:PATH",
               help="Lossless speculative decoding: prompt-lookup n-grams, self-speculation on the "
-                   "device-resident experts (--store), or a draft model sharing the tokenizer.")
+                   "device-resident experts (--store), the checkpoint's own MTP head (Qwen3.5-MoE "
+                   "with --model), or a draft model sharing the tokenizer.")
 def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, admission, prefetch_depth,
              miss_compute, address, namespace, as_json, chat, max_tokens, temperature, top_k, top_p,
              min_p, seed, stop, dtype, dense, head_format, device_name, speculative):
@@ -136,7 +137,7 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
         model.to(device)
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     try:
-        spec = _speculative_config(speculative, draft, model, loaded, _dtype(dtype), device)
+        spec = _speculative_config(speculative, draft, model, loaded, _dtype(dtype), device, model_path)
         _stream_one(model, tok, ids, sampling, spec, loaded)
     finally:
         if loaded is not None:
@@ -180,22 +181,29 @@ def _draft_path(mode: str | None) -> str | None:
 
     from engine.errors import ConfigError
 
-    if mode is None or mode in ("ngram", "self"):
+    if mode is None or mode in ("ngram", "self", "mtp"):
         return None
     if not mode.startswith("draft:"):
-        raise click.BadParameter(f"{mode!r}; allowed: ngram, self, draft:PATH", param_hint="--speculative")
+        raise click.BadParameter(f"{mode!r}; allowed: ngram, self, mtp, draft:PATH", param_hint="--speculative")
     path = mode[len("draft:"):]
     if not path or not os.path.exists(path):
         raise ConfigError(f"--speculative draft:{path}: no such draft model file or directory")
     return path
 
 
-def _speculative_config(mode, draft, model, loaded, dtype, device="cpu"):
+def _speculative_config(mode, draft, model, loaded, dtype, device="cpu", model_path=None):
     """The engine's SpeculativeConfig for ``--speculative``, or None for plain decoding."""
     if mode is None:
         return None
     from engine.speculative import SpeculativeConfig
 
+    if mode == "mtp":
+        if loaded is not None or model_path is None:
+            raise click.UsageError("--speculative mtp reads the MTP head of the checkpoint: give --model "
+                                   "(a Hugging Face checkpoint directory), not --store")
+        from engine.models.qwen3_5_moe.mtp_draft import mtp_speculative_config
+
+        return mtp_speculative_config(model, model_path)
     if mode == "self":
         if loaded is None or loaded.cache is None:
             raise click.UsageError("--speculative self drafts on the device-resident experts: give --store")

@@ -140,7 +140,16 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x = (layer(x, cos, sin, layout, kv, state) if run_layer is None
                  else run_layer(layer, x, cos, sin, layout, kv, state))
+        self.tap_hidden(x, layout)
         return self.final_logits(x, layout, all_logits, rows)
+
+    def tap_hidden(self, x: torch.Tensor, layout: BatchLayout) -> None:
+        """Hand the final hidden states x [T, H] (before the final norm, every row of the step)
+        to the taps that asked for them (``hidden_taps``: the MTP drafter reads its sequence's
+        rows, engine.models.qwen3_5_moe.mtp_draft). The torch layers and the native step
+        (engine.step.NativeStep.forward) both call this."""
+        for tap in self.__dict__.get("hidden_taps", ()):
+            tap(x, layout)
 
     def final_logits(self, x: torch.Tensor, layout: BatchLayout, all_logits: bool,
                      rows: list[int] | None = None) -> torch.Tensor:

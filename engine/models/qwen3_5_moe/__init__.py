@@ -6,5 +6,6 @@ native step (engine.models.qwen3_next). What differs lives here: spec.py; config
 ``text_config``, multimodal RoPE sections, an always-renormalised router); names.py (the
 ``model.language_model.`` prefix, split DeltaNet projections fused on load, the vision tower and
 MTP head never read, block-FP8 dequantized); gguf.py (llama.cpp's ``qwen35moe``); published/
-(the released configs). A request carrying images is refused (services.http.schemas).
+(the released configs); mtp.py and mtp_draft.py (the MTP head drafting for ``--speculative mtp``).
+A request carrying images is refused (services.http.schemas).
 """

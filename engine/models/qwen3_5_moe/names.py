@@ -2,8 +2,9 @@
 
     model.language_model.X          -> model.X        (the text model)
     lm_head.weight                  -> lm_head.weight (absent when tied)
-    model.visual.*, mtp.*           -> dropped, never read (the vision tower and the
-                                       multi-token-prediction head are not served)
+    model.visual.*, mtp.*           -> dropped, never read by the model (the vision tower is
+                                       not served; the multi-token-prediction head is read on
+                                       its own by mtp.py for --speculative mtp)
 
 The Gated DeltaNet input projections are stored split where Qwen3-Next (whose layers run this
 model: engine.layers.deltanet) stores them fused and grouped by key head:

@@ -3,7 +3,8 @@ and gated full attention (every ``full_attention_interval``-th layer, 4 in the 8
 followed by a sparse MoE (512 experts, top-10 renormalised, plus a shared expert scaled by
 sigmoid(x @ shared_expert_gate)). Norms are zero-centred ((1 + w)); RoPE covers the first
 25% of each head. HF tensor names are already canonical (``linear_attn.*``, ``self_attn.*``,
-per-expert ``mlp.experts.{j}.*``); the MTP weights of released checkpoints are ignored.
+per-expert ``mlp.experts.{j}.*``); the MTP weights of released checkpoints are not part of the
+model (Qwen3.5-MoE's drafter reads them: engine.models.qwen3_5_moe.mtp).
 
 The KV cache holds only the attention layers (compact indices 0..La-1); the DeltaNet layers'
 state lives in engine.kv.state (a HybridKVCache in the serving engine, a growable store beside

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine.errors import ModelFormatError
 from engine.generate import generate_ids
@@ -25,7 +24,7 @@ from engine.models.load import build_model
 from engine.models.qwen3_5_moe.gguf import config_from_gguf
 from tests.engine.loading.converted import (all_logits, assert_generate_equal, assert_matches_transformers,
                                             assert_same_model, converter_module, llama_cpp_scores)
-from tests.engine.models.qwen3_5_moe_tiny import make_qwen3_5_moe
+from tests.engine.models.qwen3_5_moe_tiny import add_mtp, make_qwen3_5_moe
 
 # grouped: 2 key heads, 4 value heads (the converter re-orders value heads), untied, attention
 # every 4th layer; tied_r1: as many key as value heads, tied head, attention every 2nd layer.
@@ -33,40 +32,6 @@ SHAPES = {
     "grouped": dict(),
     "tied_r1": dict(tied=True, full_attention_interval=2, linear_num_value_heads=2, num_hidden_layers=4),
 }
-
-
-def add_mtp(out: Path, seed: int) -> None:
-    """Write a random MTP head into the checkpoint as the published ones carry it (``mtp.*``: fc,
-    the two pre-fc norms, one full-attention MoE block, its final norm) and declare it in
-    text_config.mtp_num_hidden_layers; transformers ignores both."""
-    import json
-
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    tc = cfg["text_config"]
-    tc["mtp_num_hidden_layers"] = 1
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-    h, hd, e = tc["hidden_size"], tc["head_dim"], tc["num_experts"]
-    qh, kvh, i, si = tc["num_attention_heads"], tc["num_key_value_heads"], tc["moe_intermediate_size"], \
-        tc["shared_expert_intermediate_size"]
-    g = torch.Generator().manual_seed(seed)
-    shapes = {"fc.weight": (h, 2 * h), "pre_fc_norm_embedding.weight": (h,), "pre_fc_norm_hidden.weight": (h,),
-              "norm.weight": (h,), "layers.0.input_layernorm.weight": (h,),
-              "layers.0.post_attention_layernorm.weight": (h,),
-              "layers.0.self_attn.q_proj.weight": (2 * qh * hd, h), "layers.0.self_attn.k_proj.weight": (kvh * hd, h),
-              "layers.0.self_attn.v_proj.weight": (kvh * hd, h), "layers.0.self_attn.o_proj.weight": (h, qh * hd),
-              "layers.0.self_attn.q_norm.weight": (hd,), "layers.0.self_attn.k_norm.weight": (hd,),
-              "layers.0.mlp.gate.weight": (e, h), "layers.0.mlp.shared_expert_gate.weight": (1, h),
-              "layers.0.mlp.shared_expert.gate_proj.weight": (si, h),
-              "layers.0.mlp.shared_expert.up_proj.weight": (si, h),
-              "layers.0.mlp.shared_expert.down_proj.weight": (h, si)}
-    for j in range(e):
-        shapes.update({f"layers.0.mlp.experts.{j}.gate_proj.weight": (i, h),
-                       f"layers.0.mlp.experts.{j}.up_proj.weight": (i, h),
-                       f"layers.0.mlp.experts.{j}.down_proj.weight": (h, i)})
-    tensors = load_file(out / "model.safetensors")
-    tensors.update({f"mtp.{k}": torch.randn(s, generator=g) * 0.05 for k, s in shapes.items()})
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
 
 def hf_checkpoint(path: Path, seed: int = 4, **shape):
@@ -224,3 +189,146 @@ def test_metadata_is_parsed_as_the_vlm_config():
 def test_bad_rope_sections_are_a_format_error(sections, match):
     with pytest.raises(ModelFormatError, match=match):
         config_from_gguf(_meta(**{"rope.dimension_sections": sections}), "x.gguf")
+
+
+# ---- the MTP head against llama.cpp's MTP context ------------------------------------------------
+
+def _f32_rows(ptr, n_rows: int, width: int) -> np.ndarray:
+    return np.ctypeslib.as_array(ptr, shape=(n_rows * width,)).reshape(n_rows, width).copy()
+
+
+def _llama_cpp_mtp(llama_cpp, gguf_path: Path, ids: list[int], chain: int):
+    """llama.cpp end to end, through its low-level API (as common/speculative.cpp's draft-mtp):
+    the target context's normed hidden states h_p of ``ids`` (llama_get_embeddings_nextn_ith),
+    then an MTP context (LLAMA_CONTEXT_TYPE_MTP, the model loaded with load_mtp) fed each
+    (x_{p+1}, h_p) at position p + 1 in one batch (the token id plus its state row through
+    llama_batch_ext_set_embd_token: set_embd_state is a stub returning false in this wheel),
+    then ``chain`` greedy drafts each fed back with the head's own h_nextn. Returns (target h
+    [T, H], head logits [T-1, V], the chained drafts)."""
+    import ctypes
+
+    import llama_cpp.llama_cpp_ext as ext
+
+    L = llama_cpp
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.load_mtp = True
+    model = L.llama_model_load_from_file(str(gguf_path).encode(), mp)
+    ctxs, batches = [], []
+    try:
+        def context(mtp: bool, other=None):
+            cp = L.llama_context_default_params()
+            cp.n_ctx = cp.n_batch = cp.n_ubatch = 128
+            cp.n_threads = cp.n_threads_batch = 2
+            if mtp:
+                cp.ctx_type, cp.ctx_other, cp.n_rs_seq = L.LLAMA_CONTEXT_TYPE_MTP, other, 0
+            c = L.llama_init_from_model(model, cp)
+            assert c, "llama.cpp refused the context"
+            ctxs.append(c)
+            return c
+
+        def feed(ctx, rows):  # rows: (token, position, state row or None)
+            b = L.llama_batch_ext_init(ctx)
+            batches.append(b)
+            for tok, pos, state in rows:
+                i = L.llama_batch_ext_add_token(b, 0, tok)
+                assert i >= 0 and L.llama_batch_ext_set_pos(b, i, (L.llama_pos * 1)(pos))
+                if state is not None:
+                    e = L.llama_embd(state.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, state.shape[0])
+                    assert L.llama_batch_ext_set_embd_token(b, i, e)
+                L.llama_batch_ext_set_output_logits(b, i, True)
+            assert L.llama_process(ctx, L.LLAMA_PROCESS_TYPE_DECODE, b) == 0
+
+        n_embd = L.llama_model_n_embd(model)
+        n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+        tgt = context(False)
+        ext.llama_set_embeddings_nextn(tgt, True, False)
+        feed(tgt, [(t, p, None) for p, t in enumerate(ids)])
+        h = np.stack([_f32_rows(ext.llama_get_embeddings_nextn_ith(tgt, i), 1, n_embd)[0] for i in range(len(ids))])
+        dft = context(True, tgt)
+        ext.llama_set_embeddings_nextn(dft, True, False)
+        t = len(ids) - 1
+        feed(dft, [(ids[p + 1], p + 1, np.ascontiguousarray(h[p])) for p in range(t)])
+        logits = np.stack([_f32_rows(L.llama_get_logits_ith(dft, i), 1, n_vocab)[0] for i in range(t)])
+        drafts, last, g = [], logits[-1], _f32_rows(ext.llama_get_embeddings_nextn_ith(dft, t - 1), 1, n_embd)[0]
+        for j in range(chain):
+            drafts.append(int(last.argmax()))
+            if j + 1 < chain:
+                feed(dft, [(drafts[-1], t + 1 + j, np.ascontiguousarray(g))])
+                last = _f32_rows(L.llama_get_logits_ith(dft, 0), 1, n_vocab)[0]
+                g = _f32_rows(ext.llama_get_embeddings_nextn_ith(dft, 0), 1, n_embd)[0]
+        return h, logits, drafts
+    finally:
+        for b in batches:
+            L.llama_batch_ext_free(b)
+        for c in reversed(ctxs):
+            L.llama_free(c)
+        L.llama_model_free(model)
+
+
+def test_mtp_head_matches_llama_cpps_mtp_context(converted):
+    """The MTP head loaded from the HF checkpoint (engine/models/qwen3_5_moe/mtp.py) against
+    llama.cpp's MTP context on the converter's F32 GGUF of the same weights: the target hidden
+    states, the head's logits at every one of 40 slots (a prompt of 41 tokens), and 4 chained
+    greedy drafts equal. (The head is read from HF checkpoints only: a GGUF's nextn block is
+    refused by name.)"""
+    from engine.kv.base import BatchLayout
+    from engine.models.qwen3_5_moe.mtp import load_mtp_head
+
+    _, hf_dir, with_mtp, _ = converted
+    files = open_model_files(hf_dir)
+    model = build_model(files.config, files.source)
+    with pytest.raises(ModelFormatError, match="GGUF files: not supported"):
+        load_mtp_head(model, open_model_files(with_mtp).source)
+    llama_cpp = pytest.importorskip("llama_cpp")
+    head = load_mtp_head(model, files.source)
+    ids = torch.randint(3, files.config.vocab_size, (41,), generator=torch.Generator().manual_seed(8)).tolist()
+    their_h, their_logits, their_drafts = _llama_cpp_mtp(llama_cpp, with_mtp, ids, chain=4)
+
+    seen: list[torch.Tensor] = []
+    model.__dict__["hidden_taps"] = [lambda x, layout: seen.append(model.model.norm(x))]
+    try:
+        from engine.kv.state import HybridKVCache
+
+        model(torch.tensor(ids), BatchLayout.single(0, len(ids), 0),
+              HybridKVCache(files.config, 16, 1, 8, torch.float32))
+    finally:
+        model.__dict__["hidden_taps"] = []
+    h = seen[0]
+    # the target's hidden states (llama.cpp's own kernels for the whole model): measured 8e-4
+    # with values up to 2.6, as the logits in test_llama_cpp_greedy_tokens_equal_moestreams
+    assert np.abs(h.numpy() - their_h).max() < 5e-3 * np.abs(their_h).max()
+    # the head alone, fed llama.cpp's h: measured 7e-5 with logits up to 1.6
+    h = torch.from_numpy(their_h)
+    kv = head.new_cache()
+    ours, g = head(torch.tensor(ids[1:]), h[:-1], BatchLayout.single(0, 40, 0), kv)
+    assert np.abs(ours.numpy() - their_logits).max() < 1e-3 * np.abs(their_logits).max()
+    drafts, last, gl = [], ours[-1], g[-1:]
+    for j in range(4):
+        drafts.append(int(last.argmax()))
+        last, gl = head(torch.tensor([drafts[-1]]), gl, BatchLayout.single(0, 1, 40 + j), kv)
+        last = last[-1]
+    assert drafts == their_drafts
+
+
+def test_generate_speculative_mtp_gives_the_plain_text(converted):
+    """`moestream generate --model HF_DIR --speculative mtp`: the checkpoint's MTP head drafts,
+    the text equals plain decoding's; the same with a GGUF is refused by name."""
+    import re
+
+    from click.testing import CliRunner
+
+    from services.cli import main
+
+    _, hf_dir, with_mtp, _ = converted
+
+    def run(*args):
+        return CliRunner().invoke(main, ["generate", *map(str, args), "--max-tokens", "16", "one two three"])
+
+    plain, mtp = run("--model", hf_dir), run("--model", hf_dir, "--speculative", "mtp")
+    assert plain.exit_code == 0 and mtp.exit_code == 0, mtp.output
+    assert mtp.stdout == plain.stdout
+    drafted = re.search(r"drafted (\d+), accepted (\d+)", mtp.stderr)
+    assert drafted and int(drafted.group(1)) > 0, mtp.stderr
+    bad = run("--model", with_mtp, "--speculative", "mtp")
+    assert bad.exit_code != 0 and "GGUF files: not supported" in bad.stderr

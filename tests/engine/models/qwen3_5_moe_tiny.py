@@ -90,3 +90,35 @@ def drop_vision(out: Path) -> None:
         data["weight_map"] = {k: v for k, v in data["weight_map"].items()
                               if not k.startswith("model.visual.")}
         index.write_text(json.dumps(data, indent=2))
+
+
+def add_mtp(out: Path, seed: int) -> None:
+    """Write a random MTP head into the checkpoint as the published ones carry it (``mtp.*``: fc,
+    the two pre-fc norms, one full-attention MoE block, its final norm) and declare it in
+    text_config.mtp_num_hidden_layers; transformers ignores both."""
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    tc = cfg["text_config"]
+    tc["mtp_num_hidden_layers"] = 1
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    h, hd, e = tc["hidden_size"], tc["head_dim"], tc["num_experts"]
+    qh, kvh, i, si = tc["num_attention_heads"], tc["num_key_value_heads"], tc["moe_intermediate_size"], \
+        tc["shared_expert_intermediate_size"]
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"fc.weight": (h, 2 * h), "pre_fc_norm_embedding.weight": (h,), "pre_fc_norm_hidden.weight": (h,),
+              "norm.weight": (h,), "layers.0.input_layernorm.weight": (h,),
+              "layers.0.post_attention_layernorm.weight": (h,),
+              "layers.0.self_attn.q_proj.weight": (2 * qh * hd, h), "layers.0.self_attn.k_proj.weight": (kvh * hd, h),
+              "layers.0.self_attn.v_proj.weight": (kvh * hd, h), "layers.0.self_attn.o_proj.weight": (h, qh * hd),
+              "layers.0.self_attn.q_norm.weight": (hd,), "layers.0.self_attn.k_norm.weight": (hd,),
+              "layers.0.mlp.gate.weight": (e, h), "layers.0.mlp.shared_expert_gate.weight": (1, h),
+              "layers.0.mlp.shared_expert.gate_proj.weight": (si, h),
+              "layers.0.mlp.shared_expert.up_proj.weight": (si, h),
+              "layers.0.mlp.shared_expert.down_proj.weight": (h, si)}
+    for j in range(e):
+        shapes.update({f"layers.0.mlp.experts.{j}.gate_proj.weight": (i, h),
+                       f"layers.0.mlp.experts.{j}.up_proj.weight": (i, h),
+                       f"layers.0.mlp.experts.{j}.down_proj.weight": (h, i)})
+    tensors = load_file(out / "model.safetensors")
+    tensors.update({f"mtp.{k}": torch.randn(s, generator=g) * 0.05 for k, s in shapes.items()})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
