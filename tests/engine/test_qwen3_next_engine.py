@@ -70,6 +70,12 @@ def reference(model):
     (256, 3, 32),  # fewer state slots than requests: the rest wait for a slot
 ])
 def test_concurrent_requests_equal_each_alone(model, reference, blocks, slots, budget):
+    check_concurrent(model, reference, blocks, slots, budget)
+
+
+def check_concurrent(model, reference, blocks: int, slots: int, budget: int) -> None:
+    """The reference requests in one engine (``blocks`` KV blocks, ``slots`` state slots, a
+    token budget per step) give each one's tokens alone; nothing is left allocated after."""
     reqs, want = reference
     engine = Engine(model, kv=hybrid(model, blocks, slots), config=SchedulerConfig(max_num_batched_tokens=budget))
     results = engine.generate(reqs)
@@ -104,23 +110,30 @@ def test_state_accounting_returns_to_zero_after_random_aborts(model):
 
 
 def test_int4_store_minimal_cache_equals_full_residency(hf_dir, model, tmp_path):
+    check_int4_store(hf_dir, model, tmp_path / "store")
+
+
+def check_int4_store(hf_dir, model, store) -> None:
+    """``hf_dir`` converted to an int4 g32 store: logits near the fp32 ``model``'s, and the same
+    greedy tokens with a minimal expert cache (top-k experts) as fully resident, alone and in a
+    batch."""
     from engine.experts.runtime import load_from_store
     from engine.experts.tiers import align_up
     from engine.quant.formats import QuantFormat
     from engine.store import convert
 
-    convert(hf_dir, tmp_path / "store", fmt=QuantFormat("int4", 32), progress=False)
-    full = load_from_store(tmp_path / "store", prefetch_depth=0)
+    convert(hf_dir, store, fmt=QuantFormat("int4", 32), progress=False)
+    full = load_from_store(store, prefetch_depth=0)
     top_k = full.model.config.moe.top_k
-    small = load_from_store(tmp_path / "store", device_budget=top_k * align_up(full.store.expert_nbytes),
+    small = load_from_store(store, device_budget=top_k * align_up(full.store.expert_nbytes),
                             prefetch_depth=1)
     try:
+        assert full.model.config == model.config  # the manifest's round trip
         prompt = torch.randint(3, 96, (100,), generator=torch.Generator().manual_seed(4))
         cfg = model.config
-        want = executor_for(model)(prompt, BatchLayout.single(0, 100, 0), ContiguousKVCache(cfg.num_layers, 2, 16),
-                                   all_logits=True)
-        got = executor_for(full.model)(prompt, BatchLayout.single(0, 100, 0),
-                                       ContiguousKVCache(cfg.num_layers, 2, 16), all_logits=True)
+        kv = lambda: ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # noqa: E731
+        want = executor_for(model)(prompt, BatchLayout.single(0, 100, 0), kv(), all_logits=True)
+        got = executor_for(full.model)(prompt, BatchLayout.single(0, 100, 0), kv(), all_logits=True)
         # int4 g32 experts, fp32 dense, against the fp32 model over 100 positions (measured: mean
         # cosine 0.986, mean |error| 14% of mean |logit|; a near-tie routing flip moves single rows)
         cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
@@ -140,10 +153,16 @@ def test_int4_store_minimal_cache_equals_full_residency(hf_dir, model, tmp_path)
 
 
 def test_generate_cli_matches_transformers(tmp_path):
-    from services.cli import main
-
     d = tmp_path / "hf"
     ref = make_qwen3_next(d, seed=3, vocab=32000, **SHAPE)
+    check_generate_cli(ref, d)
+
+
+def check_generate_cli(ref, d) -> int:
+    """`generate --model d` (greedy, fp32 dense) prints the text of transformers' ``ref``'s
+    greedy tokens up to the end of sequence (at least 9 of them); returns how many."""
+    from services.cli import main
+
     add_mixtral_tokenizer(d)
     _, tok, _ = load_model(d)
     ids = tok.encode("Hello there, tell me about recurrent state")
@@ -157,3 +176,4 @@ def test_generate_cli_matches_transformers(tmp_path):
     hf = hf[:next((i for i, t in enumerate(hf) if t in eos), len(hf))]
     assert len(hf) > 8
     assert r.stdout.rstrip("\n") == tok.decode(hf)
+    return len(hf)

@@ -12,14 +12,13 @@ import urllib.request
 
 import pytest
 
-from protocol import ErrorReply, GenerateResult
+from tests.services.test_qwen3_next_pipeline import (SHAPE, check_pipeline, deploy_minimal, in_process_tokens,
+                                                    top_k_budget)
 
 pytestmark = pytest.mark.ray
 
 NAMESPACE = "moestream-qwen35moe-test"
 MODEL = "qwen3.5-tiny"
-SHAPE = dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-             linear_key_head_dim=16, linear_value_head_dim=16, shared_expert_intermediate_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -37,60 +36,20 @@ def q35_store(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def minimal_budget(q35_store):
-    from engine.experts.tiers import align_up
-    from engine.store import ExpertStore
-
-    with ExpertStore(q35_store) as s:
-        assert s.config.arch == "qwen3_5_moe"
-        return s.config.moe.top_k * align_up(s.expert_nbytes)
-
-
-@pytest.fixture(scope="module")
-def q35_app(ray_cluster, q35_store, minimal_budget):
-    from services.app import deploy
-    from services.config import DeployConfig
-
-    cfg = DeployConfig(store=q35_store, namespace=NAMESPACE, loaders=1, device_budget=minimal_budget,
-                       kv_budget="4MiB", prefetch_depth=0, dense_format="bf16", request_timeout_s=120,
-                       speculative="ngram", max_draft=4)
-    app = deploy(cfg)
+def q35_app(ray_cluster, q35_store):
+    app = deploy_minimal(q35_store, NAMESPACE, top_k_budget(q35_store))
     yield app
     app.shutdown()
 
 
-def _prompts() -> list[list[int]]:
-    """Three prompts, one longer than a DeltaNet chunk (64), with repeats for prompt lookup."""
-    motif = [5, 17, 33, 8, 61, 12, 40]
-    return [[9, 4, 71], (motif * 3)[:20], (motif * 12)[:80]]
+def test_pipeline_matches_the_in_process_engine(q35_app, q35_store):
+    from engine.store import ExpertStore
 
-
-def test_pipeline_matches_the_in_process_engine(q35_app, q35_store, minimal_budget):
-    import ray
-
-    from engine.experts.runtime import load_from_store
-    from engine.generate import Request
-    from engine.layers.sampler import SamplingConfig
-    from engine.runner import Engine
-    from services.client import MoestreamClient
-
+    with ExpertStore(q35_store) as s:
+        assert s.config.arch == "qwen3_5_moe"
     max_tokens = 40
-    with load_from_store(q35_store, device_budget=minimal_budget, prefetch_depth=0, dense="bf16") as sm:
-        want = [Engine.for_requests(sm.model, sm.tokenizer, len(p) + max_tokens)
-                .generate([Request(p, SamplingConfig(max_tokens=max_tokens))])[0].output_ids
-                for p in _prompts()]
-        assert sm.cache.metrics.total().misses > 0
-
-    assert min(len(t) for t in want) >= 24  # no early end-of-sequence
-    client = MoestreamClient(namespace=NAMESPACE)
-    for prompt, tokens in zip(_prompts(), want):
-        for speculative in (None, False):  # the deployment's default (ngram), and plain decoding
-            msgs = list(client.generate(prompt_token_ids=prompt, sampling={
-                "temperature": 0.0, "max_tokens": max_tokens, "speculative": speculative}))
-            assert not [m for m in msgs if isinstance(m, ErrorReply)], msgs
-            assert isinstance(msgs[-1], GenerateResult) and msgs[-1].token_ids == tokens
-    stats = ray.get(q35_app.decode.stats.remote())
-    assert (stats["kv_blocks_used"], stats["kv_sequences"], stats["running"], stats["waiting"]) == (0, 0, 0, 0), stats
+    want = in_process_tokens(q35_store, top_k_budget(q35_store), max_tokens)
+    check_pipeline(q35_app, NAMESPACE, want, max_tokens)
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:

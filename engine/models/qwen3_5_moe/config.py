@@ -40,17 +40,15 @@ _NOT_TEXT_FIELDS = ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", 
 @dataclass(frozen=True)
 class Qwen35MoeParams:
     """ModelConfig.arch_params of a Qwen3.5-MoE: its multimodal RoPE layout (text-only serving
-    uses it only to validate the config) and whether the checkpoint has a vision tower."""
+    uses it only to validate the config; kept in the store manifest)."""
 
     mrope_section: tuple[int, int, int] = DEFAULT_MROPE_SECTION
     mrope_interleaved: bool = True
-    has_vision: bool = False
 
 
 def params_from_dict(d: Mapping[str, Any]) -> Qwen35MoeParams:
     return Qwen35MoeParams(mrope_section=tuple(d["mrope_section"]),  # type: ignore[arg-type]
-                           mrope_interleaved=bool(d["mrope_interleaved"]),
-                           has_vision=bool(d.get("has_vision", False)))
+                           mrope_interleaved=bool(d["mrope_interleaved"]))
 
 
 def config_from_hf(raw: Mapping[str, Any], source: object) -> ModelConfig:
@@ -67,9 +65,7 @@ def config_from_hf(raw: Mapping[str, Any], source: object) -> ModelConfig:
     params = rope_params(text, source)
     base = decoder_config(MODEL_TYPE, flat, source, hf_fields)
     section, interleaved = mrope_layout(params, base.rotary_dim, source)
-    return replace(base, arch_params=Qwen35MoeParams(
-        mrope_section=section, mrope_interleaved=interleaved,
-        has_vision=isinstance(raw.get("vision_config"), dict)))
+    return replace(base, arch_params=Qwen35MoeParams(mrope_section=section, mrope_interleaved=interleaved))
 
 
 def rope_params(text: Mapping[str, Any], source: object) -> dict[str, Any]:

@@ -45,11 +45,16 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path, overrides):
         t == "linear_attention" for t in ref.config.layer_types]
     ours = build_model(cfg, files.source)
     prompt = torch.randint(3, ref.config.vocab_size, (150,), generator=torch.Generator().manual_seed(1))
+    check_against_transformers(ref, ours, prompt, atol=2e-5)
 
+
+def check_against_transformers(ref, ours, prompt: torch.Tensor, atol: float) -> None:
+    """Logits of every prompt position within ``atol`` (rtol 1e-4) of transformers' ``ref``,
+    then 32 greedy tokens identical to its generate (end of sequence ignored)."""
     with torch.no_grad():
         want = ref(prompt[None]).logits[0]
-    got = ours(prompt, BatchLayout.single(0, len(prompt), 0), _kv(cfg), all_logits=True)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    got = ours(prompt, BatchLayout.single(0, len(prompt), 0), _kv(ours.config), all_logits=True)
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
 
     ref.generation_config.eos_token_id = None
     with torch.no_grad():
