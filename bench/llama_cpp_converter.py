@@ -54,7 +54,10 @@ def unpack_converter(sdist: Path, out: Path) -> None:
             if m.isfile() and rel.startswith(_KEEP):
                 m.name = rel[len("vendor/llama.cpp/"):]
                 members.append(m)
-        tar.extractall(out, members=members, filter="data")
+        # regular files under three known prefixes only; the "data" filter where this Python has
+        # it (3.11.4+; Debian's 3.11.2 lacks the argument)
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(out, members=members, **safe)
 
 
 def fetch_converter(root: Path) -> Path:

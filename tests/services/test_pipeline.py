@@ -462,8 +462,13 @@ def test_job_submit_path_matches_in_process_engine(app, ray_cluster, reference):
            sys.executable, "-m", "services.cli_serve", "generate", "--address", "auto",
            "--namespace", app.namespace, "--prompt-ids", ",".join(map(str, prompt)),
            "--max-tokens", "16", "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    for attempt in range(10):  # Ray answers "No available agent ... try again later" until the
+        # head's dashboard agent has registered, which takes a while on a loaded machine
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        if out.returncode == 0 or "No available agent" not in out.stdout + out.stderr:
+            break
+        time.sleep(10)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     line = [x for x in out.stdout.splitlines() if x.startswith("{\"protocol_version\"")]
     assert line, out.stdout[-3000:]
