@@ -140,8 +140,10 @@ class SweepPolicy(EvictionPolicy):
 
     def _use(self, key: Key) -> None:
         v = self._observe(key)
-        if self._used_at.get(key) == v:
-            return  # already counted in this visit
+        if self._used_at.get(key) == v:  # already counted in this visit
+            if key not in self._version:  # removed and admitted again since: ranked again
+                self._push(key)
+            return
         self._used_at[key] = v
         x = v / self.half_life
         old = self._score.get(key)

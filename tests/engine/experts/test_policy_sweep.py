@@ -227,3 +227,19 @@ def test_cli_simulate_bypass_judges_against_belady_with_bypass():
     row = [ln.split() for ln in r.output.splitlines() if ln.strip().startswith("sweep")][0]
     assert float(row[-1]) == pytest.approx(t.ratio("sweep", cap), abs=0.006)
     assert t.bounds[cap].hit_rate > sweep(tr, ["sweep"], [cap]).bounds[cap].hit_rate  # bypass raises the bound
+
+
+def test_a_key_removed_and_hit_again_in_the_same_visit_is_ranked_again():
+    # A cache may evict an expert and admit it again within one layer visit (the flaky mixtral
+    # cache run): the hit must re-register the key, or the next layer switch ranks a tracked key
+    # that has no heap entry (a KeyError in the victim heap).
+    p = SweepPolicy()
+    resident = {(0, 0), (1, 1)}
+    p.on_insert((1, 1))  # two layers, so touching (0, 0) again stays in layer 0's visit
+    p.on_insert((0, 0))
+    p.on_remove((0, 0))
+    p.on_hit((0, 0))  # same visit of layer 0
+    p.on_insert((1, 0))  # layer switch: layer 0's candidate is pushed to the victim heap
+    resident.add((1, 0))
+    got = p.victim(resident, protected={(1, 0)})
+    assert got == p.reference_victim(resident, protected={(1, 0)})
