@@ -1,6 +1,6 @@
 """bench/headline.py on the CPU: the small shape runs and prints every figure (its speed is the
-bench's to report, not a timed test's); the plan alone (--dry-run) gives the full shape's predictions; the VRAM cap is enforced
-with a typed error."""
+bench's to report, not a timed test's); the plan alone (--dry-run) gives the full shape's
+predictions; the VRAM cap is enforced with a typed error."""
 
 from __future__ import annotations
 
