@@ -181,6 +181,19 @@ def gguf_keys(meta: Mapping[str, Any], prefix: str, source: object) -> Callable[
     return get
 
 
+def gguf_rope(get: Callable[..., Any], theta: float, **extra: Any) -> RopeConfig:
+    """The RoPE of llama.cpp's ``rope.*`` keys read through ``get`` (a :func:`gguf_keys` reader):
+    base frequency (``theta`` when absent) and the YaRN scaling fields; ``extra`` sets the
+    architecture's own RopeConfig fields (mscale, truncate)."""
+    scaling = get("rope.scaling.type", "none")
+    return RopeConfig(theta=float(get("rope.freq_base", theta)),
+                      type={"none": "default", "yarn": "yarn"}.get(scaling, scaling),
+                      factor=float(get("rope.scaling.factor", 1.0) or 1.0),
+                      original_max_position_embeddings=int(get("rope.scaling.original_context_length", 4096)),
+                      beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                      beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)), **extra)
+
+
 def gguf_special_tokens(meta: Mapping[str, Any]) -> dict[str, Any]:
     """The ``bos_token_id`` / ``eos_token_ids`` ModelConfig fields of GGUF metadata (eos: the
     eos, eot and eom ids present, deduplicated)."""

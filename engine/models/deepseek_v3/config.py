@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from engine.config import ModelConfig, MoEConfig, RopeConfig
-from engine.configio.fields import REQUIRED, gguf_keys, gguf_special_tokens, hf_integers, number, rope_from_hf, token_ids
+from engine.config import ModelConfig, MoEConfig
+from engine.configio.fields import REQUIRED, gguf_keys, gguf_rope, gguf_special_tokens, hf_integers, number, rope_from_hf, token_ids
 from engine.errors import ModelFormatError
 from engine.loading.expected import layered_tensors
 from engine.loading.source import expert_name
@@ -213,15 +213,8 @@ def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
         qk_rope_head_dim=rope_dim, v_head_dim=int(get("attention.value_length_mla")),
         n_group=int(get("expert_group_count", 1)), topk_group=int(get("expert_group_used_count", 1)),
         routed_scaling_factor=float(get("expert_weights_scale", 1.0)), rope_interleave=True)
-    scaling = get("rope.scaling.type", "none")
     mscale_all = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
-    rope = RopeConfig(theta=float(get("rope.freq_base", 10000.0)),
-                      type={"none": "default", "yarn": "yarn"}.get(scaling, scaling),
-                      factor=float(get("rope.scaling.factor", 1.0) or 1.0),
-                      original_max_position_embeddings=int(get("rope.scaling.original_context_length", 4096)),
-                      beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
-                      beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
-                      mscale=mscale_all or None, mscale_all_dim=mscale_all or None)
+    rope = gguf_rope(get, 10000.0, mscale=mscale_all or None, mscale_all_dim=mscale_all or None)
     moe_inter = int(get("expert_feed_forward_length"))
     return ModelConfig(
         arch="deepseek_v3", vocab_size=vocab, hidden_size=hidden,

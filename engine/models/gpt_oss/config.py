@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from engine.config import ModelConfig, MoEConfig, RopeConfig
-from engine.configio.fields import REQUIRED, gguf_keys, gguf_special_tokens, hf_integers, number, rope_from_hf, token_ids
+from engine.config import ModelConfig, MoEConfig
+from engine.configio.fields import REQUIRED, gguf_keys, gguf_rope, gguf_special_tokens, hf_integers, number, rope_from_hf, token_ids
 from engine.errors import ModelFormatError
 from engine.loading.expected import layered_tensors
 from engine.loading.source import expert_name
@@ -138,14 +138,7 @@ def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
     layers, hidden, heads = int(get("block_count")), int(get("embedding_length")), int(get("attention.head_count"))
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = int(get("vocab_size", len(tokens) if tokens is not None else REQUIRED))
-    scaling = get("rope.scaling.type", "none")
-    rope = RopeConfig(theta=float(get("rope.freq_base", 150000.0)),
-                      type={"none": "default", "yarn": "yarn"}.get(scaling, scaling),
-                      factor=float(get("rope.scaling.factor", 1.0) or 1.0),
-                      original_max_position_embeddings=int(get("rope.scaling.original_context_length", 4096)),
-                      beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
-                      beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
-                      truncate=False)  # gpt-oss's YaRN does not round the correction range
+    rope = gguf_rope(get, 150000.0, truncate=False)  # gpt-oss's YaRN does not round the correction range
     return ModelConfig(
         arch="gpt_oss", vocab_size=vocab, hidden_size=hidden, intermediate_size=0, num_layers=layers,
         num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
