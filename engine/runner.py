@@ -218,17 +218,22 @@ class Engine:
                 self.kv.keep(seq.seq_id, seq.num_computed_tokens)  # recurrent state rolls back too
                 self._drafted += len(drafts)
                 self._accepted += accepted
-            self._name_blocks(seq)  # before _update can finish it (and free its blocks)
+            # before _update can finish it (and free its blocks); accepted drafts are committed
+            # but not yet in output_ids
+            self._name_blocks(seq, tokens_out[:accepted])
             if spec is not None and spec.started and n - len(drafts) == 1:  # a decode row
                 spec.observe(accepted, t_forward, s1 - s0, b1 - b0)
             outputs.append(self._update(seq, tokens_out, rows_here, now))
         return outputs
 
-    def _name_blocks(self, seq: Sequence) -> None:
+    def _name_blocks(self, seq: Sequence, pending: list[int] = ()) -> None:
         """Prefix caching: name the blocks the sequence's committed tokens now fill (accepted
-        tokens only: ``num_computed_tokens`` is already rolled back past rejected drafts)."""
-        if getattr(self.kv, "prefix_cache", False):
-            self.kv.register(seq.seq_id, seq.num_computed_tokens, seq.token_slice)
+        tokens only: ``num_computed_tokens`` is already rolled back past rejected drafts);
+        ``pending``: accepted drafts, committed at the positions after ``all_ids``."""
+        if not getattr(self.kv, "prefix_cache", False):
+            return
+        ids = seq.token_slice if not pending else (lambda s, n: (seq.all_ids + pending)[s:s + n])
+        self.kv.register(seq.seq_id, seq.num_computed_tokens, ids)
 
     def _draft(self, plan: StepPlan) -> StepPlan:
         """Give each speculating decode row its drafts: the entry grows from 1 token to 1 + k,
