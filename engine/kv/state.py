@@ -33,7 +33,7 @@ Prefix caching (engine.kv.prefix): KV blocks alone cannot resume a sequence, its
 the one at the cached prefix's end. The cache keeps state snapshots (``slot_bytes`` each:
 ~80 MB for Qwen3-Next-80B's 36 DeltaNet layers) keyed by block name, taken where a step ends on
 a block boundary: chunk ends, the prompt's last full block (a prefill stops there:
-``chunk_limit``), and each boundary decoding reaches; a new request resumes from the longest
+``chunk_limit``), and each boundary decoding reaches (a verify's from its checkpoints); a new request resumes from the longest
 cached prefix whose last block has one. ``from_budget`` gives them at most a quarter of the
 budget (LRU beyond); a snapshot goes when its block is evicted.
 """
@@ -190,6 +190,15 @@ class RecurrentState:
         ck = self._checkpoints.get(seq_id)
         return None if ck is None else (ck[1][layer], ck[2][layer])
 
+    def checkpoint_snapshot(self, seq_id: int, pos: int) -> StateSnapshot | None:
+        """The state at position ``pos`` from the last verify forward's checkpoints (copied), or
+        None when that forward did not pass through ``pos``."""
+        ck = self._checkpoints.get(seq_id)
+        if ck is None or not ck[0] < pos <= ck[0] + ck[1].shape[1]:
+            return None
+        i = pos - ck[0] - 1
+        return StateSnapshot(ck[1][:, i].clone(), ck[2][:, i].clone(), pos)
+
     @torch.inference_mode()  # the slots may be inference tensors (made inside a forward)
     def keep(self, seq_id: int, n_tokens: int) -> None:
         """After speculative acceptance: the sequence stands at ``n_tokens`` (its last verify
@@ -252,6 +261,7 @@ class HybridKVCache(KVCache):
         self.state = RecurrentState(cfg, num_state_slots, device=device)
         self.block_size = block_size
         self.snapshots = SnapshotStore(num_snapshots if self.paged.prefix_cache else 0)
+        self._passed: dict[int, StateSnapshot] = {}  # seq_id -> state at a boundary a verify passed
         self.paged.pool.on_evict = self.snapshots.discard
 
     @staticmethod
@@ -303,6 +313,7 @@ class HybridKVCache(KVCache):
     def free(self, seq_id: int) -> None:
         self.paged.free(seq_id)
         self.state.free(seq_id)
+        self._passed.pop(seq_id, None)
 
     # ---- prefix caching (engine.kv.prefix) ---------------------------------------------------
     @property
@@ -337,9 +348,12 @@ class HybridKVCache(KVCache):
         """Name the filled blocks (PagedKVCache.register); when the committed tokens end on a
         block boundary the state stands there: keep a snapshot of it under that block's name.
         Boundaries a forward passes through are not kept (the state exists only at its end):
-        chunk ends, the prompt's last boundary (``chunk_limit``) and every boundary a decode
-        step reaches are."""
+        chunk ends, the prompt's last boundary (``chunk_limit``), every boundary a decode step
+        reaches and the last one a speculative verify passed (``keep``) are."""
         k = self.paged.register(seq_id, n_computed, token_slice) if self.prefix_cache else 0
+        passed = self._passed.pop(seq_id, None)
+        if passed is not None and 0 < passed.tokens <= k * self.block_size:
+            self.snapshots.put(self.paged.chains[seq_id][passed.tokens // self.block_size - 1], lambda: passed)
         if k and k * self.block_size == n_computed and self.state.tokens.get(seq_id) == n_computed:
             self.snapshots.put(self.paged.chains[seq_id][-1], lambda: self.state.snapshot(seq_id))
         return k
@@ -360,7 +374,14 @@ class HybridKVCache(KVCache):
     # ---- speculative rollback (engine.runner.Engine, engine.speculative) --------------------
     def keep(self, seq_id: int, n_tokens: int) -> None:
         """After acceptance: the sequence continues from ``n_tokens``. The paged KV beyond is
-        stale and overwritten later; the recurrent state comes back from its checkpoint."""
+        stale and overwritten later; the recurrent state comes back from its checkpoint.
+        Prefix caching: a block boundary the accepted tokens passed is kept from the
+        checkpoints too (``register`` files it under the block's name)."""
+        b = n_tokens // self.block_size * self.block_size
+        if self.prefix_cache and b < n_tokens:
+            snap = self.state.checkpoint_snapshot(seq_id, b)
+            if snap is not None:
+                self._passed[seq_id] = snap
         self.state.keep(seq_id, n_tokens)
 
     def snapshot(self, seq_id: int) -> StateSnapshot:

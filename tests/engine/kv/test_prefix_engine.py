@@ -156,17 +156,44 @@ def test_conversations_under_preemption_match_cache_off(which, request):
     assert results[True][1].preemptions > 0 and results[True][1].prefix_hit_tokens > 0
 
 
-def test_speculation_rejected_drafts_never_named(dense):
-    """n-gram speculation (some drafts accepted, some rejected) over a conversation: tokens equal
-    the plain cache-off run, and every named block is the chain of committed tokens."""
-    spec = SpeculativeConfig("ngram", max_draft=4)
-    on = engine_for(dense, True, speculative=spec)
-    got, want = conversation(on, seed=3), conversation(engine_for(dense, False), seed=3)
+class HalfRightDrafter:
+    """Drafts [the reference's next token, a wrong one]: every verify accepts one draft and
+    rejects the other, so rejected K/V (and state) lands in blocks that later get named."""
+
+    def __init__(self, turns: list[tuple[list[int], list[int]]], vocab: int) -> None:
+        self.turns, self.vocab = turns, vocab
+
+    def begin(self, prompt_ids, ctx) -> None:
+        pass
+
+    def propose(self, history, k, ctx):
+        for prompt, out in self.turns:
+            i = len(history) - len(prompt)
+            if list(history[:len(prompt)]) == prompt and 0 <= i < len(out):
+                return [out[i], (out[i] + 1) % self.vocab][:k], None
+        return [], None
+
+    def end(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_speculation_rejected_drafts_never_named(which, request):
+    """Speculative decoding with accepted and rejected drafts over a conversation: tokens equal
+    the plain cache-off run, every named block is the chain of committed tokens, and on the
+    hybrid model the state snapshots are the rolled-back ones (else later turns would differ)."""
+    model = request.getfixturevalue(which)
+    want = conversation(engine_for(model, False), seed=3)
+    ref = [(p, o) for p, o, _, _ in want]
+    spec = SpeculativeConfig("oracle", max_draft=2, fixed=2,
+                             make_drafter=lambda target, k: HalfRightDrafter(ref, model.config.vocab_size))
+    on = engine_for(model, True, speculative=spec)
+    got = conversation(on, seed=3)
     assert [t[1] for t in got] == [t[1] for t in want]
     m = on.metrics()
     assert m.draft_tokens > m.accepted_draft_tokens > 0  # both outcomes happened
     assert [t[2] for t in got][1:] == [max(0, len(p) + len(o) - 1) // BS * BS
                                        for p, o, _, _ in got[:-1]]
     committed = [set(chain_hashes(p + o[:-1], BS, (len(p) + len(o) - 1) // BS)) for p, o, _, _ in got]
-    assert set(on.kv.pool.by_hash) <= set().union(*committed)
+    assert set(getattr(on.kv, "paged", on.kv).pool.by_hash) <= set().union(*committed)
     assert_pool_clean(on)
