@@ -4,6 +4,7 @@ reference loop (engine.generate.generate_ids) and the memory-bandwidth roofline.
 
     python bench/serving.py                       # hidden 512, 8 layers, 32 experts top-4
     python bench/serving.py --streams 1 4 16 --prompt-len 64 --new-tokens 32
+    python bench/serving.py --multi-turn          # 4 conversations x 4 turns, prefix cache on/off
     python bench/serving.py --paths               # the same engine in process, through the Ray
                                                   # client and through the HTTP API (below)
 
@@ -358,6 +359,62 @@ def paths_main(args) -> None:
           "streams' generated tokens over the wall time")
 
 
+def multi_turn(args, model: CausalLM, kv_dtype: torch.dtype) -> None:
+    """``--multi-turn``: C conversations at once, T turns each; turn 1 = a shared system prompt
+    + a user message, turn t+1 = turn t's prompt + its answer + a new user message (a chat
+    app's or a coding agent's traffic). The same engine runs it with the prefix cache on and
+    off; per turn: TTFT p50/max, prompt tokens computed (prefill work) and reused."""
+    cfg, bs, c = model.config, args.block_size, args.conversations
+    g = torch.Generator().manual_seed(2)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()
+
+    system = rand(args.system_len)
+    users = [[rand(args.user_len) for _ in range(args.turns)] for _ in range(c)]
+    longest = args.system_len + args.turns * (args.user_len + args.new_tokens)
+    print(f"workload: {c} conversations x {args.turns} turns; shared system prompt {args.system_len} "
+          f"tokens, user messages {args.user_len}, answers {args.new_tokens} (greedy); KV "
+          f"{args.kv_dtype}, block {bs}, room for every conversation; step budget "
+          f"{args.max_batched_tokens}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    outputs, rows = {}, []
+    for on in (False, True):
+        kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, c * -(-longest // bs) + 1, bs,
+                          kv_dtype, prefix_cache=on)
+        engine = Engine(model, None, kv, SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
+                                                         max_num_seqs=c))
+        Engine(model, None, PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, bs, kv_dtype),
+               SchedulerConfig(max_num_seqs=c)).generate(  # warm-up: batch shapes
+            [Request(rand(8), SamplingConfig(max_tokens=2, ignore_eos=True)) for _ in range(c)])
+        prompts = [system + users[i][0] for i in range(c)]
+        outs = []
+        for t in range(args.turns):
+            t0 = time.perf_counter()
+            res = engine.generate([Request(p, SamplingConfig(max_tokens=args.new_tokens, ignore_eos=True))
+                                   for p in prompts])
+            wall = time.perf_counter() - t0
+            ttft = [r.ttft for r in res]
+            total = sum(len(p) for p in prompts)
+            cached = sum(r.cached_tokens for r in res)
+            rows.append(("on" if on else "off", t + 1, total, total - cached, cached,
+                         statistics.median(ttft) * 1e3, max(ttft) * 1e3, wall))
+            outs.append([r.output_ids for r in res])
+            if t + 1 < args.turns:
+                prompts = [p + r.output_ids + users[i][t + 1] for i, (p, r) in enumerate(zip(prompts, res))]
+        outputs[on] = outs
+    head = ("cache", "turn", "prompt tokens", "computed", "reused", "TTFT p50 ms", "TTFT max ms", "turn wall s")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---:" for _ in head) + "|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.0f} | {r[6]:.0f} | {r[7]:.2f} |")
+    for on in ("off", "on"):
+        sel = [r for r in rows if r[0] == on]
+        print(f"cache {on}: prompt tokens computed {sum(r[3] for r in sel)} of {sum(r[2] for r in sel)}, "
+              f"TTFT p50 over turns 2..{args.turns} {statistics.median([r[5] for r in sel[1:]]):.0f} ms, "
+              f"wall {sum(r[7] for r in sel):.1f} s")
+    print("greedy outputs identical with the cache on and off:", outputs[True] == outputs[False])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -377,6 +434,12 @@ def main() -> None:
                     "on a store (module docstring); defaults become: 1 4 16 64 streams, hidden 256, "
                     "2 layers, 8 experts, 16 prompt + 32 new tokens")
     ap.add_argument("--store", type=Path, default=None, help="--paths: an existing store")
+    ap.add_argument("--multi-turn", action="store_true", help="conversations with the prefix "
+                    "cache on and off (multi_turn's docstring)")
+    ap.add_argument("--conversations", type=int, default=4, help="--multi-turn: concurrent conversations")
+    ap.add_argument("--turns", type=int, default=4, help="--multi-turn: turns per conversation")
+    ap.add_argument("--system-len", type=int, default=512, help="--multi-turn: shared system prompt tokens")
+    ap.add_argument("--user-len", type=int, default=64, help="--multi-turn: tokens per user message")
     ap.add_argument("--ray-serve", action="store_true", help="--paths: also measure a Ray Serve "
                     "ingress doing the same (needs `pip install \"ray[serve]\"`)")
     ap.add_argument("--device-fraction", type=float, default=0.5, help="--paths: device cache "
@@ -404,6 +467,10 @@ def main() -> None:
     experts = CountingExperts(resident_experts(cfg, source, torch.float32))
     model = build_model(cfg, source, provider=experts)
     kv_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}[args.kv_dtype]
+    if args.multi_turn:
+        print(f"model: random Qwen3-MoE, hidden {cfg.hidden_size}, {cfg.num_layers} layers, "
+              f"{args.experts} experts top-{args.top_k}, fp32 weights")
+        return multi_turn(args, model, kv_dtype)
     counts = cfg.parameter_counts()
     expert_bytes = 3 * args.hidden * args.moe_intermediate * 4
     dense_bytes = (counts["dense"] - cfg.vocab_size * cfg.hidden_size) * 4  # one embedding row read

@@ -15,6 +15,11 @@ stays only as the single-sequence test oracle.
 Each request samples with its own SamplerState, so a seeded request gives the same tokens
 alone or inside any batch. Expert pins are taken and released inside each MoE layer during
 the forward, so nothing is pinned between steps and an abort has only KV blocks to free.
+
+Prefix caching (engine.kv.prefix, on unless the cache was built with prefix_cache=False): the
+scheduler starts a new sequence on its longest cached prefix of full blocks; after each step
+the engine names the blocks that committed tokens filled (``_name_blocks``), so later requests
+(the next turn of a conversation) reuse them.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     logprobs: list[dict] | None = None
     spec: SpecStats | None = None  # on the final output of a request that speculated
+    cached_tokens: int = 0  # on the final output: prompt tokens reused from the prefix cache
 
 
 @dataclass
@@ -63,6 +69,7 @@ class RequestResult:
     inter_token_latencies: list[float]
     num_preemptions: int
     spec: SpecStats | None = None  # None: the request did not speculate
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not computed)
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,12 @@ class EngineMetrics:
     kv: KVMetrics
     draft_tokens: int = 0  # speculative drafts verified
     accepted_draft_tokens: int = 0
+    prefix_query_tokens: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, reused from cached blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
 class Engine:
@@ -109,9 +122,10 @@ class Engine:
     @classmethod
     def for_requests(cls, model: CausalLM, tokenizer=None, tokens: int = 2048, seqs: int = 1,
                      speculative: SpeculativeConfig | None = None, max_batched_tokens: int = 512,
-                     block_size: int = 16) -> "Engine":
+                     block_size: int = 16, prefix_cache: bool = True) -> "Engine":
         """An engine whose KV cache holds ``seqs`` sequences of ``tokens`` tokens (prompt +
-        max_tokens) each, at the model's dtype: the in-process CLI, benchmarks and tests."""
+        max_tokens) each, at the model's dtype: the in-process CLI, benchmarks and tests.
+        ``prefix_cache``: reuse cached full blocks across requests (engine.kv.prefix)."""
         from engine.kv.state import kv_cache_from_budget, slot_bytes
 
         cfg = model.config
@@ -120,7 +134,8 @@ class Engine:
         if cfg.linear_attn is not None:  # recurrent state gets at most half of a hybrid budget
             budget = 2 * (budget + seqs * slot_bytes(cfg))
         kv = kv_cache_from_budget(cfg, budget, block_size, dtype=dtype, max_seqs=seqs,
-                                  device=model.model.embed_tokens.weight.device)
+                                  device=model.model.embed_tokens.weight.device,
+                                  prefix_cache=prefix_cache)
         return cls(model, tokenizer, kv, SchedulerConfig(max_num_batched_tokens=max_batched_tokens,
                                                          max_num_seqs=seqs), speculative)
 
@@ -159,7 +174,8 @@ class Engine:
         if seq is None:
             return None
         self._end_spec(seq)
-        return RequestOutput(seq.request_id, [], "", True, "abort", spec=self._spec_stats(seq))
+        return RequestOutput(seq.request_id, [], "", True, "abort", spec=self._spec_stats(seq),
+                             cached_tokens=seq.num_cached_tokens)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -193,6 +209,7 @@ class Engine:
             rows_here = logits[r:r + 1 + len(drafts)]
             r += 1 + len(drafts)
             if seq.num_uncomputed_tokens + len(drafts) > 0:
+                self._name_blocks(seq)
                 continue  # a prefill chunk that does not end the prompt: nothing to sample
             tokens_out, accepted = accept_tokens(rows_here, drafts, spec.qs if spec else None, seq.sampler)
             if drafts:
@@ -201,10 +218,22 @@ class Engine:
                 self.kv.keep(seq.seq_id, seq.num_computed_tokens)  # recurrent state rolls back too
                 self._drafted += len(drafts)
                 self._accepted += accepted
+            # before _update can finish it (and free its blocks); accepted drafts are committed
+            # but not yet in output_ids
+            self._name_blocks(seq, tokens_out[:accepted])
             if spec is not None and spec.started and n - len(drafts) == 1:  # a decode row
                 spec.observe(accepted, t_forward, s1 - s0, b1 - b0)
             outputs.append(self._update(seq, tokens_out, rows_here, now))
         return outputs
+
+    def _name_blocks(self, seq: Sequence, pending: list[int] = ()) -> None:
+        """Prefix caching: name the blocks the sequence's committed tokens now fill (accepted
+        tokens only: ``num_computed_tokens`` is already rolled back past rejected drafts);
+        ``pending``: accepted drafts, committed at the positions after ``all_ids``."""
+        if not getattr(self.kv, "prefix_cache", False):
+            return
+        ids = seq.token_slice if not pending else (lambda s, n: (seq.all_ids + pending)[s:s + n])
+        self.kv.register(seq.seq_id, seq.num_computed_tokens, ids)
 
     def _draft(self, plan: StepPlan) -> StepPlan:
         """Give each speculating decode row its drafts: the entry grows from 1 token to 1 + k,
@@ -273,6 +302,7 @@ class Engine:
             self._end_spec(seq)
             out.finished, out.finish_reason = True, reason
             out.spec = self._spec_stats(seq)
+            out.cached_tokens = seq.num_cached_tokens
         seq.text += out.new_text
         return out
 
@@ -302,7 +332,8 @@ class Engine:
         while any(not s.is_finished for s in seqs):
             self.step()
         return [RequestResult(s.request_id, s.prompt_ids, s.output_ids, s.text, s.finish_reason,
-                              s.ttft, s.inter_token_latencies, s.num_preemptions, self._spec_stats(s))
+                              s.ttft, s.inter_token_latencies, s.num_preemptions, self._spec_stats(s),
+                              s.num_cached_tokens)
                 for s in seqs]
 
     def metrics(self) -> EngineMetrics:
@@ -313,16 +344,20 @@ class Engine:
                              recomputed_tokens=st.recomputed_tokens,
                              running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                              kv=self.kv.metrics(), draft_tokens=self._drafted,
-                             accepted_draft_tokens=self._accepted)
+                             accepted_draft_tokens=self._accepted,
+                             prefix_query_tokens=st.prefix_query_tokens,
+                             prefix_hit_tokens=st.prefix_hit_tokens)
 
 
 def stream_request(model: CausalLM, prompt_ids: Seq[int], sampling: SamplingConfig, tokenizer=None,
-                   speculative: SpeculativeConfig | None = None) -> Iterator[tuple[RequestOutput, GenerationStats]]:
+                   speculative: SpeculativeConfig | None = None,
+                   prefix_cache: bool = True) -> Iterator[tuple[RequestOutput, GenerationStats]]:
     """One request through a fresh Engine sized for it (the in-process CLI and the benchmarks):
     yields (output, figures so far) per step that produced tokens. The whole prompt is one
     prefill step; prefill time runs to the first token, decode time from it to the latest."""
     engine = Engine.for_requests(model, tokenizer, len(prompt_ids) + sampling.max_tokens,
-                                 speculative=speculative, max_batched_tokens=max(512, len(prompt_ids)))
+                                 speculative=speculative, max_batched_tokens=max(512, len(prompt_ids)),
+                                 prefix_cache=prefix_cache)
     engine.add_request("stream", prompt_ids, sampling)
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
     t0 = time.perf_counter()

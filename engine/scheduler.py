@@ -16,9 +16,13 @@ Admission (``add``) rejects a request whose prompt + max_tokens can never fit in
 cache, so a queued request always makes progress: the oldest running sequence can always
 preempt every other one.
 
+Prefix caching (engine.kv.prefix): a sequence that holds no block (new, or preempted) first
+takes its longest cached prefix of full blocks (``match_prefix``) and computes only the rest;
+if what is left does not fit, the matched blocks go back and it waits.
+
 The scheduler knows nothing about the model: it sees sequences, token counts and the KV
 cache's block accounting (``block_size``, ``num_blocks``, ``can_allocate``, ``allocate``,
-``free``). After the forward the runner calls ``commit(plan)``, then ``finish`` on sequences
+``free``, ``match_prefix``, ``chunk_limit``). After the forward the runner calls ``commit(plan)``, then ``finish`` on sequences
 that are done.
 """
 
@@ -42,6 +46,9 @@ class BlockSpace(Protocol):
     def can_allocate(self, seq_id: int, n_tokens: int) -> bool: ...
     def allocate(self, seq_id: int, n_tokens: int) -> list[int]: ...
     def free(self, seq_id: int) -> None: ...
+    # prefix caching (engine.kv.prefix; PagedKVCache documents them)
+    def match_prefix(self, seq_id: int, tokens: list[int]) -> int: ...
+    def chunk_limit(self, seq_id: int, start: int, n: int, prompt_len: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,8 @@ class SchedulerStats:
     preemptions: int = 0
     scheduled_tokens: int = 0
     recomputed_tokens: int = 0  # computed tokens thrown away by preemption
+    prefix_query_tokens: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens reused from cached blocks (not computed)
 
 
 @dataclass
@@ -148,7 +157,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._chunk(seq, budget)
             end = seq.num_computed_tokens + n
             while not self.kv.can_allocate(seq.seq_id, end):
                 victim = max(self.running, key=lambda s: s.arrival_key)
@@ -163,10 +172,18 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.kv.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
+            cached = self.kv.match_prefix(seq.seq_id, seq.all_ids)  # it holds no block yet
+            seq.num_computed_tokens = cached
+            n = self._chunk(seq, budget)
+            if not self.kv.can_allocate(seq.seq_id, cached + n):
+                self.kv.free(seq.seq_id)  # the matched blocks go back to the cache
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            self.stats.prefix_query_tokens += seq.num_tokens
+            self.stats.prefix_hit_tokens += cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             entries.append(self._take(seq, n))
@@ -181,6 +198,12 @@ class Scheduler:
         for seq, n, ctx in plan:
             assert seq.num_computed_tokens == ctx, (seq.request_id, seq.num_computed_tokens, ctx)
             seq.num_computed_tokens = ctx + n
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens ``seq`` feeds this step within ``budget`` (the cache may stop a prefill at a
+        block boundary: a hybrid model's state snapshot, engine.kv.state)."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        return self.kv.chunk_limit(seq.seq_id, seq.num_computed_tokens, n, len(seq.prompt_ids))
 
     def _take(self, seq: Sequence, n: int) -> ScheduledSeq:
         assert n > 0, f"{seq.request_id} has nothing to compute (sample after every full compute)"

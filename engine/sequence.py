@@ -38,6 +38,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held at its first admission
     sampler: SamplerState = field(init=False)
     # streaming text (set by the runner when it has a tokenizer)
     detokenizer: object | None = None  # engine.tokenizer.IncrementalDetokenizer

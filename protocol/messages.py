@@ -401,6 +401,11 @@ class Usage(StrictModel):
     accepted_draft_tokens: int | None = Field(
         None, ge=0, description="Of draft_tokens, how many the target model accepted."
     )
+    cached_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Prompt tokens reused from the prefix cache (not computed); None: unknown.",
+    )
 
 
 class GenerateResult(WireMessage):

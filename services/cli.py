@@ -85,9 +85,12 @@ def main() -> None:
               help="Lossless speculative decoding: prompt-lookup n-grams, self-speculation on the "
                    "device-resident experts (--store), the checkpoint's own MTP head (Qwen3.5-MoE "
                    "with --model), or a draft model sharing the tokenizer.")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Prefix caching in the engine (reuse of cached KV blocks across requests); "
+                   "--no-prefix-cache turns it off.")
 def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, admission, prefetch_depth,
              miss_compute, address, namespace, as_json, chat, max_tokens, temperature, top_k, top_p,
-             min_p, seed, stop, dtype, dense, head_format, device_name, speculative):
+             min_p, seed, stop, dtype, dense, head_format, device_name, speculative, prefix_cache=True):
     """Generate text from PROMPT, streaming it, then print one line of figures."""
     from engine.assets import smollm2_gguf
     from engine.layers.sampler import SamplingConfig
@@ -138,18 +141,18 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     try:
         spec = _speculative_config(speculative, draft, model, loaded, _dtype(dtype), device, model_path)
-        _stream_one(model, tok, ids, sampling, spec, loaded)
+        _stream_one(model, tok, ids, sampling, spec, loaded, prefix_cache)
     finally:
         if loaded is not None:
             loaded.close()
 
 
-def _stream_one(model, tok, ids, sampling, spec, loaded) -> None:
+def _stream_one(model, tok, ids, sampling, spec, loaded, prefix_cache: bool = True) -> None:
     """One request through the serving engine (the same Engine as the decode actor), its text
     streamed as each step completes it, then one line of figures on stderr."""
     from engine.runner import stream_request
 
-    for out, stats in stream_request(model, ids, sampling, tok, spec):
+    for out, stats in stream_request(model, ids, sampling, tok, spec, prefix_cache=prefix_cache):
         if out.new_text:
             click.echo(out.new_text, nl=False)
         if out.finished:

@@ -72,6 +72,11 @@ class DeployConfig(BaseModel):
         "resolved by the deployer; None = every expert fits.")
     kv_budget: Bytes = Field("256MiB", description="Bytes for the paged KV cache.")
     kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    prefix_cache: bool = Field(
+        True, description="Prefix caching: full KV blocks are reused across requests that share "
+        "a prefix (the next turn of a conversation computes only its new tokens); on hybrid "
+        "models recurrent-state snapshots take up to a quarter of kv_budget. False: every "
+        "request prefills its whole prompt.")
     policy: Literal["sweep", "lru", "lfu", "lfu-pure"] = Field(
         "sweep", description="Eviction policy of the device expert cache.")
     admission: bool = Field(False, description="Admission control in the device cache: a miss the "

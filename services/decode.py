@@ -211,7 +211,7 @@ class EngineLoop:
             t.sink(out)
             return
         del self.tracked[out.request_id]
-        t.sink(Finished(out, self._usage(t, out.spec)))
+        t.sink(Finished(out, self._usage(t, out.spec, out.cached_tokens)))
 
     def _cache_totals(self) -> tuple[int, int, int]:
         if self.cache is None:
@@ -220,7 +220,7 @@ class EngineLoop:
             m = self.cache.metrics.total()
         return m.hits, m.misses, m.bytes_to_device
 
-    def _usage(self, t: _Tracked, spec=None) -> Usage:
+    def _usage(self, t: _Tracked, spec=None, cached_tokens: int = 0) -> Usage:
         hits, misses, nbytes = self._cache_totals()
         dh, dm = hits - t.hits0, misses - t.misses0
         generated = self.engine._generated_tokens - t.gen0  # all sequences: bytes are shared
@@ -234,7 +234,8 @@ class EngineLoop:
             expert_bytes_per_token=(nbytes - t.bytes0) / generated
             if self.cache is not None and generated else None,
             draft_tokens=spec.drafted if spec is not None else None,
-            accepted_draft_tokens=spec.accepted if spec is not None else None)
+            accepted_draft_tokens=spec.accepted if spec is not None else None,
+            cached_tokens=cached_tokens)
 
 
 class DecodeService:
@@ -294,7 +295,8 @@ class DecodeService:
             executor_for(self.sm.model).native()
         model_cfg = self.sm.store.config
         self.kv = kv_cache_from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size, dtype=dtype,
-                                       device=self.device, max_seqs=cfg.max_num_seqs)
+                                       device=self.device, max_seqs=cfg.max_num_seqs,
+                                       prefix_cache=cfg.prefix_cache)
         self.engine = Engine(self.sm.model, self.sm.tokenizer, self.kv,
                              SchedulerConfig(max_num_batched_tokens=cfg.max_batched_tokens,
                                              max_num_seqs=cfg.max_num_seqs),
@@ -388,7 +390,8 @@ class DecodeService:
         m = self.engine.metrics()
         return {"prompt_tokens": m.prompt_tokens, "generated_tokens": m.generated_tokens,
                 "computed_tokens": m.computed_tokens, "preemptions": m.preemptions,
-                "steps": m.steps}
+                "steps": m.steps, "prefix_query_tokens": m.prefix_query_tokens,
+                "prefix_hit_tokens": m.prefix_hit_tokens}
 
     async def health(self) -> list[bytes]:
         ok = self.loop.alive

@@ -22,15 +22,16 @@ FP8 scales:
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from engine.config import ModelConfig
 from engine.errors import CapacityError, ConfigError
 from engine.kv.base import KVCache
+from engine.kv.prefix import ROOT, block_hash, chain_hashes
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -38,38 +39,62 @@ STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8)
 
 
 class BlockPool:
-    """Block ids ``0 .. num_blocks-1`` with a free list and reference counts.
+    """Block ids ``0 .. num_blocks-1`` with free lists, reference counts and content names.
 
     Order: FIFO. ``allocate`` takes ids from the head of the free list (initially ascending:
     0, 1, 2, ...); a block whose refcount drops to zero goes to the tail, so the least recently
     freed block is reused first. ``free(ids)`` releases in the order given.
+
+    Prefix caching (engine.kv.prefix): a block may carry a name (``set_hash``). A named block
+    whose refcount drops to zero stays cached: it goes to the tail of a second free list (least
+    recently used at the head) and a later request can take it back (``take``). ``allocate``
+    uses unnamed free blocks first and evicts named ones, LRU first, only when no unnamed block
+    is left; eviction drops the name (and calls ``on_evict(name)``). Both lists count as free.
     """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ConfigError(f"num_blocks={num_blocks} is invalid; allowed: >= 1")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # unnamed
+        self._cached: OrderedDict[int, None] = OrderedDict()  # named, refcount 0, LRU first
         self.refcounts = [0] * num_blocks
+        self.hash_of: dict[int, bytes] = {}
+        self.by_hash: dict[bytes, int] = {}
+        self.evictions = 0
+        self.on_evict: Callable[[bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold a named prefix."""
+        return len(self._cached)
 
     def free_ids(self) -> list[int]:
-        """The free list, head first (the order ``allocate`` will hand ids out)."""
-        return list(self._free)
+        """The free lists, head first (the order ``allocate`` will hand ids out)."""
+        return list(self._free) + list(self._cached)
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks with refcount 1; raises CapacityError (taking nothing) if fewer are free."""
-        if n > len(self._free):
-            raise CapacityError(f"KV block pool: {n} blocks requested, {len(self._free)} of "
+        if n > self.num_free:
+            raise CapacityError(f"KV block pool: {n} blocks requested, {self.num_free} of "
                                 f"{self.num_blocks} free")
-        ids = [self._free.popleft() for _ in range(n)]
+        ids = []
+        for _ in range(n):
+            if self._free:
+                ids.append(self._free.popitem(last=False)[0])
+                continue
+            i = self._cached.popitem(last=False)[0]
+            self._drop_name(i)
+            self.evictions += 1
+            ids.append(i)
         for i in ids:
             self.refcounts[i] = 1
         return ids
@@ -80,12 +105,38 @@ class BlockPool:
             self.refcounts[i] += 1
 
     def free(self, ids: Iterable[int]) -> None:
-        """Drop one reference to each id; blocks reaching zero return to the free list's tail."""
+        """Drop one reference to each id; blocks reaching zero return to a free list's tail."""
         for i in ids:
             assert self.refcounts[i] > 0, f"double free of block {i}"
             self.refcounts[i] -= 1
             if self.refcounts[i] == 0:
-                self._free.append(i)
+                (self._cached if i in self.hash_of else self._free)[i] = None
+
+    # ---- names (prefix caching) ------------------------------------------------------------
+    def lookup(self, name: bytes) -> int | None:
+        return self.by_hash.get(name)
+
+    def take(self, i: int) -> None:
+        """One more reference to named block ``i``, which may be free (cached): it leaves the
+        free list."""
+        if self.refcounts[i] == 0:
+            del self._cached[i]
+        self.refcounts[i] += 1
+
+    def set_hash(self, i: int, name: bytes) -> bool:
+        """Name block ``i`` (in use); False (nothing changes) when the name or the block already
+        has one: another block holds the same content, or this one is named."""
+        assert self.refcounts[i] > 0, f"naming free block {i}"
+        if name in self.by_hash or i in self.hash_of:
+            return False
+        self.hash_of[i], self.by_hash[name] = name, i
+        return True
+
+    def _drop_name(self, i: int) -> None:
+        name = self.hash_of.pop(i)
+        del self.by_hash[name]
+        if self.on_evict is not None:
+            self.on_evict(name)
 
 
 @dataclass(frozen=True)
@@ -98,6 +149,7 @@ class KVMetrics:
     bytes_used: int  # the same for the used blocks
     num_sequences: int
     tokens_stored: int  # tokens written, over all sequences
+    blocks_cached: int = 0  # of blocks_free: those still holding a named prefix (prefix caching)
 
     @property
     def utilisation(self) -> float:
@@ -108,7 +160,8 @@ class KVMetrics:
 class PagedKVCache(KVCache):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
-                 fp8_scale: str | float = "block", device: torch.device | str = "cpu") -> None:
+                 fp8_scale: str | float = "block", device: torch.device | str = "cpu",
+                 prefix_cache: bool = True) -> None:
         if dtype not in STORAGE_DTYPES:
             raise ConfigError(f"KV dtype {dtype} is not supported; allowed: "
                               f"{', '.join(str(d) for d in STORAGE_DTYPES)}")
@@ -132,6 +185,9 @@ class PagedKVCache(KVCache):
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}  # tokens written per sequence (max end over layers)
         self._scratch: int | None = None  # see scratch_block
+        # prefix caching (engine.kv.prefix): seq_id -> names of its leading full blocks
+        self.prefix_cache = prefix_cache
+        self.chains: dict[int, list[bytes]] = {}
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -188,8 +244,61 @@ class PagedKVCache(KVCache):
         return list(self.tables.get(seq_id, ()))
 
     def free(self, seq_id: int) -> None:
+        """Drop the sequence's references; its named blocks stay cached (BlockPool)."""
         self.pool.free(self.tables.pop(seq_id, ()))
         self.lengths.pop(seq_id, None)
+        self.chains.pop(seq_id, None)
+
+    # ---- prefix caching (engine.kv.prefix) ---------------------------------------------------
+    def cached_chain(self, tokens: Sequence[int]) -> list[bytes]:
+        """Names of the longest run of leading full blocks of ``tokens`` the pool holds, leaving
+        at least one token outside them (a forward must produce the last token's logits)."""
+        if not self.prefix_cache or len(tokens) < 2:
+            return []
+        out = []
+        for name in chain_hashes(tokens, self.block_size, (len(tokens) - 1) // self.block_size):
+            if self.pool.lookup(name) is None:
+                break
+            out.append(name)
+        return out
+
+    def adopt(self, seq_id: int, names: list[bytes]) -> int:
+        """Start ``seq_id`` (holding no block) on the cached blocks ``names`` (from
+        ``cached_chain``): one reference each; returns the tokens they hold."""
+        assert seq_id not in self.tables, f"sequence {seq_id} already holds blocks"
+        ids = [self.pool.lookup(n) for n in names]
+        for i in ids:
+            self.pool.take(i)
+        self.tables[seq_id] = ids
+        self.lengths[seq_id] = len(ids) * self.block_size
+        self.chains[seq_id] = list(names)
+        return len(ids) * self.block_size
+
+    def match_prefix(self, seq_id: int, tokens: Sequence[int]) -> int:
+        """Admission of a sequence that holds no block: reuse its longest cached prefix of full
+        blocks; returns the tokens reused (0 with prefix caching off or nothing cached)."""
+        return self.adopt(seq_id, self.cached_chain(tokens)) if self.prefix_cache else 0
+
+    def chunk_limit(self, seq_id: int, start: int, n: int, prompt_len: int) -> int:
+        """How many of the ``n`` tokens from ``start`` a prefill step may feed (all: positional
+        K/V needs no stop at a block boundary; engine.kv.state.HybridKVCache does)."""
+        return n
+
+    def register(self, seq_id: int, n_computed: int, token_slice: Callable[[int, int], Sequence[int]]) -> int:
+        """After a step: name the sequence's blocks that ``n_computed`` committed tokens now fill
+        (``token_slice(start, n)``: the ids at those positions); returns how many leading full
+        blocks the sequence has named (its chain's length)."""
+        if not self.prefix_cache:
+            return 0
+        chain = self.chains.setdefault(seq_id, [])
+        table = self.tables.get(seq_id, ())
+        full = min(n_computed // self.block_size, len(table))
+        while len(chain) < full:
+            b = len(chain)
+            chain.append(block_hash(chain[-1] if chain else ROOT,
+                                    token_slice(b * self.block_size, self.block_size)))
+            self.pool.set_hash(table[b], chain[-1])  # False: the same content is cached elsewhere
+        return len(chain)
 
     # ---- data path -------------------------------------------------------------------------
     def store_and_load(self, layer, seq_id, start, k, v):
@@ -262,4 +371,5 @@ class PagedKVCache(KVCache):
         return KVMetrics(blocks_total=self.num_blocks, blocks_used=used,
                          blocks_free=self.pool.num_free, block_size=self.block_size,
                          bytes_total=per_block * self.num_blocks, bytes_used=per_block * used,
-                         num_sequences=len(self.tables), tokens_stored=sum(self.lengths.values()))
+                         num_sequences=len(self.tables), tokens_stored=sum(self.lengths.values()),
+                         blocks_cached=self.pool.num_cached_free)

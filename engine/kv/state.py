@@ -28,6 +28,14 @@ allocated together with a sequence's first KV blocks and freed with them (``free
 abort, preemption), so the scheduler (engine.scheduler) runs unchanged: ``can_allocate`` is
 False while a new sequence would find no free slot. ``from_budget`` carves the state slots and
 the KV blocks out of one byte budget; ``metrics`` counts both.
+
+Prefix caching (engine.kv.prefix): KV blocks alone cannot resume a sequence, its state must be
+the one at the cached prefix's end. The cache keeps state snapshots (``slot_bytes`` each:
+~80 MB for Qwen3-Next-80B's 36 DeltaNet layers) keyed by block name, taken where a step ends on
+a block boundary: chunk ends, the prompt's last full block (a prefill stops there:
+``chunk_limit``), and each boundary decoding reaches (a verify's from its checkpoints); a new request resumes from the longest
+cached prefix whose last block has one. ``from_budget`` gives them at most a quarter of the
+budget (LRU beyond); a snapshot goes when its block is evicted.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from engine.config import ModelConfig
 from engine.errors import CapacityError, ConfigError, MoestreamError
 from engine.kv.base import BatchLayout, KVCache
 from engine.kv.paged import KVMetrics, PagedKVCache
+from engine.kv.prefix import SnapshotStore
 
 
 class RecurrentStateError(MoestreamError):
@@ -181,6 +190,15 @@ class RecurrentState:
         ck = self._checkpoints.get(seq_id)
         return None if ck is None else (ck[1][layer], ck[2][layer])
 
+    def checkpoint_snapshot(self, seq_id: int, pos: int) -> StateSnapshot | None:
+        """The state at position ``pos`` from the last verify forward's checkpoints (copied), or
+        None when that forward did not pass through ``pos``."""
+        ck = self._checkpoints.get(seq_id)
+        if ck is None or not ck[0] < pos <= ck[0] + ck[1].shape[1]:
+            return None
+        i = pos - ck[0] - 1
+        return StateSnapshot(ck[1][:, i].clone(), ck[2][:, i].clone(), pos)
+
     @torch.inference_mode()  # the slots may be inference tensors (made inside a forward)
     def keep(self, seq_id: int, n_tokens: int) -> None:
         """After speculative acceptance: the sequence stands at ``n_tokens`` (its last verify
@@ -225,18 +243,26 @@ class HybridKVMetrics(KVMetrics):
     state_slots_total: int = 0
     state_slots_used: int = 0
     state_bytes_per_sequence: int = 0
+    state_snapshots_total: int = 0  # prefix caching: snapshots the budget holds
+    state_snapshots_used: int = 0
 
 
 class HybridKVCache(KVCache):
     """Paged KV for the attention layers + recurrent-state slots for the linear-attention ones."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, num_state_slots: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", **kw) -> None:
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 num_snapshots: int = 0, **kw) -> None:
+        """``num_snapshots``: state snapshots kept for prefix caching (each ``slot_bytes``);
+        0 turns prefix caching off (a cached prefix is unusable without the state at its end)."""
         self.config = cfg
         self.paged = PagedKVCache(len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim, num_blocks,
                                   block_size, dtype, device=device, **kw)
         self.state = RecurrentState(cfg, num_state_slots, device=device)
         self.block_size = block_size
+        self.snapshots = SnapshotStore(num_snapshots if self.paged.prefix_cache else 0)
+        self._passed: dict[int, StateSnapshot] = {}  # seq_id -> state at a boundary a verify passed
+        self.paged.pool.on_evict = self.snapshots.discard
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -246,20 +272,23 @@ class HybridKVCache(KVCache):
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, budget_bytes: int, block_size: int = 16,
-                    dtype: torch.dtype = torch.bfloat16, max_seqs: int = 64, **kw) -> "HybridKVCache":
-        """State slots for up to ``max_seqs`` sequences, but at most half the budget, and KV blocks
-        from the rest; ConfigError if that leaves no slot or no block."""
+                    dtype: torch.dtype = torch.bfloat16, max_seqs: int = 64,
+                    prefix_cache: bool = True, **kw) -> "HybridKVCache":
+        """State slots for up to ``max_seqs`` sequences, but at most half the budget; with prefix
+        caching, state snapshots in what the slots leave of that half, at most a quarter of the
+        budget; KV blocks from the rest. ConfigError if that leaves no slot or no block."""
         per_slot, per_block = slot_bytes(cfg), cls.block_bytes(cfg, block_size, dtype)
         slots = min(max_seqs, (budget_bytes // 2) // per_slot)
         if slots < 1:
             raise ConfigError(f"KV budget of {budget_bytes} bytes holds no recurrent-state slot: one "
                               f"sequence's state takes {per_slot} bytes and gets at most half the budget")
-        blocks = (budget_bytes - slots * per_slot) // per_block
+        snaps = min(budget_bytes // 4, budget_bytes // 2 - slots * per_slot) // per_slot if prefix_cache else 0
+        blocks = (budget_bytes - (slots + snaps) * per_slot) // per_block
         if blocks < 1:
             raise ConfigError(f"KV budget of {budget_bytes} bytes holds no block after {slots} state "
                               f"slots of {per_slot} bytes: one block of {block_size} tokens takes "
                               f"{per_block} bytes at {dtype}")
-        return cls(cfg, blocks, slots, block_size, dtype, **kw)
+        return cls(cfg, blocks, slots, block_size, dtype, num_snapshots=snaps, prefix_cache=prefix_cache, **kw)
 
     # ---- the scheduler's block space -------------------------------------------------------
     @property
@@ -284,6 +313,50 @@ class HybridKVCache(KVCache):
     def free(self, seq_id: int) -> None:
         self.paged.free(seq_id)
         self.state.free(seq_id)
+        self._passed.pop(seq_id, None)
+
+    # ---- prefix caching (engine.kv.prefix) ---------------------------------------------------
+    @property
+    def prefix_cache(self) -> bool:
+        return self.snapshots.capacity > 0
+
+    def match_prefix(self, seq_id: int, tokens) -> int:
+        """The longest cached prefix of full blocks that ends where a state snapshot was kept:
+        its blocks are shared and the state restored into the sequence's slot."""
+        if not self.prefix_cache or not self.state.can_hold(seq_id):
+            return 0
+        names = self.paged.cached_chain(tokens)
+        while names and names[-1] not in self.snapshots:
+            names.pop()
+        if not names:
+            return 0
+        n = self.paged.adopt(seq_id, names)
+        self.state.acquire(seq_id)
+        self.state.restore(seq_id, self.snapshots.get(names[-1]))
+        return n
+
+    def chunk_limit(self, seq_id: int, start: int, n: int, prompt_len: int) -> int:
+        """A prefill step stops at the prompt's last block boundary, so the state there can be
+        kept (the tail, < block_size tokens, is the next step): a later request that extends
+        this prompt resumes from it."""
+        if not self.prefix_cache:
+            return n
+        stop = prompt_len // self.block_size * self.block_size
+        return stop - start if start < stop < start + n else n
+
+    def register(self, seq_id: int, n_computed: int, token_slice) -> int:
+        """Name the filled blocks (PagedKVCache.register); when the committed tokens end on a
+        block boundary the state stands there: keep a snapshot of it under that block's name.
+        Boundaries a forward passes through are not kept (the state exists only at its end):
+        chunk ends, the prompt's last boundary (``chunk_limit``), every boundary a decode step
+        reaches and the last one a speculative verify passed (``keep``) are."""
+        k = self.paged.register(seq_id, n_computed, token_slice) if self.prefix_cache else 0
+        passed = self._passed.pop(seq_id, None)
+        if passed is not None and 0 < passed.tokens <= k * self.block_size:
+            self.snapshots.put(self.paged.chains[seq_id][passed.tokens // self.block_size - 1], lambda: passed)
+        if k and k * self.block_size == n_computed and self.state.tokens.get(seq_id) == n_computed:
+            self.snapshots.put(self.paged.chains[seq_id][-1], lambda: self.state.snapshot(seq_id))
+        return k
 
     # ---- the model's view ------------------------------------------------------------------
     def store_and_load(self, layer, seq_id, start, k, v):
@@ -301,7 +374,14 @@ class HybridKVCache(KVCache):
     # ---- speculative rollback (engine.runner.Engine, engine.speculative) --------------------
     def keep(self, seq_id: int, n_tokens: int) -> None:
         """After acceptance: the sequence continues from ``n_tokens``. The paged KV beyond is
-        stale and overwritten later; the recurrent state comes back from its checkpoint."""
+        stale and overwritten later; the recurrent state comes back from its checkpoint.
+        Prefix caching: a block boundary the accepted tokens passed is kept from the
+        checkpoints too (``register`` files it under the block's name)."""
+        b = n_tokens // self.block_size * self.block_size
+        if self.prefix_cache and b < n_tokens:
+            snap = self.state.checkpoint_snapshot(seq_id, b)
+            if snap is not None:
+                self._passed[seq_id] = snap
         self.state.keep(seq_id, n_tokens)
 
     def snapshot(self, seq_id: int) -> StateSnapshot:
@@ -315,11 +395,12 @@ class HybridKVCache(KVCache):
         st = self.state
         return HybridKVMetrics(
             blocks_total=m.blocks_total, blocks_used=m.blocks_used, blocks_free=m.blocks_free,
-            block_size=m.block_size, bytes_total=m.bytes_total + st.capacity * st.slot_bytes,
-            bytes_used=m.bytes_used + st.num_used * st.slot_bytes,
+            block_size=m.block_size, bytes_total=m.bytes_total + (st.capacity + self.snapshots.capacity) * st.slot_bytes,
+            bytes_used=m.bytes_used + (st.num_used + len(self.snapshots)) * st.slot_bytes,
             num_sequences=len(set(self.paged.tables) | set(st.slot)), tokens_stored=m.tokens_stored,
             state_slots_total=st.capacity, state_slots_used=st.num_used,
-            state_bytes_per_sequence=st.slot_bytes)
+            state_bytes_per_sequence=st.slot_bytes, blocks_cached=m.blocks_cached,
+            state_snapshots_total=self.snapshots.capacity, state_snapshots_used=len(self.snapshots))
 
 
 def recurrent_state_for(kv: KVCache, cfg: ModelConfig) -> RecurrentState:

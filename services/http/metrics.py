@@ -70,11 +70,20 @@ class _PipelineCollector:
                            ("generated_tokens", "Tokens the engine generated"),
                            ("computed_tokens", "Tokens fed through the model, recomputation "
                             "included"),
-                           ("preemptions", "Sequences preempted (KV blocks ran out)")):
+                           ("preemptions", "Sequences preempted (KV blocks ran out)"),
+                           ("prefix_query_tokens", "Tokens of admitted sequences looked up in "
+                            "the prefix cache"),
+                           ("prefix_hit_tokens", "Of those, tokens reused from cached KV blocks "
+                            "(not computed)")):
             if key in eng:
                 c = CounterMetricFamily(f"moestream_engine_{key}", help_)
                 c.add_metric([], eng[key])
                 yield c
+        if "prefix_query_tokens" in eng:
+            q = eng["prefix_query_tokens"]
+            yield _gauge("moestream_prefix_cache_hit_rate", "Share of admitted tokens the prefix "
+                         "cache held (prefix_hit_tokens / prefix_query_tokens)",
+                         eng["prefix_hit_tokens"] / q if q else 0.0)
         cache = dec.get("cache") or {}
         if cache:
             yield from _cache_families(cache)

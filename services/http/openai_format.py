@@ -11,7 +11,8 @@ in chunks of their own or beside ``content``), vLLM's field name; ``content`` is
 only. Other models' answers have no such field.
 
 Usage: ``prompt_tokens``, ``completion_tokens`` (the tokens the client was sent),
-``total_tokens``; when the request ran speculative decoding, also
+``total_tokens``, ``prompt_tokens_details.cached_tokens`` (prompt tokens the prefix cache
+held, not computed); when the request ran speculative decoding, also
 ``"speculative": {"draft_tokens": N, "accepted_tokens": M}``.
 """
 
@@ -39,6 +40,8 @@ def usage_block(u: Usage | None, completion_tokens: int | None = None) -> dict[s
     completion = completion_tokens if completion_tokens is not None else (u.completion_tokens if u else 0)
     out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                            "total_tokens": prompt + completion}
+    if u is not None and u.cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": u.cached_tokens}
     if u is not None and u.draft_tokens is not None:
         out["speculative"] = {"draft_tokens": u.draft_tokens,
                               "accepted_tokens": u.accepted_draft_tokens or 0}

@@ -93,11 +93,18 @@ def test_growable_state_keeps_what_it_holds(cfg):
 
 
 def test_hybrid_cache_budget_slots_blocks_and_metrics(cfg):
-    kv = HybridKVCache.from_budget(cfg, 1 << 20, block_size=4, dtype=torch.float32, max_seqs=3)
+    kv = HybridKVCache.from_budget(cfg, 1 << 20, block_size=4, dtype=torch.float32, max_seqs=3,
+                                   prefix_cache=False)
     assert kv.state.capacity == 3
     per_block = HybridKVCache.block_bytes(cfg, 4, torch.float32)
     assert per_block == 2 * 2 * 4 * 2 * 16 * 4  # only the 2 attention layers hold KV
     assert kv.num_blocks == ((1 << 20) - 3 * slot_bytes(cfg)) // per_block
+    # prefix caching: snapshots get what the slots leave of half the budget, at most a quarter
+    on = HybridKVCache.from_budget(cfg, 1 << 20, block_size=4, dtype=torch.float32, max_seqs=3)
+    snaps = (1 << 18) // slot_bytes(cfg)
+    assert (on.state.capacity, on.snapshots.capacity) == (3, snaps)
+    assert on.num_blocks == ((1 << 20) - (3 + snaps) * slot_bytes(cfg)) // per_block
+    assert on.metrics().bytes_total == on.num_blocks * per_block + (3 + snaps) * slot_bytes(cfg)
     kv.allocate(7, 10)
     m = kv.metrics()
     assert (m.blocks_used, m.state_slots_used, m.num_sequences) == (3, 1, 1)
