@@ -137,6 +137,9 @@ class _NoNativeStep:
 
 
 class Qwen4ExpForCausalLM(Qwen3NextForCausalLM):
+    # transformers drops Qwen4-Exp's mtp.* weights: no reference to check a drafter against
+    mtp_drafter = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)
         self.config = cfg

@@ -259,3 +259,14 @@ def test_missing_ple_shard_is_refused(tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ModelFormatError, match="ngram.shard_3"):
         open_model_files(tmp_path)
+
+
+def test_mtp_drafter_is_refused(tiny, tmp_path):
+    """No MTP drafter for Qwen4-Exp (no reference to check one against): a typed error, before
+    the checkpoint is read."""
+    from engine.errors import ConfigError
+    from engine.models.qwen3_5_moe.mtp_draft import mtp_speculative_config
+
+    make_qwen4_exp(tmp_path, seed=1, case="ple0_ng3_hc4")
+    with pytest.raises(ConfigError, match="speculative mtp` is not supported"):
+        mtp_speculative_config(tiny, tmp_path)
