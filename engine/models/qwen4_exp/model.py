@@ -23,7 +23,6 @@ each mixer and FFN call, which hyper-connections replace, so every step runs the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
