@@ -255,3 +255,19 @@ def test_mtp_drafter_is_refused(tiny, tmp_path):
     make_qwen4_exp(tmp_path, seed=1, case="ple0_ng3_hc4")
     with pytest.raises(ConfigError, match="speculative mtp` is not supported"):
         mtp_speculative_config(tiny, tmp_path)
+
+
+def test_table_in_twelve_shards_of_unequal_rows(tmp_path):
+    """12 shards (names sort shard_10 before shard_2; the last shard shorter): the rows come in
+    numeric shard order, as transformers writes and reads them."""
+    ref = make_qwen4_exp(tmp_path, seed=2, case="ple2_ng3_hc2", split_ngram_parts=12,
+                         make_ngram_vocab_size_divisible_by=7)
+    files = open_model_files(tmp_path)
+    shapes = [files.source.info(f"model.layers.0.ple.ngram.shard_{k}").shape[0] for k in range(12)]
+    assert len(set(shapes)) == 2 and shapes[-1] < shapes[0]
+    ours = build_model(files.config, files.source)
+    toks = torch.tensor(prompt(96, 80))
+    with torch.no_grad():
+        want = ref(toks[None]).logits[0]
+    got = ours(toks, BatchLayout.single(0, 80, 0), _kv(files.config), all_logits=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
