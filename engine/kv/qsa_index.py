@@ -8,15 +8,16 @@ sequence's blocks (allocate, free on finish / abort / preemption) it does to its
 
 Shape legend:
     Lq  QSA layers (their compact KV indices)   NB  blocks in the pool    BS  tokens per block
-    Di  index head dim    R  compress ratio     PB  pooled keys per block = max(1, BS // R)
+    Di  index head dim    R  compress ratio     PB  pooled keys per block = (BS - 1) // R + 1
 
 keys     [Lq, NB, BS, Di] float32   raw index key of token p at (table[p // BS], p % BS)
 pooled   [Lq, NB, PB, Di] float32   pooled key of block j (tokens jR .. jR+R-1) at the KV block
                                     holding its last token e = jR+R-1: (table[e // BS], (e % BS) // R)
 
-BS % R == 0 or R % BS == 0 (ConfigError otherwise), so the slot formula above is exact.
-Storing a pooled key with the block of its last token means a pooled key only ever depends on
-tokens of blocks at or before the block that holds it.
+The last tokens of the pooled blocks ending in one KV block lie R apart, so (e % BS) // R is
+a distinct slot below PB for each, whatever R and BS are. Storing a pooled key with the block of
+its last token means a pooled key only ever depends on tokens of blocks at or before the block
+that holds it.
 
 Incremental pooling and rollback: a write of positions [start, end) (re)computes exactly the
 pooled blocks whose last token lies in it (j in [start // R, end // R)), reading the block's
@@ -72,7 +73,7 @@ class QSASpec:
 
     def bytes_per_block(self, block_size: int) -> int:
         """Index bytes one KV block carries over all QSA layers (float32 keys + pooled keys)."""
-        pb = max(1, block_size // self.compress_ratio)
+        pb = (block_size - 1) // self.compress_ratio + 1
         return self.num_layers * (block_size + pb) * self.index_head_dim * 4
 
 
@@ -108,12 +109,8 @@ class QSAIndexStore:
 
     def __init__(self, spec: QSASpec, num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu") -> None:
-        r = spec.compress_ratio
-        if block_size % r and r % block_size:
-            raise ConfigError(f"KV block_size={block_size} and QSA indexer_compress_ratio={r}: one must "
-                              "divide the other (pooled keys are stored per KV block)")
         self.spec, self.block_size = spec, block_size
-        self.per_block = max(1, block_size // r)
+        self.per_block = (block_size - 1) // spec.compress_ratio + 1
         self.keys = torch.zeros(spec.num_layers, num_blocks, block_size, spec.index_head_dim, device=device)
         self.pooled = torch.zeros(spec.num_layers, num_blocks, self.per_block, spec.index_head_dim,
                                   device=device)
