@@ -24,6 +24,7 @@ Pooling costs R * Di once per completed block (amortised Di per token).
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -47,11 +48,12 @@ def index_queries(iq: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: 
 
 
 def pool_keys(mean: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-              cos_table: torch.Tensor, sin_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+              cos_of: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
     """Mean raw keys [m, Di] (float32) of blocks starting at ``positions`` [m]: cast to the
-    model's dtype (as the reference does), normed, rotated at the block's first position."""
+    model's dtype (as the reference does), normed, rotated at the block's first position
+    (``cos_of(positions)`` -> cos, sin [m, R])."""
     x = centred_norm(mean.to(dtype), norm_weight, eps)
-    cos, sin = cos_table[positions], sin_table[positions]
+    cos, sin = cos_of(positions)
     return apply_partial_rotary(x[:, None, :], cos, sin)[:, 0]
 
 

@@ -85,8 +85,8 @@ class Glue:
         return q, gate, k, v, iq, ik
 
     def pool(self, mean: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return pool_keys(mean, positions, self.att.indexer.k_layernorm.weight, self.eps, self.cos, self.sin,
-                         torch.float32)
+        return pool_keys(mean, positions, self.att.indexer.k_layernorm.weight, self.eps,
+                         lambda p: (self.cos[p], self.sin[p]), torch.float32)
 
     @torch.no_grad()
     def paged(self, kv: KVCache, layout: BatchLayout, x: torch.Tensor) -> torch.Tensor:

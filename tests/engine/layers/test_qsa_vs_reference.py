@@ -49,7 +49,7 @@ def test_paged_qsa_matches_reference(heads, budget, ratio, block_size):
     spec = QSASpec(1, heads, 16, budget, ratio)
 
     def pool(mean, pos):
-        return pool_keys(mean, pos, ix.k_layernorm.weight, EPS, cos, sin, torch.float32)
+        return pool_keys(mean, pos, ix.k_layernorm.weight, EPS, lambda p: (cos[p], sin[p]), torch.float32)
 
     done = {s: 0 for s in n}
     got = {s: [] for s in n}
