@@ -1,4 +1,4 @@
-"""QSA's index keys, paged beside K/V (Qwen4-Exp's query-sparse attention; docs/qwen4_exp.md).
+"""QSA's index keys, paged beside K/V (Qwen4-Exp's query-sparse attention; docs/qsa.md).
 
 Every QSA layer keeps one raw index key per token (the indexer's key projection, before norm
 and RoPE) and, per complete pooled block of ``R`` = compress_ratio tokens, one pooled key:
@@ -210,3 +210,21 @@ def qsa_index_for(paged: PagedKVCache, spec: QSASpec) -> QSAIndexStore:
     elif store.spec != spec:
         raise ConfigError(f"KV cache already holds a QSA index for {store.spec}, asked for {spec}")
     return store
+
+
+def qsa_spec_of(cfg) -> QSASpec | None:
+    """The QSA sizes of a model config (``arch_params.qsa_spec(cfg)``: Qwen4-Exp), None without QSA."""
+    own = getattr(cfg.arch_params, "qsa_spec", None)
+    return own(cfg) if callable(own) else None
+
+
+def qsa_block_bytes(cfg, block_size: int) -> int:
+    """Index bytes one KV block of ``cfg`` carries besides its K/V (0 without QSA)."""
+    spec = qsa_spec_of(cfg)
+    return spec.bytes_per_block(block_size) if spec is not None else 0
+
+
+def index_bytes_per_block(paged: PagedKVCache) -> int:
+    """Index bytes per block of ``paged``'s store (0 while it has none)."""
+    store = _STORES.get(paged)
+    return store.spec.bytes_per_block(store.block_size) if store is not None else 0

@@ -155,3 +155,17 @@ def test_speculative_verify_rows_roll_back_index_keys(model):
     drafted = sum(r.spec.drafted for r in results if r.spec is not None)
     accepted = sum(r.spec.accepted for r in results if r.spec is not None)
     assert accepted > 0 and drafted - accepted > 0, (drafted, accepted)
+
+
+def test_index_bytes_are_counted_in_the_kv_budget(model):
+    """Each KV block carries its index keys and pooled keys (float32, every QSA layer): counted
+    in block_bytes (so from_budget carves fewer blocks) and in the metrics."""
+    cfg, a = model.config, model.config.arch_params
+    la, di, r = len(cfg.attention_layers), a.indexer_head_dim, a.indexer_ratio
+    kv_only = la * 2 * 8 * cfg.num_kv_heads * cfg.head_dim * 4
+    index = la * (8 + (8 - 1) // r + 1) * di * 4
+    assert HybridKVCache.block_bytes(cfg, 8, torch.float32) == kv_only + index
+    kv = HybridKVCache.from_budget(cfg, 1 << 20, 8, torch.float32, max_seqs=2)
+    m = kv.metrics()
+    assert m.bytes_total <= 1 << 20
+    assert m.bytes_total == m.blocks_total * (kv_only + index) + m.state_slots_total * m.state_bytes_per_sequence
