@@ -169,3 +169,15 @@ def test_index_bytes_are_counted_in_the_kv_budget(model):
     m = kv.metrics()
     assert m.bytes_total <= 1 << 20
     assert m.bytes_total == m.blocks_total * (kv_only + index) + m.state_slots_total * m.state_bytes_per_sequence
+
+
+def test_generate_cli_runs_the_paged_path_and_matches_transformers(tmp_path, monkeypatch):
+    """`generate --model` serves through the Engine over a paged cache: the paged QSA path runs
+    (and drops blocks once the context passes the budget) and prints transformers' greedy text."""
+    from tests.engine.test_qwen3_next_engine import check_generate_cli
+
+    d = tmp_path / "hf"
+    ref = make_qwen4_exp(d, seed=3, vocab=32000, case="ple1_ng2_hc4")
+    spy = _Spy(monkeypatch)
+    check_generate_cli(ref, d)
+    assert spy.calls > 0 and spy.dropped > 0
