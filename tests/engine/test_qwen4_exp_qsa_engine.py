@@ -1,10 +1,11 @@
 """Qwen4-Exp served over the paged KV cache, where QSA runs the paged path (engine.layers.qsa:
 index keys and pooled keys in the KV blocks, batched selection, attention over the gathered
 selection): logits within 1e-4 of transformers over 120 positions and 32 greedy tokens
-identical on every tiny case (contexts far past the budgets: selection drops blocks); requests
-batched with chunked prefill, forced preemption (recompute), random aborts and speculative
-verify rows with rollback give the tokens of each request alone through the reference
-(engine.models.qwen4_exp.qsa_reference over engine.generate's contiguous cache)."""
+identical on every tiny case (contexts far past the budgets: selection drops blocks); random
+aborts and speculative verify rows with rollback give the tokens of each request alone through
+the reference (engine.models.qwen4_exp.qsa_reference over engine.generate's contiguous cache);
+index bytes in the KV budget. (Chunked prefill, forced preemption and `generate --model`, which
+serve over the same paged cache: tests/engine/test_qwen4_exp_engine.py.)"""
 
 from __future__ import annotations
 
@@ -93,23 +94,6 @@ def _alone(model, reqs: list[Request]) -> list[list[int]]:
     return [[t for t, _, _ in generate_ids(model, r.prompt_ids, r.sampling)] for r in reqs]
 
 
-@pytest.mark.parametrize("blocks,slots,budget", [
-    (256, 8, 16),  # chunked prefill: the 130-token prompt takes 9 steps beside decode rows
-    (48, 8, 24),  # forced preemption: recomputed from 0, index keys rewritten
-])
-def test_batched_requests_equal_the_reference_alone(model, blocks, slots, budget, monkeypatch):
-    reqs = _requests(model.config.vocab_size)
-    want = _alone(model, reqs)
-    spy = _Spy(monkeypatch)
-    engine = Engine(model, kv=_hybrid(model, blocks, slots), config=SchedulerConfig(max_num_batched_tokens=budget))
-    assert [r.output_ids for r in engine.generate(reqs)] == want
-    m = engine.metrics()
-    assert spy.dropped > 0
-    if blocks == 48:
-        assert m.preemptions > 0 and m.recomputed_tokens > 0
-    assert (m.kv.blocks_used, m.kv.state_slots_used) == (0, 0)
-
-
 def test_aborts_leave_the_rest_exact(model):
     """Random aborts free blocks holding index keys that new requests then reuse; the requests
     that run to the end give their tokens alone."""
@@ -170,14 +154,3 @@ def test_index_bytes_are_counted_in_the_kv_budget(model):
     assert m.bytes_total <= 1 << 20
     assert m.bytes_total == m.blocks_total * (kv_only + index) + m.state_slots_total * m.state_bytes_per_sequence
 
-
-def test_generate_cli_runs_the_paged_path_and_matches_transformers(tmp_path, monkeypatch):
-    """`generate --model` serves through the Engine over a paged cache: the paged QSA path runs
-    (and drops blocks once the context passes the budget) and prints transformers' greedy text."""
-    from tests.engine.test_qwen3_next_engine import check_generate_cli
-
-    d = tmp_path / "hf"
-    ref = make_qwen4_exp(d, seed=3, vocab=32000, case="ple1_ng2_hc4")
-    spy = _Spy(monkeypatch)
-    check_generate_cli(ref, d)
-    assert spy.calls > 0 and spy.dropped > 0
