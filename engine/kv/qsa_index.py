@@ -102,6 +102,7 @@ class QSAPlan:
     seq_rows: tuple[tuple[int, int, int], ...]  # per sequence: (first row, rows, complete pooled blocks)
     pool_blk: torch.Tensor  # [S, NBmax] long, where pooled key j of each sequence lives
     pool_slot: torch.Tensor  # [S, NBmax] long
+    by_blocks: tuple[tuple[int, torch.Tensor], ...]  # (nb >= 1, the rows [r] that see nb blocks)
 
 
 class QSAIndexStore:
@@ -157,14 +158,18 @@ class QSAIndexStore:
         j = torch.arange(nb_max)
         last_tok = j * r + r - 1  # [NBmax]
         pool_blk = tab.gather(1, (last_tok // bs).clamp(max=width - 1).expand(len(tables), -1))
+        row_blocks = (row_pos + 1) // r
+        by_blocks = tuple((nb, (row_blocks == nb).nonzero(as_tuple=True)[0].to(dev))
+                          for nb in torch.unique(row_blocks).tolist() if nb > 0)
         return QSAPlan(
             tables=tab.to(dev), row_seq=row_seq.to(dev), row_pos=row_pos.to(dev),
-            row_blocks=((row_pos + 1) // r).to(dev),
+            row_blocks=row_blocks.to(dev),
             write_blk=tab[row_seq, row_pos // bs].to(dev), write_off=(row_pos % bs).to(dev),
             done_pos=done.to(dev), done_src_blk=tab[done_seq[:, None], src // bs].to(dev),
             done_src_off=(src % bs).to(dev), done_dst_blk=tab[done_seq, end // bs].to(dev),
             done_dst_slot=((end % bs) // r).to(dev), seq_rows=tuple(seq_rows),
-            pool_blk=pool_blk.to(dev), pool_slot=((last_tok % bs) // r).expand(len(tables), -1).to(dev))
+            pool_blk=pool_blk.to(dev), pool_slot=((last_tok % bs) // r).expand(len(tables), -1).to(dev),
+            by_blocks=by_blocks)
 
     # ---- the data path ----------------------------------------------------------------------
     def write(self, layer: int, plan: QSAPlan, raw_keys: torch.Tensor, pool: PoolFn) -> None:

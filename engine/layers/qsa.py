@@ -78,10 +78,7 @@ def select_tokens(store: QSAIndexStore, layer: int, plan: QSAPlan,
     kept = torch.zeros(t, k, dtype=torch.bool, device=iq.device)
     # one top-k per distinct visible-block count nb over exactly nb scores: the reference's
     # torch.topk on the same values, so even exact ties (ReLU zeros) pick the same blocks
-    for nb in torch.unique(plan.row_blocks).tolist():
-        if nb == 0:
-            continue
-        rows = (plan.row_blocks == nb).nonzero(as_tuple=True)[0]
+    for nb, rows in plan.by_blocks:
         kk = min(k, nb)
         order[rows, :kk] = scores[rows, :nb].topk(kk, dim=1).indices
         kept[rows, :kk] = True
