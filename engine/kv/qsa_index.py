@@ -10,9 +10,12 @@ Shape legend:
     Lq  QSA layers (their compact KV indices)   NB  blocks in the pool    BS  tokens per block
     Di  index head dim    R  compress ratio     PB  pooled keys per block = (BS - 1) // R + 1
 
-keys     [Lq, NB, BS, Di] float32   raw index key of token p at (table[p // BS], p % BS)
-pooled   [Lq, NB, PB, Di] float32   pooled key of block j (tokens jR .. jR+R-1) at the KV block
-                                    holding its last token e = jR+R-1: (table[e // BS], (e % BS) // R)
+keys     [Lq, NB, BS, Di] X   raw index key of token p at (table[p // BS], p % BS)
+pooled   [Lq, NB, PB, Di] X   pooled key of block j (tokens jR .. jR+R-1) at the KV block
+                              holding its last token e = jR+R-1: (table[e // BS], (e % BS) // R)
+
+X = index_dtype(KV dtype): the KV cache's dtype when it is float32, bfloat16 or float16, bfloat16
+under an FP8 KV cache (the index has no scales); the mean is taken in float32 either way.
 
 The last tokens of the pooled blocks ending in one KV block lie R apart, so (e % BS) // R is
 a distinct slot below PB for each, whatever R and BS are. Storing a pooled key with the block of
@@ -71,10 +74,17 @@ class QSASpec:
         """Tokens one query attends at most: the kept blocks plus an incomplete tail (< R)."""
         return self.budget + self.compress_ratio - 1
 
-    def bytes_per_block(self, block_size: int) -> int:
-        """Index bytes one KV block carries over all QSA layers (float32 keys + pooled keys)."""
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+        """Index bytes one KV block carries over all QSA layers (keys + pooled keys) in the index
+        dtype that goes with a KV cache of ``dtype``."""
         pb = (block_size - 1) // self.compress_ratio + 1
-        return self.num_layers * (block_size + pb) * self.index_head_dim * 4
+        elem = torch.empty(0, dtype=index_dtype(dtype)).element_size()
+        return self.num_layers * (block_size + pb) * self.index_head_dim * elem
+
+
+def index_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The index's storage dtype beside K/V of ``kv_dtype`` (module doc)."""
+    return kv_dtype if kv_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 # (mean raw keys [m, Di] float32, block first positions [m] long) -> pooled keys [m, Di]
@@ -109,17 +119,19 @@ class QSAIndexStore:
     """Index keys and pooled keys of every QSA layer, in the blocks of one PagedKVCache."""
 
     def __init__(self, spec: QSASpec, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", kv_dtype: torch.dtype = torch.float32) -> None:
         self.spec, self.block_size = spec, block_size
         self.per_block = (block_size - 1) // spec.compress_ratio + 1
-        self.keys = torch.zeros(spec.num_layers, num_blocks, block_size, spec.index_head_dim, device=device)
-        self.pooled = torch.zeros(spec.num_layers, num_blocks, self.per_block, spec.index_head_dim,
+        self.kv_dtype, dt = kv_dtype, index_dtype(kv_dtype)
+        self.keys = torch.zeros(spec.num_layers, num_blocks, block_size, spec.index_head_dim, dtype=dt,
+                                device=device)
+        self.pooled = torch.zeros(spec.num_layers, num_blocks, self.per_block, spec.index_head_dim, dtype=dt,
                                   device=device)
         self._plan: tuple[BatchLayout, tuple, QSAPlan] | None = None
 
     @property
     def nbytes(self) -> int:
-        return (self.keys.numel() + self.pooled.numel()) * 4
+        return (self.keys.numel() + self.pooled.numel()) * self.keys.element_size()
 
     # ---- one step's plan --------------------------------------------------------------------
     def plan(self, paged: PagedKVCache, layout: BatchLayout) -> QSAPlan:
@@ -176,20 +188,20 @@ class QSAIndexStore:
         """Store the step's raw index keys [T, Di] of one layer, then (re)compute every pooled
         block they complete: mean of its R raw keys (float32) through ``pool`` (norm + RoPE)."""
         keys = self.keys[layer]  # [NB, BS, Di] view
-        keys[plan.write_blk, plan.write_off] = raw_keys.float()
+        keys[plan.write_blk, plan.write_off] = raw_keys.to(keys.dtype)
         if plan.done_pos.numel():
-            mean = keys[plan.done_src_blk, plan.done_src_off].mean(dim=1)  # [M, Di]
-            self.pooled[layer][plan.done_dst_blk, plan.done_dst_slot] = pool(mean, plan.done_pos).float()
+            mean = keys[plan.done_src_blk, plan.done_src_off].float().mean(dim=1)  # [M, Di]
+            self.pooled[layer][plan.done_dst_blk, plan.done_dst_slot] = pool(mean, plan.done_pos).to(keys.dtype)
 
     def pooled_keys(self, layer: int, plan: QSAPlan, seq: int) -> torch.Tensor:
-        """Pooled keys of sequence ``seq``'s complete blocks after this step: [nb, Di]."""
+        """Pooled keys of sequence ``seq``'s complete blocks after this step: [nb, Di] float32."""
         nb = plan.seq_rows[seq][2]
-        return self.pooled[layer][plan.pool_blk[seq, :nb], plan.pool_slot[seq, :nb]]
+        return self.pooled[layer][plan.pool_blk[seq, :nb], plan.pool_slot[seq, :nb]].float()
 
     def raw_keys(self, layer: int, plan: QSAPlan, seq: int, length: int) -> torch.Tensor:
         """Raw index keys of sequence ``seq``'s first ``length`` tokens: [length, Di] (tests)."""
         pos = torch.arange(length, device=self.keys.device)
-        return self.keys[layer][plan.tables[seq, pos // self.block_size], pos % self.block_size]
+        return self.keys[layer][plan.tables[seq, pos // self.block_size], pos % self.block_size].float()
 
 
 def paged_of(kv: KVCache) -> PagedKVCache | None:
@@ -211,7 +223,7 @@ def qsa_index_for(paged: PagedKVCache, spec: QSASpec) -> QSAIndexStore:
         if spec.num_layers > paged.num_layers:
             raise ConfigError(f"QSA over {spec.num_layers} layers but the KV cache holds {paged.num_layers}")
         store = _STORES[paged] = QSAIndexStore(spec, paged.num_blocks, paged.block_size,
-                                               paged.storage.device)
+                                               paged.storage.device, paged.dtype)
     elif store.spec != spec:
         raise ConfigError(f"KV cache already holds a QSA index for {store.spec}, asked for {spec}")
     return store
@@ -223,13 +235,13 @@ def qsa_spec_of(cfg) -> QSASpec | None:
     return own(cfg) if callable(own) else None
 
 
-def qsa_block_bytes(cfg, block_size: int) -> int:
+def qsa_block_bytes(cfg, block_size: int, kv_dtype: torch.dtype) -> int:
     """Index bytes one KV block of ``cfg`` carries besides its K/V (0 without QSA)."""
     spec = qsa_spec_of(cfg)
-    return spec.bytes_per_block(block_size) if spec is not None else 0
+    return spec.bytes_per_block(block_size, kv_dtype) if spec is not None else 0
 
 
 def index_bytes_per_block(paged: PagedKVCache) -> int:
     """Index bytes per block of ``paged``'s store (0 while it has none)."""
     store = _STORES.get(paged)
-    return store.spec.bytes_per_block(store.block_size) if store is not None else 0
+    return store.spec.bytes_per_block(store.block_size, store.kv_dtype) if store is not None else 0

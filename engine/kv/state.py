@@ -254,8 +254,9 @@ class HybridKVCache(KVCache):
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty(0, dtype=dtype).element_size()
-        return len(cfg.attention_layers) * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem + (
-            len(cfg.attention_layers) * 2 * 4 if dtype == torch.float8_e4m3fn else 0) + qsa_block_bytes(cfg, block_size)
+        kv = len(cfg.attention_layers) * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem + (
+            len(cfg.attention_layers) * 2 * 4 if dtype == torch.float8_e4m3fn else 0)
+        return kv + qsa_block_bytes(cfg, block_size, dtype)  # QSA's index keys ride in the same blocks
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, budget_bytes: int, block_size: int = 16,

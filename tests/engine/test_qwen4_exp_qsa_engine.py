@@ -153,4 +153,7 @@ def test_index_bytes_are_counted_in_the_kv_budget(model):
     m = kv.metrics()
     assert m.bytes_total <= 1 << 20
     assert m.bytes_total == m.blocks_total * (kv_only + index) + m.state_slots_total * m.state_bytes_per_sequence
+    # under a bf16 (or FP8) KV cache the index is bf16
+    assert HybridKVCache.block_bytes(cfg, 8, torch.bfloat16) == (kv_only + index) // 2
+    assert HybridKVCache.block_bytes(cfg, 8, torch.float8_e4m3fn) == kv_only // 4 + la * 2 * 4 + index // 2
 

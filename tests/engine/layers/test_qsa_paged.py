@@ -150,6 +150,17 @@ def test_fp8_kv_bounded_error():
     assert float((got - want).norm() / want.norm()) < 0.08
 
 
+def test_bf16_kv_keeps_a_bf16_index_close_to_fp32():
+    cfg, att, glue, x = _setup(seed=23, budget=8, ratio=4, n=40)
+    kv = _cache(cfg, 8, dtype=torch.bfloat16)
+    got = _run_chunks(glue, kv, 1, x, [17, 1, 1, 21])
+    store = qsa_index_for(kv, glue.spec)
+    assert store.keys.dtype == store.pooled.dtype == torch.bfloat16
+    assert store.nbytes == (store.keys.numel() + store.pooled.numel()) * 2
+    want = hf_forward(att, x, glue.cos, glue.sin)
+    assert float((got - want).norm() / want.norm()) < 0.05
+
+
 def test_pooled_keys_kept_incrementally():
     """After a step, the stored pooled keys equal a from-scratch pooling of the stored raw keys,
     and a decode step pools only the block its token completes."""
