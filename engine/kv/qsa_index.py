@@ -1,4 +1,5 @@
-"""QSA's index keys, paged beside K/V (Qwen4-Exp's query-sparse attention; docs/qsa.md).
+"""QSA's index keys, paged beside K/V (Qwen4-Exp's query-sparse attention; docs/qwen4_exp.md,
+"QSA in the paged KV cache").
 
 Every QSA layer keeps one raw index key per token (the indexer's key projection, before norm
 and RoPE) and, per complete pooled block of ``R`` = compress_ratio tokens, one pooled key:
