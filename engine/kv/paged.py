@@ -302,21 +302,46 @@ class PagedKVCache(KVCache):
 
     # ---- data path -------------------------------------------------------------------------
     def store_and_load(self, layer, seq_id, start, k, v):
+        ids = self.store(layer, seq_id, start, k, v)
+        end = start + k.shape[0]
+        nb = self.blocks_for(end)
+        return (self._read(layer, 0, ids[:nb], end).to(k.dtype),
+                self._read(layer, 1, ids[:nb], end).to(v.dtype))
+
+    def store(self, layer: int, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write k/v [n, Nkv, D] for positions [start, start+n) of ``seq_id`` (allocating blocks
+        it lacks) without reading anything back; returns the sequence's block ids (long)."""
         end = start + k.shape[0]
         if self._missing(seq_id, end):
             self.allocate(seq_id, end)
-        table = self.tables[seq_id]
-        ids = torch.tensor(table, dtype=torch.long, device=self.storage.device)
+        ids = torch.tensor(self.tables[seq_id], dtype=torch.long, device=self.storage.device)
         pos = torch.arange(start, end, device=self.storage.device)
         blk, off = ids[pos // self.block_size], pos % self.block_size
         for i, x in enumerate((k, v)):
             self._write(layer, i, ids, blk, off, x)
         self.lengths[seq_id] = max(self.lengths[seq_id], end)
-        nb = self.blocks_for(end)
-        return (self._read(layer, 0, ids[:nb], end).to(k.dtype),
-                self._read(layer, 1, ids[:nb], end).to(v.dtype))
+        return ids
 
-    def _write(self, layer: int, kv: int, ids: torch.Tensor, blk: torch.Tensor,
+    def write_at(self, layer: int, blk: torch.Tensor, off: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """Write k/v [T, Nkv, D] at the token slots (blk[i], off[i]) of blocks the caller has
+        allocated (a whole step's rows at once: engine.layers.qsa); lengths are the caller's."""
+        for i, x in enumerate((k, v)):
+            self._write(layer, i, None, blk, off, x)
+
+    def gather(self, layer: int, blk: torch.Tensor, off: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at the token slots (blk, off) (long tensors of one shape [...]): each
+        [..., Nkv, D], FP8 dequantized to float32, else in the storage dtype. Reads only those
+        slots (QSA's attention over selected blocks: engine.layers.qsa)."""
+        out = []
+        for kv in (0, 1):
+            x = self.storage[layer, kv][blk, off]
+            if self.fp8:
+                x = x.float() * self.scales[layer, kv][blk][..., None, None]
+            out.append(x)
+        return out[0], out[1]
+
+    def _write(self, layer: int, kv: int, ids: torch.Tensor | None, blk: torch.Tensor,
                off: torch.Tensor, x: torch.Tensor) -> None:
         """x [n, Nkv, D] into positions (blk[i], off[i])."""
         dst = self.storage[layer, kv]  # [NB, BS, Nkv, D] view

@@ -50,6 +50,7 @@ from engine.errors import CapacityError, ConfigError, MoestreamError
 from engine.kv.base import BatchLayout, KVCache
 from engine.kv.paged import KVMetrics, PagedKVCache
 from engine.kv.prefix import SnapshotStore
+from engine.kv.qsa_index import index_bytes_per_block, qsa_block_bytes, qsa_index_for, qsa_spec_of
 
 
 class RecurrentStateError(MoestreamError):
@@ -272,12 +273,16 @@ class HybridKVCache(KVCache):
         self.snapshots = SnapshotStore(num_snapshots if self.paged.prefix_cache else 0)
         self._passed: dict[int, StateSnapshot] = {}  # seq_id -> state at a boundary a verify passed
         self.paged.pool.on_evict = self.snapshots.discard
+        qsa = qsa_spec_of(cfg)
+        if qsa is not None:  # QSA's index keys live in the KV blocks (engine.kv.qsa_index)
+            qsa_index_for(self.paged, qsa)
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty(0, dtype=dtype).element_size()
-        return len(cfg.attention_layers) * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem + (
+        kv = len(cfg.attention_layers) * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem + (
             len(cfg.attention_layers) * 2 * 4 if dtype == torch.float8_e4m3fn else 0)
+        return kv + qsa_block_bytes(cfg, block_size, dtype)  # QSA's index keys ride in the same blocks
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, budget_bytes: int, block_size: int = 16,
@@ -402,10 +407,12 @@ class HybridKVCache(KVCache):
     def metrics(self) -> HybridKVMetrics:
         m = self.paged.metrics()
         st = self.state
+        ix = index_bytes_per_block(self.paged)  # QSA index keys in the same blocks
         return HybridKVMetrics(
             blocks_total=m.blocks_total, blocks_used=m.blocks_used, blocks_free=m.blocks_free,
-            block_size=m.block_size, bytes_total=m.bytes_total + (st.capacity + self.snapshots.capacity) * st.slot_bytes,
-            bytes_used=m.bytes_used + (st.num_used + len(self.snapshots)) * st.slot_bytes,
+            block_size=m.block_size,
+            bytes_total=m.bytes_total + ix * m.blocks_total + (st.capacity + self.snapshots.capacity) * st.slot_bytes,
+            bytes_used=m.bytes_used + ix * m.blocks_used + (st.num_used + len(self.snapshots)) * st.slot_bytes,
             num_sequences=len(set(self.paged.tables) | set(st.slot)), tokens_stored=m.tokens_stored,
             state_slots_total=st.capacity, state_slots_used=st.num_used,
             state_bytes_per_sequence=st.slot_bytes, blocks_cached=m.blocks_cached,

@@ -25,6 +25,7 @@ from engine.config import ModelConfig
 from engine.configio.fields import kind
 from engine.configio.hf_decoder import decoder_config
 from engine.errors import ConfigError, ModelFormatError
+from engine.kv.qsa_index import QSASpec
 from engine.models.qwen3_5_moe.config import DEFAULT_MROPE_SECTION, mrope_layout, rope_params
 from engine.models.qwen3_next.config import hf_fields
 from engine.models.qwen4_exp.ngram import NGramHash, ngram_hash
@@ -94,6 +95,13 @@ class Qwen4ExpParams:
     @property
     def qsa(self) -> bool:
         return self.indexer_heads > 0
+
+    def qsa_spec(self, cfg: ModelConfig) -> QSASpec | None:
+        """The paged QSA index's sizes (engine.kv.qsa_index), None without QSA."""
+        if not self.qsa:
+            return None
+        return QSASpec(len(cfg.attention_layers), self.indexer_heads, self.indexer_head_dim, self.indexer_budget,
+                       self.indexer_ratio)
 
     @property
     def ngram_heads(self) -> int:

@@ -37,6 +37,7 @@ from engine.models.qwen4_exp.hyper import HyperConnection
 from engine.models.qwen4_exp.names import shard_rows
 from engine.models.qwen4_exp.ngram import ngram_row_ids
 from engine.models.qwen4_exp.ple import PLELayer, ShardedTable
+from engine.layers.qsa import pool_keys, qsa_attention
 from engine.models.qwen4_exp.qsa_reference import QSAIndexer, attend_selected
 
 
@@ -57,6 +58,7 @@ class QSAAttention(GatedAttention):
         a = cfg.arch_params
         self.indexer = (QSAIndexer(cfg.hidden_size, a.indexer_heads, a.indexer_head_dim, a.indexer_budget,
                                    a.indexer_ratio, cfg.rms_norm_eps) if a.qsa else None)
+        self.qsa_spec = a.qsa_spec(cfg)
 
     def forward(self, x, cos, sin, layout, kv, state=None, cos_of=None):
         if self.indexer is None:
@@ -67,15 +69,27 @@ class QSAAttention(GatedAttention):
         k = apply_partial_rotary(self.k_norm(self.k_proj(x).view(t, self.nkv, self.d)), cos, sin)
         v = self.v_proj(x).view(t, self.nkv, self.d)
         iq, ik = self.indexer.project(x, cos, sin)
-        out = torch.empty(t, self.nh, self.d, dtype=x.dtype, device=x.device)
-        for seq_id, start, n, ctx in zip(layout.seq_ids, layout.offsets, layout.query_lens, layout.context_lens):
-            sl = slice(start, start + n)
-            keys, values = kv.store_and_load(self.kv_layer, seq_id, ctx, k[sl], v[sl])
-            raw = state.index_keys(self.kv_layer, seq_id, ctx, ik[sl])
-            mask = self.indexer.select(iq[sl], raw, ctx, cos_of)
-            out[sl] = attend_selected(q[sl], keys, values, mask, self.nkv)
+        out = self._paged(q, k, v, iq, ik, layout, kv, cos_of)
+        if out is None:  # the reference: a cache without pages (engine.generate's contiguous one)
+            out = torch.empty(t, self.nh, self.d, dtype=x.dtype, device=x.device)
+            for seq_id, start, n, ctx in zip(layout.seq_ids, layout.offsets, layout.query_lens, layout.context_lens):
+                sl = slice(start, start + n)
+                keys, values = kv.store_and_load(self.kv_layer, seq_id, ctx, k[sl], v[sl])
+                raw = state.index_keys(self.kv_layer, seq_id, ctx, ik[sl])
+                mask = self.indexer.select(iq[sl], raw, ctx, cos_of)
+                out[sl] = attend_selected(q[sl], keys, values, mask, self.nkv)
         out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(t, self.nh * self.d))
+
+    def _paged(self, q, k, v, iq, ik, layout, kv, cos_of) -> torch.Tensor | None:
+        """The engine's path over a paged cache (engine.layers.qsa: index keys and pooled keys in
+        the KV blocks, batched selection, attention over the gathered selection); None otherwise."""
+        ix = self.indexer
+
+        def pool(mean, positions):
+            return pool_keys(mean, positions, ix.k_layernorm.weight, ix.k_layernorm.eps, cos_of, q.dtype)
+
+        return qsa_attention(kv, self.qsa_spec, self.kv_layer, layout, q, k, v, iq, ik, pool, self.d ** -0.5)
 
 
 class Qwen4ExpLayer(nn.Module):
