@@ -268,3 +268,17 @@ def row_chunks(table: torch.Tensor, rows_per_chunk: int = 65536) -> Iterable[tor
     """[num_rows, row_dim] (e.g. a zero-copy mmap view of a checkpoint tensor) as row slices."""
     for start in range(0, table.shape[0], rows_per_chunk):
         yield table[start:start + rows_per_chunk]
+
+
+def load_row_file(path: str | os.PathLike[str]) -> torch.Tensor:
+    """The whole table as [num_rows, row_dim] fp32, every page checked: the in-memory reference
+    the disk tier is tested against (small tables only: it holds the table)."""
+    layout = read_layout(path)
+    with open(path, "rb") as f:
+        f.seek(PAGE_ALIGN)
+        data = f.read(layout.num_pages * layout.page_bytes)
+    pages = torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(layout.num_pages, layout.page_bytes)
+    for p in range(layout.num_pages):
+        check_page(layout, p, pages[p].numpy(), path)
+    rows = pages[:, :layout.rows_per_page * layout.row_bytes].reshape(-1, layout.row_bytes)[:layout.num_rows]
+    return decode_rows(rows, layout)
