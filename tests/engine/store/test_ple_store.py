@@ -32,7 +32,7 @@ def stores(tmp_path_factory):
 
 
 def _run(sm, ids, n=32):
-    toks, logits = [], []
+    toks = []
     for out, _ in stream_request(sm.model, ids, SamplingConfig(max_tokens=n, temperature=0.0, ignore_eos=True)):
         toks += out.new_token_ids
     return toks
@@ -84,11 +84,18 @@ def test_store_with_short_row_file_is_refused(stores, tmp_path):
         ExpertStore(bad)
 
 
-def test_generate_prints_ple_rows_and_bytes(stores):
-    from click.testing import CliRunner
+def test_generate_line_and_metrics_show_ple(stores):
+    """generate's figures line and /metrics carry the PLE tier's rows, bytes and hit rate."""
+    from services.cli import _cache_line
+    from services.http.metrics import Metrics
 
-    from services.cli import main
-
-    r = CliRunner().invoke(main, ["generate", "--store", str(stores["checkpoint"]), "--max-tokens", "4",
-                                  "--device", "cpu", "--ple-budget", "4KiB", "hello"])
-    assert "no tokenizer" in r.output or "PLE" in r.output
+    with load_from_store(stores["checkpoint"], ple_budget=4096) as sm:
+        _run(sm, prompt(96, 20), n=6)
+        line = _cache_line(sm, 26)
+        summary = sm.cache.metrics.summary(sm.cache.source.counters())
+    assert "PLE " in line and "rows/token" in line and "row-cache hit rate" in line
+    assert summary["ple_rows_per_token"] == summary["ple_lookups"] / 26 > 0
+    text = Metrics().render({"decode": {"cache": summary}}).decode()
+    assert f"moestream_ple_rows_per_token {float(summary['ple_rows_per_token'])}" in text
+    assert f"moestream_ple_read_bytes_total {float(summary['ple_bytes_read'])}" in text
+    assert "moestream_ple_row_cache_hit_rate" in text
