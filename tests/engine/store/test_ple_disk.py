@@ -138,10 +138,15 @@ def test_buffered_fallback_said_once(tmp_path, caplog, monkeypatch):
     tier.close()
 
 
-def test_shorter_than_declared_vocab(tmp_path):
-    table = _table(5000, 32, seed=9)
+def _fp32_file(tmp_path, seed: int):
+    """A 5000 x 32 fp32 table, its row file and the file's layout."""
+    table = _table(5000, 32, seed=seed)
     path = _write(tmp_path, table, "fp32")
-    lay = read_layout(path)
+    return table, path, read_layout(path)
+
+
+def test_shorter_than_declared_vocab(tmp_path):
+    table, path, lay = _fp32_file(tmp_path, seed=9)
     with open(path, "r+b") as f:
         f.truncate(lay.file_bytes - lay.page_bytes)
     with pytest.raises(ModelFormatError, match="shorter than its declared 5000 rows"):
@@ -153,8 +158,7 @@ def test_shorter_than_declared_vocab(tmp_path):
 
 
 def test_truncated_after_open_is_typed(tmp_path):
-    table = _table(5000, 32, seed=10)
-    path = _write(tmp_path, table, "fp32")
+    _, path, _ = _fp32_file(tmp_path, seed=10)
     tier = PLETier(budget_bytes=0)
     (t,) = tier.open_tables([path])
     os.truncate(path, PAGE_ALIGN * 3)
@@ -164,9 +168,7 @@ def test_truncated_after_open_is_typed(tmp_path):
 
 
 def test_corrupt_page_and_header(tmp_path):
-    table = _table(5000, 32, seed=11)
-    path = _write(tmp_path, table, "fp32")
-    lay = read_layout(path)
+    table, path, lay = _fp32_file(tmp_path, seed=11)
     with open(path, "r+b") as f:
         f.seek(lay.page_offset(3) + 100)
         f.write(b"\xff\xfe")
