@@ -99,3 +99,26 @@ def test_generate_line_and_metrics_show_ple(stores):
     assert f"moestream_ple_rows_per_token {float(summary['ple_rows_per_token'])}" in text
     assert f"moestream_ple_read_bytes_total {float(summary['ple_bytes_read'])}" in text
     assert "moestream_ple_row_cache_hit_rate" in text
+
+
+def test_verify_checks_row_files_and_reconvert_is_a_no_op(stores, tmp_path):
+    import shutil
+
+    from engine.store.ple_rows import read_layout
+    from engine.store.verify import verify_store
+
+    good = verify_store(stores["int8"])
+    assert good.ok and good.ple_files_checked == 2, good.problems
+    again = convert(stores["int8"].parent / "ckpt", stores["int8"], fmt=QuantFormat("int4", 32), progress=False,
+                    ple_dtype="int8")
+    assert again.already_done
+    bad = tmp_path / "bad"
+    shutil.copytree(stores["int8"], bad)
+    f = bad / ExpertStore(bad).manifest.ple_tables[0].file
+    lay = read_layout(f)
+    with open(f, "r+b") as fh:
+        fh.seek(lay.page_offset(lay.num_pages - 1) + 7)
+        fh.write(b"\x55\xaa")
+    rep = verify_store(bad)
+    assert not rep.ok and rep.ple_files_checked == 1
+    assert any(f"page {lay.num_pages - 1}" in p for p in rep.problems), rep.problems
