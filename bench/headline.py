@@ -8,7 +8,7 @@ model's prediction for the full shape on an RTX 4090 and on an H200 capped at 24
 
 Shapes (engine.costmodel.SHAPES): ``full`` is qwen4_exp (Qwen3.8-Flash-Next, 125B-A6B): 48
 layers, hidden 2560, 512 experts of width 640 (int4 g64: 2.76 MB each, 68 GB in all), top-10,
-one shared expert, 36 Gated DeltaNet + 12 QSA layers, hyper-connections, a 46B-parameter PLE
+one shared expert, 36 Gated DeltaNet + 12 QSA layers, hyper-connections, a 51.2B-parameter PLE
 n-gram table in the PLE tier on disk (engine.store.ple_disk); it runs as Qwen2-MoE-style layers
 (attention sized so a layer's dense bytes are within 1% of the qwen4_exp mix's average; the cost
 model counts the DeltaNet, QSA, hyper-connection and PLE parts by their byte counts, and the PLE

@@ -28,8 +28,10 @@ Nothing here imports torch: the arithmetic is checked by tests on hand-made inpu
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 
 from engine.errors import ConfigError, DeviceBudgetError
@@ -335,21 +337,41 @@ def predict(shape: ModelShape, target: Target, hit_rate: float, *, dense_format:
                       ple_s=ple_s, ple_bytes=pages * 4096)
 
 
-# The headline shape: qwen4_exp (Qwen3.8-Flash-Next, 125B-A6B) by the public figures of issue #26:
-# 48 layers, hidden 2560, 36 Gated DeltaNet layers (16 key / 32 value heads of 128, as Qwen3-Next)
-# and 12 QSA gated-attention layers (16 q heads of 256, 2 KV heads of 256), 512 experts of width
-# 640 top-10, one shared expert (width 640: assumed), vocab 248,320; hyper-connections with 4
-# streams and rank 320 (transformers' Qwen4ExpTextConfig defaults). Not published, assumed here:
-# the QSA indexer (16 heads of 128) and the PLE layout: 9 PLE layers of 16 n-gram heads (2- and
-# 3-grams x 8) with ple_embed_dim 256 (rows of 16), each head a table of ~20M rows (the config's
-# ngram_vocab_size_base), 46.1B table parameters in all (the issue's ~45B).
+PUBLISHED_QWEN4_EXP = Path(__file__).resolve().parent / "models" / "qwen4_exp" / "published" / "Qwen3.8-Flash-Next.json"
+
+
+def qwen4_exp_shape(name: str, text: dict) -> "ModelShape":
+    """The byte counts of a qwen4_exp text config (config.json's ``text_config``, or the text
+    config itself): DeltaNet and QSA layers as ``layer_types`` (or every 4th layer) says,
+    hyper-connections, the QSA indexer, the PLE layers and their n-gram tables. A table has
+    ``(ngram_size - 1) x heads_per_ngram`` heads of about ``ngram_vocab_size_base`` rows each (the
+    heads' primes lie a few hundred above it)."""
+    text = text.get("text_config", text)
+    types = text.get("layer_types")
+    every = 4 if not types else next(i + 1 for i, t in enumerate(types) if t == "full_attention")
+    heads = (text["ngram_size"] - 1) * text["heads_per_ngram"]
+    return ModelShape(
+        name, layers=text["num_hidden_layers"], hidden=text["hidden_size"], experts=text["num_experts"],
+        expert_width=text["moe_intermediate_size"], top_k=text["num_experts_per_tok"],
+        shared_width=text["shared_expert_intermediate_size"], vocab=text["vocab_size"],
+        heads=text["num_attention_heads"], kv_heads=text["num_key_value_heads"], head_dim=text["head_dim"],
+        attn_gate=True, linear_key_heads=text["linear_num_key_heads"],
+        linear_value_heads=text["linear_num_value_heads"], linear_head_dim=text["linear_key_head_dim"],
+        conv_kernel=text["linear_conv_kernel_dim"], full_attention_every=every, hc_count=text["hc_count"],
+        hc_lowrank=text["hc_lowrank"], indexer_heads=text.get("indexer_n_heads") or 0,
+        indexer_head_dim=text.get("indexer_head_dim") or 0, ple_layers=len(text.get("ple_layer_ids") or []),
+        ple_embed_dim=text.get("ple_embed_dim") or 0, ple_heads=heads,
+        ple_rows=heads * text["ngram_vocab_size_base"], ple_conv_kernel=text["ple_conv_kernel_size"],
+        ngram_size=text["ngram_size"])
+
+
+# The headline shape: qwen4_exp (Qwen3.8-Flash-Next, 125B-A6B) from its published config as
+# reconstructed in engine/models/qwen4_exp/published/ (its README says from what): 48 layers,
+# hidden 2560, 36 Gated DeltaNet + 12 QSA layers, 512 experts of width 640 top-10, one shared
+# expert, vocab 248,320, hyper-connections (4 streams, rank 320), one PLE layer whose n-gram
+# table (16 heads of ~20M rows x 160) is 51.2B parameters.
 SHAPES = {
-    "full": ModelShape("full", layers=48, hidden=2560, experts=512, expert_width=640, top_k=10,
-                       shared_width=640, vocab=248320, heads=16, kv_heads=2, head_dim=256,
-                       attn_gate=True, linear_key_heads=16, linear_value_heads=32,
-                       linear_head_dim=128, full_attention_every=4, hc_count=4, hc_lowrank=320,
-                       indexer_heads=16, indexer_head_dim=128, ple_layers=9, ple_embed_dim=256,
-                       ple_heads=16, ple_rows=16 * 20_000_000, ple_conv_kernel=4, ngram_size=3),
+    "full": qwen4_exp_shape("full", json.loads(PUBLISHED_QWEN4_EXP.read_text())),
     # what bench/headline.py runs (the full shape's experts, shared expert and vocabulary; standard
     # attention sized so a layer's dense bytes are within 1% of the qwen4_exp mix's average,
     # hyper-connections and PLE projections included): the full shape's runnable stand-in on a GPU ...

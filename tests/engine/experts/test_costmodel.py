@@ -135,19 +135,20 @@ def test_device_budget_guard_types_the_allocator_error():
 
 
 def test_qwen4_exp_full_shape_counts():
-    """The headline shape is qwen4_exp: 36 DeltaNet + 12 QSA layers, 125B in all, ~6B active,
-    its PLE table (~46B) outside the device's bytes; the parts by hand."""
+    """The headline shape is qwen4_exp's published config (engine/models/qwen4_exp/published):
+    36 DeltaNet + 12 QSA layers, 125B in all, ~6B active, its PLE table (51.2B) outside the
+    device's bytes; the parts by hand, and the totals as `moestream info` counts them."""
     f = SHAPES["full"]
     assert (f.layers - f.attention_layers, f.attention_layers) == (36, 12)
     width = 4 * 2560
     assert f.hyper_params == width + 2 * 320 * width + 4 * width
     assert f.indexer_params == 17 * 128 * 2560 + 2 * 128
-    assert f.ple_layer_params == width * 256 + 2560 * 256 + 3 * width + width * 4
-    assert [l for l in range(48) if f.is_ple(l)] == [0, 1, 2, 4, 5, 6, 8, 9, 10]  # DeltaNet layers only
+    assert f.ple_layer_params == width * 2560 + 2560 * 2560 + 3 * width + width * 4
+    assert [l for l in range(48) if f.is_ple(l)] == [0]  # one PLE layer, a DeltaNet layer
     total = f.dense_params + f.routed_params
     active = f.dense_params - f.vocab * f.hidden + f.layers * f.top_k * 3 * f.hidden * f.expert_width
     assert total == pytest.approx(125e9, rel=0.01) and active == pytest.approx(6e9, rel=0.02)
-    assert f.ple_params == 9 * 320_000_000 * 16 and f.ple_rows_per_token == 144
+    assert f.ple_params == 320_000_000 * 160 and f.ple_rows_per_token == 16
     runnable = SHAPES["full-runnable"]
     per_layer = lambda s: sum(s.layer_dense_params(l) for l in range(s.layers)) / s.layers  # noqa: E731
     assert per_layer(runnable) == pytest.approx(per_layer(f), rel=0.01)
@@ -166,3 +167,20 @@ def test_ple_reads_in_the_prediction():
     assert predict(s, target(overlap=0.0), 1.0).ple_s == 0.0
     with pytest.raises(ConfigError, match="ple_hit_rate"):
         predict(s, t, 1.0, ple_hit_rate=1.5)
+
+
+def test_full_shape_counts_like_the_published_config():
+    """SHAPES["full"] and the engine's own parameter counts of the published config (the ones
+    `moestream info` prints, equal to transformers') agree: routed and PLE exactly, dense to the
+    QSA indexer's norms and the PLE tables' padding (< 0.01%)."""
+    from engine.configio.fields import read_hf_config_json
+    from engine.configio.hf import config_from_hf_dict
+    from engine.costmodel import PUBLISHED_QWEN4_EXP
+
+    counts = config_from_hf_dict(read_hf_config_json(PUBLISHED_QWEN4_EXP),
+                                 source=PUBLISHED_QWEN4_EXP).parameter_counts()
+    f = SHAPES["full"]
+    assert counts["routed_total"] == f.routed_params
+    assert counts["dense"] == pytest.approx(f.dense_params, rel=1e-4)
+    assert counts["ple_total"] == pytest.approx(f.ple_params, rel=1e-4)
+    assert counts["ple_active"] == f.ple_rows_per_token * f.ple_row_dim
