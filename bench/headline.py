@@ -6,10 +6,13 @@ model's prediction for the full shape on an RTX 4090 and on an H200 capped at 24
     python bench/headline.py --shape full --device cuda --vram-budget 24GiB --layers 12
                                                             # GPU: 12 of the 48 layers, scaled
 
-Shapes (engine.costmodel.SHAPES): ``full`` is 48 layers, hidden 2048, 512 experts of width 768
-(int4 g64: 2.65 MB each, 65 GB in all), top-10, one shared expert; it runs as Qwen2-MoE-style
-layers (attention sized so a layer's dense bytes are near the Qwen3-Next mix's average; the
-cost model counts the Qwen3-Next mixers by their byte counts). ``--layers N`` runs N layers of
+Shapes (engine.costmodel.SHAPES): ``full`` is qwen4_exp (Qwen3.8-Flash-Next, 125B-A6B): 48
+layers, hidden 2560, 512 experts of width 640 (int4 g64: 2.76 MB each, 68 GB in all), top-10,
+one shared expert, 36 Gated DeltaNet + 12 QSA layers, hyper-connections, a 51.2B-parameter PLE
+n-gram table in the PLE tier on disk (engine.store.ple_disk); it runs as Qwen2-MoE-style layers
+(attention sized so a layer's dense bytes are within 1% of the qwen4_exp mix's average; the cost
+model counts the DeltaNet, QSA, hyper-connection and PLE parts by their byte counts, and the PLE
+rows as 4 KiB NVMe reads). ``--layers N`` runs N layers of
 it and scales per layer (labelled as such): the whole 65 GB may not fit the host or pin in time.
 ``small`` (8 layers, 64 experts, top-4) runs on a CPU.
 
@@ -195,7 +198,8 @@ def make_trace(args, shape: ModelShape, tokens: int):
 
 def full_shape_predictions(args, overhead_s: float | None, out: list) -> None:
     """The cost model for the full shape at 24 GiB on each target (hit rate from the simulator
-    on a synthetic trace of the full shape at that target's slot count)."""
+    on a synthetic trace of the full shape at that target's slot count; the PLE row cache's hit
+    rate taken as 0: every row a 4 KiB NVMe read)."""
     from engine.experts.synthetic import synthetic_trace
 
     full = SHAPES["full"]
@@ -207,18 +211,24 @@ def full_shape_predictions(args, overhead_s: float | None, out: list) -> None:
     if overhead_s is not None:
         h = TARGETS["h200-24g"]
         targets.append(Target(h.name + ", overhead measured here", h.device_bw, h.link_bw, h.vram,
-                              overhead_s, h.overlap, note="per-layer overhead measured by this run"))
-    print(f"\nPREDICTION for the full shape (48 layers, 512 x 2.65 MB experts, top-10, Qwen3-Next mix by bytes; "
-          f"bf16 dense): 24 GiB = dense {format_bytes(split.dense)} + KV(4k) {format_bytes(split.kv)} + state "
+                              overhead_s, h.overlap, note="per-layer overhead measured by this run",
+                              page_read_s=h.page_read_s))
+    print(f"\nPREDICTION for the full shape (qwen4_exp: {full.layers} layers, {full.experts} x "
+          f"{format_bytes(full.expert_bytes)} experts, top-{full.top_k}, {full.layers - full.attention_layers} "
+          f"DeltaNet + {full.attention_layers} QSA layers, hyper-connections x{full.hc_count}; PLE "
+          f"{full.ple_rows_per_token} rows/token from a {full.ple_params / 1e9:.1f}B-parameter table on disk, "
+          f"0% row-cache hits; bf16 dense): 24 GiB = dense {format_bytes(split.dense)} + KV(4k) {format_bytes(split.kv)} + state "
           f"{format_bytes(split.state)} + workspace {format_bytes(split.workspace)} + {split.num_slots} expert slots "
           f"({split.num_slots / full.num_experts_total:.1%} of the experts); simulated hit rate ({args.policy}, "
           f"zipf {args.zipf}, locality {args.locality}): {hit:.1%}")
-    print("| target | device GB/s | link GB/s | overhead/layer | overlap | tok/s (prediction) | compute ms | transfer ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| target | device GB/s | link GB/s | overhead/layer | overlap | tok/s (prediction) | compute ms | transfer ms "
+          "| PLE reads ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for t in targets:
         p = predict(full, t, hit, dense_format="bf16", split=split)
         print(f"| {t.name} | {t.device_bw / 1e9:.0f} | {t.link_bw / 1e9:.0f} | {t.layer_overhead_s * 1e3:.2f} ms | "
-              f"{t.overlap:.0%} | {p.tok_s:.1f} | {p.compute_s * 1e3:.1f} | {p.transfer_s * 1e3:.1f} |")
+              f"{t.overlap:.0%} | {p.tok_s:.1f} | {p.compute_s * 1e3:.1f} | {p.transfer_s * 1e3:.1f} | "
+              f"{p.ple_s * 1e3:.2f} |")
         out.append(dict(target=t.name, tok_s=p.tok_s, hit_rate=hit, slots=split.num_slots, note=t.note))
 
 

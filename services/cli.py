@@ -47,6 +47,9 @@ def main() -> None:
 @click.option("--ram-budget", default="auto", show_default=True,
               help="Host RAM tier, bytes, a share of the store's experts, or auto: available RAM less a 4 GiB "
                    "headroom (printed at start-up).")
+@click.option("--ple-budget", default="256MiB", show_default=True,
+              help="RAM row cache of the PLE n-gram tables (qwen4_exp stores): their rows are read from "
+                   "the store's row files on demand, never loaded whole.")
 @click.option("--policy", type=click.Choice(["sweep", "lru", "lfu"]), default="sweep", show_default=True,
               help="Device cache eviction: sweep (farthest expected next use under the layer sweep), lru, lfu.")
 @click.option("--admission/--no-admission", default=False, show_default=True,
@@ -88,7 +91,7 @@ def main() -> None:
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="Prefix caching in the engine (reuse of cached KV blocks across requests); "
                    "--no-prefix-cache turns it off.")
-def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, admission, prefetch_depth,
+def generate(prompt, model_path, store_path, device_budget, ram_budget, ple_budget, policy, admission, prefetch_depth,
              miss_compute, address, namespace, as_json, chat, max_tokens, temperature, top_k, top_p,
              min_p, seed, stop, dtype, dense, head_format, device_name, speculative, prefix_cache=True):
     """Generate text from PROMPT, streaming it, then print one line of figures."""
@@ -127,7 +130,7 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, policy, 
                                              "generate text needs one: re-convert from a checkpoint with a tokenizer")
             check_admission(policy, admission)
             loaded = _open_store(store, device_budget, ram_budget, policy, prefetch_depth,
-                                 miss_compute, _dtype(dtype), dense, device, head_format, admission)
+                                 miss_compute, _dtype(dtype), dense, device, head_format, admission, ple_budget)
         except BaseException:
             store.close()
             raise
@@ -220,7 +223,7 @@ def _speculative_config(mode, draft, model, loaded, dtype, device="cpu", model_p
 
 
 def _open_store(store, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype, dense,
-                device="cpu", head=None, admission=False):
+                device="cpu", head=None, admission=False, ple_budget="256MiB"):
     """The StoreModel of an open ExpertStore (which it then owns), budgets resolved."""
     from engine.experts.runtime import load_from_store, store_expert_bytes
     from engine.units import parse_bytes
@@ -240,10 +243,11 @@ def _open_store(store, device_budget, ram_budget, policy, prefetch_depth, miss_c
                           device_budget=dev, ram_budget=ram)
         click.echo(b.line, err=True)
         dev, ram = b.device, b.ram
+    ple = parse_bytes(ple_budget, name="--ple-budget")
     return load_from_store(
         store, device_budget=dev, ram_budget=ram, policy=policy,
         prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype, dense=dense, device=device,
-        head=head, admission=admission)
+        head=head, admission=admission, ple_budget=ple)
 
 
 def _cache_line(loaded, tokens: int) -> str:
@@ -256,7 +260,10 @@ def _cache_line(loaded, tokens: int) -> str:
             f"{format_bytes(s['bytes_to_device_per_token'])}/token to device, "
             f"{format_bytes(s.get('nvme_bytes_per_token', 0))}/token from NVMe, "
             f"stall {s['stall_s']:.2f} s"
-            + (f", {int(s.get('device_bypassed', 0))} misses staged" if loaded.cache.admission else ""))
+            + (f", {int(s.get('device_bypassed', 0))} misses staged" if loaded.cache.admission else "")
+            + (f", PLE {s['ple_rows_per_token']:.1f} rows/token ({s['ple_rows_read_per_token']:.1f} read, "
+               f"{format_bytes(s['ple_bytes_per_token'])}/token from disk, row-cache hit rate {s['ple_hit_rate']:.1%})"
+               if "ple_lookups" in s else ""))
 
 
 @main.command()

@@ -38,6 +38,8 @@ from services.handles import NAMESPACE
               help="RAM tier, all loaders together: bytes, a share of the store's experts, or auto: the "
               "decode node's available RAM less a 4 GiB headroom (on a CPU shared with the device tier).")
 @click.option("--kv-budget", default="256MiB", show_default=True)
+@click.option("--ple-budget", default="256MiB", show_default=True,
+              help="RAM row cache of a qwen4_exp store's PLE n-gram tables (read from disk on demand).")
 @click.option("--policy", default="sweep", show_default=True)
 @click.option("--admission/--no-admission", default=False, show_default=True,
               help="Admission control in the device cache (sweep): declined misses run from "
@@ -75,7 +77,7 @@ from services.handles import NAMESPACE
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="Reuse the KV blocks (and, on hybrid models, state snapshots) of prompt "
               "prefixes across requests; --no-prefix-cache prefills every prompt in full.")
-def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budget, policy,
+def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budget, ple_budget, policy,
           admission, prefetch_depth, queue_size, request_timeout, dtype, dashboard, num_cpus,
           object_store_memory, compute_threads, io_threads, http_address=None, api_key=None,
           served_model_name=None, max_waiting=None, speculative=None, max_draft=8, prefix_cache=True):
@@ -95,7 +97,7 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
                         ((device_budget, "--device-budget"), (ram_budget, "--ram-budget")))
         try:
             cfg = DeployConfig(store=store, address=address, namespace=namespace, loaders=loaders,
-                               device_budget=dev, ram_budget=ram, kv_budget=kv_budget,
+                               device_budget=dev, ram_budget=ram, kv_budget=kv_budget, ple_budget=ple_budget,
                                policy=policy, admission=admission, prefetch_depth=prefetch_depth,
                                queue_size=queue_size, request_timeout_s=request_timeout, dtype=dtype,
                                include_dashboard=dashboard, num_cpus=num_cpus,

@@ -22,12 +22,15 @@ from engine.errors import MoestreamError
                                       "checkpoint experts are kept as released).")
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
               help="Weights per scale group (ignored by bf16).")
+@click.option("--ple", "ple_dtype", type=click.Choice(["checkpoint", "int8"]), default="checkpoint",
+              show_default=True, help="PLE n-gram tables (qwen4_exp): row files in the checkpoint's precision, "
+                                      "or int8 with a per-row scale (half of bf16).")
 @click.option("--dense-dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto",
               show_default=True, help="Non-expert weights: auto keeps f16/bf16/f32 as stored.")
 @click.option("--overwrite", is_flag=True,
               help="Replace a moestream store converted with other parameters (never other files).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
-def convert(src, out, quant, group_size, dense_dtype, overwrite, progress):
+def convert(src, out, quant, group_size, ple_dtype, dense_dtype, overwrite, progress):
     """Convert SRC (HF checkpoint directory or .gguf) into a 4 KiB-aligned expert store."""
     try:
         from engine.quant.formats import QuantFormat
@@ -35,7 +38,8 @@ def convert(src, out, quant, group_size, dense_dtype, overwrite, progress):
 
         group = 32 if quant == "mxfp4" else int(group_size)  # one exponent per 32 weights
         summary = convert_store(src, out, fmt=QuantFormat(quant, group),
-                                dense_dtype=dense_dtype, progress=progress, overwrite=overwrite)
+                                dense_dtype=dense_dtype, progress=progress, overwrite=overwrite,
+                                ple_dtype=ple_dtype)
     except MoestreamError as e:  # typed, expected errors: one clear line, exit 2
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

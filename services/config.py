@@ -71,6 +71,9 @@ class DeployConfig(BaseModel):
         "between the loaders; 'auto' = the decode node's available RAM less a 4 GiB headroom, "
         "resolved by the deployer; None = every expert fits.")
     kv_budget: Bytes = Field("256MiB", description="Bytes for the paged KV cache.")
+    ple_budget: Bytes = Field("256MiB", description="Bytes of host RAM for the PLE row cache of a "
+                              "qwen4_exp store (its n-gram tables are read from row files on demand, "
+                              "never loaded whole; docs/ple-tier.md).")
     kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     prefix_cache: bool = Field(
         True, description="Prefix caching: full KV blocks are reused across requests that share "

@@ -280,7 +280,7 @@ class DecodeService:
                                   admission=cfg.admission,
                                   prefetch_depth=cfg.prefetch_depth, source=source,
                                   device=self.device, dtype=dtype, dense=cfg.dense_format, head=cfg.head_format,
-                                  io_threads=cfg.io_threads)
+                                  io_threads=cfg.io_threads, ple_budget=cfg.ple_budget)
         if self.device == "cpu":
             # native kernels and the per-layer step handles before this actor reports healthy,
             # never inside the first request (a cache hit after `deploy/setup.sh`)

@@ -34,7 +34,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -122,6 +122,7 @@ class CacheMetrics:
     tokens: int = 0
     prefetch_issued: int = 0
     prefetch_used: int = 0
+    ple: Any = None  # engine.store.ple_disk.PLECounters when the model reads a PLE tier
 
     def layer(self, i: int) -> LayerMetrics:
         return self.layers.setdefault(i, LayerMetrics())
@@ -153,6 +154,8 @@ class CacheMetrics:
             out[f"{name}_hits"] = c.hits
             out[f"{name}_misses"] = c.misses
             out[f"{name}_bytes_per_token"] = c.bytes_in / tok
+        if self.ple is not None:
+            out.update(self.ple.summary(self.tokens))
         return out
 
 

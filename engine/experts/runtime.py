@@ -20,10 +20,13 @@ class StoreModel:
     tokenizer: object
     cache: ExpertCache | None
     store: object
+    ple: object = None  # engine.store.ple_disk.PLETier of a store with PLE row files
 
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
+        if self.ple is not None:
+            self.ple.close()
         self.store.close()
 
     def __enter__(self) -> "StoreModel":
@@ -49,10 +52,11 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
                     pinned=frozenset(), dtype: torch.dtype = torch.float32,
                     source: ExpertSource | None = None, device: str = "cpu",
                     dense: str = "fp32", io_threads: int = 2, head: str | None = None,
-                    admission: bool = False) -> StoreModel:
+                    admission: bool = False, ple_budget: int | None = None) -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
     format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8), ``head``
-    the LM head's (None: as ``dense``; int4 too). ``device``:
+    the LM head's (None: as ``dense``; int4 too). ``ple_budget``: bytes of the PLE row cache
+    (engine.store.ple_disk; None: DEFAULT_PLE_BUDGET) of a store with PLE row files. ``device``:
     where the dense model and the expert slots live ("cuda" on a GPU: experts then run on the
     fused Triton kernels, engine.quant.triton_kernels; the RAM tier is pinned host memory).
     ``prefetch_depth`` None: :func:`default_prefetch_depth` for the device. ``store``: the
@@ -76,12 +80,30 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
         routers = {l: dense_source.get(f"model.layers.{l}.mlp.gate.weight").float() for l in cfg.moe_layers}
         cache = ExpertCache(store, source, cache_cfg, routers=routers, device=device)
     model = quantize_dense(build_model(cfg, dense_source, dtype=dtype, provider=cache), dense, head=head)
+    ple = _attach_ple(model, store, cache, ple_budget) if store.manifest.ple_tables else None
     model.to(device)  # the dense weights run where the expert slots live
     try:
         tokenizer = store.tokenizer()
     except TokenizerNotFoundError:
         tokenizer = None  # token-id level use (tests, benchmarks) needs none
-    return StoreModel(model, tokenizer, cache, store)
+    return StoreModel(model, tokenizer, cache, store, ple)
+
+
+def _attach_ple(model, store, cache, budget: int | None):
+    """The store's PLE row files as the model's tables (engine.store.ple_store), counted in the
+    expert cache's ledger."""
+    from engine.store.ple_disk import DEFAULT_PLE_BUDGET, PLETier
+    from engine.store.ple_store import attach_disk_tables
+
+    tier = PLETier(DEFAULT_PLE_BUDGET if budget is None else budget)
+    try:
+        attach_disk_tables(model, store.path, store.manifest.ple_tables, tier)
+    except BaseException:
+        tier.close()
+        raise
+    if cache is not None:
+        cache.metrics.ple = tier.counters
+    return tier
 
 
 def default_prefetch_depth(device) -> int:

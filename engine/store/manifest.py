@@ -129,6 +129,17 @@ class ExpertEntry(_Model):
                     "(format, per-projection part offsets, dtypes and shapes).")
 
 
+class PLETableEntry(_Model):
+    layer: int = Field(ge=0, description="Decoder layer whose PLE n-gram table this is.")
+    file: str = Field(description="Row file (engine.store.ple_rows) inside the store.")
+    num_rows: int = Field(gt=0, description="Rows of the table (the layer's padded n-gram vocabulary).")
+    row_dim: int = Field(gt=0, description="Values per row (ple_embed_dim / n-gram heads).")
+    dtype: Literal["fp32", "bf16", "fp16", "fp8_e4m3", "int8"] = Field(
+        description="Row encoding: the checkpoint's precision, or int8 with a per-row fp32 scale.")
+    nbytes: int = Field(gt=0, description="Size of the row file (header page and page padding included).")
+    shards: list[list[int]] = Field(description="Shapes of the checkpoint's split_ngram_parts shards, in row order.")
+
+
 class StoreTotals(_Model):
     num_moe_layers: int = Field(ge=0, description="Number of layers with routed experts.")
     num_experts: int = Field(ge=0, description="Routed expert blobs in the store (layers x experts).")
@@ -165,6 +176,9 @@ class StoreManifest(_Model):
     experts: list[ExpertEntry] = Field(description="One entry per routed expert, sorted by (layer, expert).")
     totals: StoreTotals = Field(description="Aggregate sizes, for summaries and budgeting.")
     conversion: ConversionInfo = Field(description="When and how the store was written.")
+    ple_tables: list[PLETableEntry] = Field(
+        default_factory=list, description="One row file per PLE layer (qwen4_exp), in layer order; "
+                                          "read row by row at run time, never loaded whole.")
 
     # ``model_config`` is pydantic's own class attribute, so the field is ``model_config_`` in
     # Python and ``model_config`` in JSON.

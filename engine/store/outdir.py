@@ -40,6 +40,7 @@ PROGRESS_NAME = "progress.json"
 LOCK_NAME = ".convert.lock"
 TMP_SUFFIX = ".tmp"
 _LAYER_FILE = re.compile(r"experts-L\d{3,}\.bin")
+_PLE_FILE = re.compile(r"ple-layer-\d{3,}\.rows")  # engine.store.ple_store.ple_file_name
 _FIXED_NAMES = frozenset({MANIFEST_NAME, PROGRESS_NAME, DENSE_NAME, TOKENIZER_DIR})
 # What transformers' save_pretrained writes for a tokenizer (plus the generation config convert
 # copies). Stores of schema 1 did not list their tokenizer files; these names are theirs.
@@ -53,7 +54,8 @@ _MAX_LISTED = 5  # names quoted in a refusal
 
 def store_name(name: str) -> bool:
     """A top-level name convert writes (the only names it ever creates, replaces or removes)."""
-    return name in _FIXED_NAMES or _LAYER_FILE.fullmatch(name) is not None
+    return (name in _FIXED_NAMES or _LAYER_FILE.fullmatch(name) is not None
+            or _PLE_FILE.fullmatch(name) is not None)
 
 
 def tmp_name(name: str) -> bool:
@@ -133,8 +135,15 @@ def _recorded(raw: dict[str, Any], *paths: tuple[str, ...]) -> list[Any]:
     return out
 
 
+def _ple_files(raw: dict[str, Any]) -> set[str]:
+    """The PLE row files a manifest or progress records (``ple_tables``: [{file, ...}])."""
+    tables = raw.get("ple_tables")
+    return {str(t["file"]) for t in tables if isinstance(t, dict) and _PLE_FILE.fullmatch(str(t.get("file")))} \
+        if isinstance(tables, list) else set()
+
+
 def _owned_by_manifest(raw: dict[str, Any]) -> tuple[set[str], set[str]]:
-    names = {MANIFEST_NAME, *_recorded(raw, ("dense", "file"), ("tokenizer_dir",))}
+    names = {MANIFEST_NAME, *_recorded(raw, ("dense", "file"), ("tokenizer_dir",)), *_ple_files(raw)}
     files = raw.get("data_files")
     names |= set(files) if isinstance(files, dict) else set()
     tok = raw.get("tokenizer_files")
@@ -145,7 +154,7 @@ def _owned_by_manifest(raw: dict[str, Any]) -> tuple[set[str], set[str]]:
 
 
 def _owned_by_progress(raw: dict[str, Any]) -> tuple[set[str], set[str]]:
-    names = {PROGRESS_NAME, *_recorded(raw, ("dense", "file"))}
+    names = {PROGRESS_NAME, *_recorded(raw, ("dense", "file")), *_ple_files(raw)}
     layers = raw.get("layers")
     if isinstance(layers, dict):
         names |= {layer_file_name(int(k)) for k in layers if isinstance(k, str) and k.isdigit()

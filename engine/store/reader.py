@@ -149,6 +149,10 @@ class ExpertStore:
         self._spans_lock = threading.Lock()
         try:
             self._open_files()
+            if m.ple_tables:  # a missing or short row file fails here, not mid-generation
+                from engine.store.ple_store import check_row_files
+
+                check_row_files(self.path, m.ple_tables)
         except BaseException:
             self.close()
             raise
@@ -310,7 +314,7 @@ class ExpertStore:
         return tuple(out)
 
     # ---- the rest of the model -------------------------------------------------------------
-    def dense_source(self, verify: bool = True) -> StoreDenseSource:
+    def dense_source(self, verify: bool = True) -> TensorSource:
         """The non-expert tensors under canonical names, checked against the model config (every
         tensor it implies present with its shape). ``verify`` also checks the file's sha256."""
         path = self.path / self.manifest.dense.file
@@ -324,6 +328,10 @@ class ExpertStore:
                                              f"{self.manifest.dense.sha256[:16]}..., file has "
                                              f"{h.hexdigest()[:16]}...; re-run moestream convert")
         source = StoreDenseSource(path)
+        if self.manifest.ple_tables:  # the PLE tables live in row files: meta stand-ins here
+            from engine.store.ple_store import WithoutPLETables
+
+            source = WithoutPLETables(source, self.manifest.ple_tables)
         try:
             check_dense_tensors(self.config, source, path)
         except BaseException:

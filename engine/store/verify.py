@@ -5,7 +5,8 @@ dense file (present, its recorded size and sha256, every tensor the model config
 shape); every expert data file (present, exactly its recorded size: truncated or grown files are
 named); every blob (read, digest over its identity and bytes, so a corrupted blob and a blob the
 manifest gives to another expert are both found; layout valid for its bytes); the tokenizer the
-manifest records (every listed file present with its sha256).
+manifest records (every listed file present with its sha256); every PLE row file (present, its
+recorded size, its header as the manifest says, every page's crc32: engine.store.ple_rows).
 
 Problems are collected up to a cap (the rest only counted), so a badly broken store costs no
 more memory than a good one; ``stop_early`` returns at the first (convert's check of a finished
@@ -40,6 +41,7 @@ class VerifyReport:
     data_files_checked: int = 0
     dense_checked: bool = False
     tokenizer_files_checked: int = 0
+    ple_files_checked: int = 0
 
     @property
     def ok(self) -> bool:
@@ -64,7 +66,9 @@ class VerifyReport:
         return (f"{self.store}: schema {m.schema_version}, {m.model_config_.get('arch')}, quant "
                 f"{m.quant.format} g{m.quant.group_size}; checked {self.experts_checked}/{len(m.experts)} "
                 f"expert blobs in {self.data_files_checked}/{len(m.data_files)} data files, dense "
-                f"{'yes' if self.dense_checked else 'no'}, {tok}: {state}")
+                f"{'yes' if self.dense_checked else 'no'}, {tok}"
+                + (f", PLE row files {self.ple_files_checked}/{len(m.ple_tables)}" if m.ple_tables else "")
+                + f": {state}")
 
 
 def _size_problem(path: Path, want: int) -> str | None:
@@ -91,7 +95,11 @@ def _check_dense(rep: VerifyReport, root: Path, m: StoreManifest) -> None:
         return
     try:
         with StoreDenseSource(path) as source:
-            check_dense_tensors(parse_model_config(m.model_config_, root), source, path)
+            from engine.store.ple_store import WithoutPLETables
+
+            # the PLE tables live in row files (_check_ple), not in the dense file
+            check_dense_tensors(parse_model_config(m.model_config_, root),
+                                WithoutPLETables(source, m.ple_tables), path)
     except MoestreamError as e:
         rep.add(str(e))
         return
@@ -155,6 +163,39 @@ def _check_tokenizer(rep: VerifyReport, root: Path, m: StoreManifest) -> None:
             rep.tokenizer_files_checked += 1
 
 
+def _check_ple(rep: VerifyReport, root: Path, m: StoreManifest) -> None:
+    from engine.store.ple_rows import PLERowChecksumError, check_page, read_layout
+    from engine.store.ple_store import check_row_files
+
+    for e in m.ple_tables:
+        path = root / e.file
+        problem = _size_problem(path, e.nbytes)
+        if problem is not None:
+            rep.add(problem)
+            continue
+        try:
+            check_row_files(root, [e])
+        except ModelFormatError as err:
+            rep.add(str(err))
+            continue
+        lay = read_layout(path)
+        bad = 0
+        with open(path, "rb") as f:
+            for first in range(0, lay.num_pages, 256):
+                n = min(256, lay.num_pages - first)
+                f.seek(lay.page_offset(first))
+                data = memoryview(f.read(n * lay.page_bytes))
+                for i in range(n):
+                    try:
+                        check_page(lay, first + i, data[i * lay.page_bytes:(i + 1) * lay.page_bytes], path)
+                    except PLERowChecksumError as err:
+                        bad += 1
+                        if bad == 1:
+                            rep.add(str(err))
+        if not bad:
+            rep.ple_files_checked += 1
+
+
 def verify_store(path: str | os.PathLike[str], *, max_problems: int = 20,
                  stop_early: bool = False) -> VerifyReport:
     """Check the whole store at ``path``; never raises for a bad store (problems are reported)."""
@@ -166,7 +207,7 @@ def verify_store(path: str | os.PathLike[str], *, max_problems: int = 20,
         except ModelFormatError as e:
             rep.add(str(e))
             return rep
-        for check in (_check_dense, _check_experts, _check_tokenizer):
+        for check in (_check_dense, _check_experts, _check_tokenizer, _check_ple):
             try:
                 check(rep, root, m)
             except OSError as e:

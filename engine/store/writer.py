@@ -40,10 +40,12 @@ from engine.errors import ConfigError, ModelFormatError, TokenizerNotFoundError
 from engine.store import outdir
 from engine.store.manifest import (
     BLOB_ALIGN, DENSE_NAME, MANIFEST_NAME, SCHEMA_VERSION, TOKENIZER_DIR, ConversionInfo, DataFile,
-    DenseInfo, ExpertEntry, QuantInfo, SourceInfo, StoreManifest, StoreTotals, align_up, blob_digest,
+    DenseInfo, ExpertEntry, PLETableEntry, QuantInfo, SourceInfo, StoreManifest, StoreTotals, align_up, blob_digest,
     check_manifest, layer_file_name, sha256_file,
 )
 from engine.store.outdir import LOCK_NAME, PROGRESS_NAME, TMP_SUFFIX, fsync_dir
+from engine.store.ple_store import (PLE_DTYPES, PLE_SHARD, check_row_files, ple_file_name, ple_shards,
+                                   write_ple_tables)
 
 log = logging.getLogger(__name__)
 
@@ -167,16 +169,20 @@ def source_fingerprint(src: Path) -> tuple[str, str]:
 
 # ------------------------------------------------------------------------------- parameters
 
-def _params(kind: str, fingerprint: str, fmt, dense_dtype: str) -> dict[str, Any]:
-    return {"schema_version": SCHEMA_VERSION, "source_kind": kind, "fingerprint": fingerprint,
-            "quant": fmt.to_dict(), "dense_dtype": dense_dtype}
+def _params(kind: str, fingerprint: str, fmt, dense_dtype: str, ple_dtype: str = "checkpoint") -> dict[str, Any]:
+    p = {"schema_version": SCHEMA_VERSION, "source_kind": kind, "fingerprint": fingerprint,
+         "quant": fmt.to_dict(), "dense_dtype": dense_dtype}
+    if ple_dtype != "checkpoint":  # absent by default: stores without PLE tables are unchanged
+        p["ple_dtype"] = ple_dtype
+    return p
 
 
 def _manifest_params(m: StoreManifest) -> dict[str, Any]:
     return {"schema_version": m.schema_version, "source_kind": m.source.kind,
             "fingerprint": m.source.fingerprint,
             "quant": {"name": m.quant.format, "group_size": m.quant.group_size},
-            "dense_dtype": m.conversion.dense_dtype}
+            "dense_dtype": m.conversion.dense_dtype,
+            **({"ple_dtype": "int8"} if any(t.dtype == "int8" for t in m.ple_tables) else {})}
 
 
 def _describe(p: dict[str, Any]) -> str:
@@ -198,6 +204,7 @@ def _progress_from_manifest(m: StoreManifest, params: dict[str, Any]) -> dict[st
     for e in m.experts:
         rec = prog["layers"].setdefault(str(e.layer), {"nbytes": m.data_files[e.file].nbytes, "entries": []})
         rec["entries"].append(e.model_dump())
+    prog["ple_tables"] = [t.model_dump() for t in m.ple_tables]
     return prog
 
 
@@ -228,13 +235,15 @@ def _commit(out: Path, prog: dict[str, Any], tmp: Path, final: Path) -> None:
 
 def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, fmt,
             dense_dtype: str = "auto", progress: bool = True, overwrite: bool = False,
-            _fail_after_layers: int | None = None) -> ConvertSummary:
+            ple_dtype: str = "checkpoint", _fail_after_layers: int | None = None) -> ConvertSummary:
     """Convert ``src`` (HF checkpoint directory or ``.gguf``) into an expert store at ``out_dir``.
 
     ``fmt``: the routed experts' :class:`~engine.quant.formats.QuantFormat`. ``dense_dtype``:
     "auto" keeps f16/bf16/f32 tensors as stored (anything else becomes f32), "bf16"/"fp32" force.
     ``overwrite``: replace a store converted with other parameters (or by an older moestream);
-    never anything that is not a moestream store. ``_fail_after_layers``: tests only; stop with
+    never anything that is not a moestream store. ``ple_dtype``: the PLE n-gram tables' row
+    files (engine.store.ple_store): "checkpoint" keeps the checkpoint's precision, "int8" a
+    per-row scale. ``_fail_after_layers``: tests only; stop with
     an exception after that many layers.
     """
     from engine.quant.formats import QuantFormat
@@ -244,6 +253,8 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, fmt
         raise ConfigError(f"fmt must be an engine.quant.formats.QuantFormat, got {fmt!r}")
     if dense_dtype not in DENSE_DTYPES:
         raise ConfigError(f"dense_dtype {dense_dtype!r} is not supported; allowed: {', '.join(DENSE_DTYPES)}")
+    if ple_dtype not in PLE_DTYPES:
+        raise ConfigError(f"ple_dtype {ple_dtype!r} is not supported; allowed: {', '.join(PLE_DTYPES)}")
     src, out = Path(src), Path(out_dir)
     if not src.exists():
         raise FileNotFoundError(f"{src}: no such file or directory")
@@ -254,8 +265,8 @@ def convert(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, fmt
     if src.is_dir() and out.resolve() == src.resolve():
         raise ConfigError(f"--out {out} is the source checkpoint directory; choose another directory")
     kind, fingerprint = source_fingerprint(src)
-    job = _Job(src, out, fmt, dense_dtype, _params(kind, fingerprint, fmt, dense_dtype), kind,
-               fingerprint, progress, _fail_after_layers, t0)
+    job = _Job(src, out, fmt, dense_dtype, _params(kind, fingerprint, fmt, dense_dtype, ple_dtype), kind,
+               fingerprint, progress, _fail_after_layers, t0, ple_dtype)
 
     from engine.loading import open_model_files
 
@@ -286,6 +297,7 @@ class _Job:
     progress: bool
     fail_after: int | None
     t0: float
+    ple_dtype: str = "checkpoint"
 
 
 def _convert_locked(job: _Job, files, overwrite: bool) -> ConvertSummary:
@@ -394,7 +406,7 @@ def _write_dense(out: Path, source, dense_dtype: str, prog: dict[str, Any]) -> D
     from engine.loading.source import parse_expert_name
     from safetensors.torch import save_file
 
-    names = [n for n in source.names() if parse_expert_name(n) is None]
+    names = [n for n in source.names() if parse_expert_name(n) is None and not PLE_SHARD.match(n)]
     tensors, dtype = _dense_tensors(source, names, dense_dtype)
     final = out / DENSE_NAME
     tmp = final.with_name(final.name + TMP_SUFFIX)
@@ -409,6 +421,29 @@ def _write_dense(out: Path, source, dense_dtype: str, prog: dict[str, Any]) -> D
     prog["dense"] = info.model_dump()
     _commit(out, prog, tmp, final)
     return info
+
+
+def _reusable_ple(out: Path, rec: Any) -> bool:
+    """progress.json's PLE row files, if every one is there and as recorded (a convert killed
+    while writing them left names recorded before their files: not reusable)."""
+    if rec is None:
+        return False
+    try:
+        entries = [PLETableEntry.model_validate(e) for e in rec]
+        check_row_files(out, entries)
+    except Exception:
+        return False
+    return all((out / e.file).stat().st_size == e.nbytes for e in entries)
+
+
+def _write_ple(out: Path, source, ple_dtype: str, prog: dict[str, Any]) -> None:
+    """Each PLE layer's n-gram table as a row file, shard by shard (engine.store.ple_store). The
+    names are recorded first, so a killed run's files are ours to replace."""
+    prog["ple_tables"] = [{"file": ple_file_name(layer)} for layer in ple_shards(source.names())]
+    _save_progress(out, prog)
+    prog["ple_tables"] = write_ple_tables(out, source, ple_dtype)
+    _save_progress(out, prog)
+    fsync_dir(out)
 
 
 def _write_tokenizer(job: _Job, files, prog: dict[str, Any], owned: set[str]) -> bool:
@@ -500,6 +535,8 @@ def _run(job: _Job, files, prog: dict[str, Any], tokenizer_owned: set[str]) -> C
     dense = _reusable_dense(out, prog.get("dense")) if prog.get("dense") else None
     if dense is None:
         dense = _write_dense(out, source, job.dense_dtype, prog)
+    if not _reusable_ple(out, prog.get("ple_tables")):
+        _write_ple(out, source, job.ple_dtype, prog)
 
     all_entries: list[ExpertEntry] = []
     data_files: dict[str, DataFile] = {}
@@ -552,6 +589,7 @@ def _manifest(job: _Job, config, dense: DenseInfo, prog: dict[str, Any], data_fi
             expert_params=expert_params, expert_bytes=sum(e.nbytes for e in entries),
             expert_file_bytes=expert_file_bytes, dense_bytes=dense.nbytes,
             total_bytes=expert_file_bytes + dense.nbytes, bits_per_weight=fmt.bits_per_weight),
+        ple_tables=[PLETableEntry.model_validate(e) for e in prog.get("ple_tables") or []],
         conversion=ConversionInfo(
             created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             moestream_version=_version(), dense_dtype=job.dense_dtype),

@@ -5,7 +5,8 @@ latency (histograms), requests by endpoint and status, prompt and generated toke
 Read from the actors at scrape time (decode ``stats()``, router ``stats()``, loader health):
 requests running / waiting, KV cache usage, engine token totals, and what no peer exports:
 expert hit rate, lookups and bytes per token per tier (device, ram, nvme), miss stall seconds,
-prefetch precision / recall, loaders alive.
+prefetch precision / recall, loaders alive; for a model with a PLE tier (qwen4_exp stores), PLE
+rows looked up and read, bytes read, rows and bytes per token, row-cache hit rate.
 """
 
 from __future__ import annotations
@@ -127,6 +128,23 @@ def _cache_families(c: dict[str, Any]) -> Iterable[Metric]:
     issued = CounterMetricFamily("moestream_prefetch_issued", "Expert prefetches issued")
     issued.add_metric([], c.get("prefetch_issued", 0))
     yield issued
+    if "ple_lookups" in c:  # a model reading its PLE n-gram tables from the store (engine.store.ple_disk)
+        yield from _ple_families(c)
+
+
+def _ple_families(c: dict[str, Any]) -> Iterable[Metric]:
+    for key, name, help_ in (
+            ("ple_lookups", "moestream_ple_row_lookups", "PLE n-gram table rows the model gathered"),
+            ("ple_rows_read", "moestream_ple_rows_read", "PLE rows read from the store's row files"),
+            ("ple_bytes_read", "moestream_ple_read_bytes", "Bytes read from PLE row files (whole 4 KiB pages)")):
+        m = CounterMetricFamily(name, help_)
+        m.add_metric([], c[key])
+        yield m
+    yield _gauge("moestream_ple_row_cache_hit_rate", "Share of PLE row lookups served by the RAM row cache",
+                 c["ple_hit_rate"])
+    yield _gauge("moestream_ple_rows_per_token", "PLE rows gathered per generated token", c["ple_rows_per_token"])
+    yield _gauge("moestream_ple_bytes_per_token", "PLE row-file bytes read per generated token",
+                 c["ple_bytes_per_token"])
 
 
 class Metrics:

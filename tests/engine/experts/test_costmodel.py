@@ -43,8 +43,8 @@ def test_expert_bytes_match_the_quantizer():
     for hidden, width in ((2048, 768), (512, 256), (128, 64), (1024, 512)):
         assert int4_expert_bytes(hidden, width) == expert_bytes_for(width, hidden, QuantFormat("int4", 64))
     full = SHAPES["full"]
-    assert full.expert_bytes == 2_654_208  # the issue's ~2.65 MB at 4.5 bits
-    assert full.num_experts_total * full.expert_bytes == pytest.approx(65.2e9, rel=0.01)
+    assert full.expert_bytes == 2_764_800  # issue #26: ~2.76 MB per expert at 4.5 bits
+    assert full.num_experts_total * full.expert_bytes == pytest.approx(68e9, rel=0.01)  # ~68 GB
     assert full.slot_bytes % 4096 == 0 and full.slot_bytes >= full.expert_bytes
 
 
@@ -132,3 +132,55 @@ def test_device_budget_guard_types_the_allocator_error():
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     with b.guard("fine"):
         pass
+
+
+def test_qwen4_exp_full_shape_counts():
+    """The headline shape is qwen4_exp's published config (engine/models/qwen4_exp/published):
+    36 DeltaNet + 12 QSA layers, 125B in all, ~6B active, its PLE table (51.2B) outside the
+    device's bytes; the parts by hand, and the totals as `moestream info` counts them."""
+    f = SHAPES["full"]
+    assert (f.layers - f.attention_layers, f.attention_layers) == (36, 12)
+    width = 4 * 2560
+    assert f.hyper_params == width + 2 * 320 * width + 4 * width
+    assert f.indexer_params == 17 * 128 * 2560 + 2 * 128
+    assert f.ple_layer_params == width * 2560 + 2560 * 2560 + 3 * width + width * 4
+    assert [l for l in range(48) if f.is_ple(l)] == [0]  # one PLE layer, a DeltaNet layer
+    total = f.dense_params + f.routed_params
+    active = f.dense_params - f.vocab * f.hidden + f.layers * f.top_k * 3 * f.hidden * f.expert_width
+    assert total == pytest.approx(125e9, rel=0.01) and active == pytest.approx(6e9, rel=0.02)
+    assert f.ple_params == 320_000_000 * 160 and f.ple_rows_per_token == 16
+    runnable = SHAPES["full-runnable"]
+    per_layer = lambda s: sum(s.layer_dense_params(l) for l in range(s.layers)) / s.layers  # noqa: E731
+    assert per_layer(runnable) == pytest.approx(per_layer(f), rel=0.01)
+
+
+def test_ple_reads_in_the_prediction():
+    s = ModelShape("ple", layers=4, hidden=8, experts=4, expert_width=2, top_k=1, shared_width=0, vocab=10,
+                   heads=2, kv_heads=1, head_dim=4, linear_key_heads=1, linear_value_heads=2, linear_head_dim=4,
+                   full_attention_every=4, hc_count=2, hc_lowrank=2, ple_layers=2, ple_embed_dim=8, ple_heads=4,
+                   ple_rows=100)
+    t = target(overlap=0.0, page_read_s=0.5)
+    base = predict(s, t, 1.0)
+    assert base.ple_s == pytest.approx(8 * 0.5) and base.ple_bytes == 8 * 4096  # 2 layers x 4 rows, all read
+    half = predict(s, t, 1.0, ple_hit_rate=0.5)
+    assert half.ple_s == pytest.approx(2.0) and base.token_s - half.token_s == pytest.approx(2.0)
+    assert predict(s, target(overlap=0.0), 1.0).ple_s == 0.0
+    with pytest.raises(ConfigError, match="ple_hit_rate"):
+        predict(s, t, 1.0, ple_hit_rate=1.5)
+
+
+def test_full_shape_counts_like_the_published_config():
+    """SHAPES["full"] and the engine's own parameter counts of the published config (the ones
+    `moestream info` prints, equal to transformers') agree: routed and PLE exactly, dense to the
+    QSA indexer's norms and the PLE tables' padding (< 0.01%)."""
+    from engine.configio.fields import read_hf_config_json
+    from engine.configio.hf import config_from_hf_dict
+    from engine.costmodel import PUBLISHED_QWEN4_EXP
+
+    counts = config_from_hf_dict(read_hf_config_json(PUBLISHED_QWEN4_EXP),
+                                 source=PUBLISHED_QWEN4_EXP).parameter_counts()
+    f = SHAPES["full"]
+    assert counts["routed_total"] == f.routed_params
+    assert counts["dense"] == pytest.approx(f.dense_params, rel=1e-4)
+    assert counts["ple_total"] == pytest.approx(f.ple_params, rel=1e-4)
+    assert counts["ple_active"] == f.ple_rows_per_token * f.ple_row_dim
