@@ -152,7 +152,8 @@ def test_index_bytes_are_counted_in_the_kv_budget(model):
     kv = HybridKVCache.from_budget(cfg, 1 << 20, 8, torch.float32, max_seqs=2)
     m = kv.metrics()
     assert m.bytes_total <= 1 << 20
-    assert m.bytes_total == m.blocks_total * (kv_only + index) + m.state_slots_total * m.state_bytes_per_sequence
+    slots = m.state_slots_total + m.state_snapshots_total  # prefix caching's state snapshots too
+    assert m.bytes_total == m.blocks_total * (kv_only + index) + slots * m.state_bytes_per_sequence
     # under a bf16 (or FP8) KV cache the index is bf16
     assert HybridKVCache.block_bytes(cfg, 8, torch.bfloat16) == (kv_only + index) // 2
     assert HybridKVCache.block_bytes(cfg, 8, torch.float8_e4m3fn) == kv_only // 4 + la * 2 * 4 + index // 2
