@@ -25,6 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_llama_cpp import _byte_chars  # noqa: E402
+
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["path", "old", "new", "replace_all"],
           "properties": {"path": {"type": "string"}, "old": {"type": "string"}, "new": {"type": "string"},
                          "replace_all": {"type": "boolean"}, "context_lines": {"type": "integer"}}}
@@ -41,15 +44,7 @@ def base_vocab() -> tuple[list[bytes], Path]:
     if not found:
         sys.exit("no offline byte-level tokenizer found (build the demo asset: moestream demo)")
     tk = Tokenizer.from_file(str(found[0]))
-    # GPT-2's byte <-> printable-unicode map, inverted
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    to_byte = {chr(c): b for b, c in zip(bs, cs)}
+    to_byte = {ch: b for b, ch in enumerate(_byte_chars())}  # GPT-2's byte-level alphabet, inverted
     vocab = tk.get_vocab()
     out = [b""] * len(vocab)
     for piece, i in vocab.items():
