@@ -72,8 +72,10 @@ def response_format_grammar(kind: str, schema_text: str | None = None) -> Constr
 def _call_tag(syntax: str, name: str, params: dict) -> dict:
     """One call of ``name`` in the model's syntax, its arguments following ``params``."""
     if syntax == "hermes":
+        # at most one whitespace character in a row: the arguments cannot run on as blank space
         return {"type": "tag", "begin": '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ',
-                "content": {"type": "json_schema", "json_schema": params}, "end": "}\n</tool_call>"}
+                "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1},
+                "end": "}\n</tool_call>"}
     if syntax == "qwen3_coder":
         return {"type": "tag", "begin": f"<tool_call>\n<function={name}>\n",
                 "content": {"type": "json_schema", "json_schema": params, "style": "qwen_xml"},

@@ -218,7 +218,7 @@ def test_json_schema_answers_validate_at_temperature_1(real):
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_tool_call_round_trip_on_the_engine(real, stream):
     kw = dict(messages=ASK, tools=TOOLS, max_tokens=80, temperature=1.0, seed=7,
-              extra_body={"enable_thinking": False})
+              parallel_tool_calls=False, extra_body={"enable_thinking": False})
     choice = {"type": "function", "function": {"name": "get_weather"}} if stream else "required"
     content, _, calls, finish = (streamed if stream else whole)(real, tool_choice=choice, **kw)
     (call_id, name, args), = calls.values()
