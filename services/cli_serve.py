@@ -77,10 +77,15 @@ from services.handles import NAMESPACE
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="Reuse the KV blocks (and, on hybrid models, state snapshots) of prompt "
               "prefixes across requests; --no-prefix-cache prefills every prompt in full.")
+@click.option("--tool-call-parser", default=None,
+              type=click.Choice(["hermes", "qwen3_coder", "deepseek_v3", "harmony"]),
+              help="The model's tool-call syntax; default: read from its chat template "
+              "(docs/agents.md).")
 def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budget, ple_budget, policy,
           admission, prefetch_depth, queue_size, request_timeout, dtype, dashboard, num_cpus,
           object_store_memory, compute_threads, io_threads, http_address=None, api_key=None,
-          served_model_name=None, max_waiting=None, speculative=None, max_draft=8, prefix_cache=True):
+          served_model_name=None, max_waiting=None, speculative=None, max_draft=8, prefix_cache=True,
+          tool_call_parser=None):
     """Deploy the pipeline (router, decode, N loaders) for STORE."""
     from pydantic import ValidationError
 
@@ -104,7 +109,7 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
                                object_store_memory=object_store_memory, compute_threads=compute_threads,
                                io_threads=io_threads, max_waiting=max_waiting,
                                speculative=speculative, max_draft=max_draft,
-                               prefix_cache=prefix_cache)
+                               prefix_cache=prefix_cache, tool_call_parser=tool_call_parser)
         except ValidationError as e:
             _fail("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
         http = http_settings(http_address, api_key, served_model_name or cfg.store.name, namespace) \

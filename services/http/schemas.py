@@ -2,10 +2,12 @@
 
 Bodies are validated strictly (no "5" for 5, no true for 1, unknown fields refused), so a typo
 is a 400 naming the field rather than a silently ignored option. Fields OpenAI defines but this
-server cannot honour yet (``n > 1``, tools, images, ``logit_bias``, ``echo``, ...) are refused
+server cannot honour yet (``n > 1``, images, ``logit_bias``, ``echo``, ...) are refused
 with a 400 naming them; fields that change nothing here (``user``, ``metadata``, ``store``, ...)
 are accepted. Our extras ride as extra body fields: ``top_k``, ``min_p``,
-``repetition_penalty``, ``speculative``, ``num_speculative_tokens``.
+``repetition_penalty``, ``speculative``, ``num_speculative_tokens``, ``enable_thinking`` (also
+read from vLLM's ``chat_template_kwargs``). Tools, ``tool_choice``, tool messages and
+``response_format`` (json_object, json_schema) are translated here (services/http/tools_in.py).
 
     req = parse_body(ChatCompletionRequest, raw_bytes)   # OpenAIError(400) naming the field
     greq = req.to_generate(request_id)                     # protocol.GenerateRequest
@@ -19,54 +21,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from protocol import ChatMessage, GenerateRequest, SamplingParams
+from services.http.errors import OpenAIError, invalid
+from services.http.tools_in import chat_message, response_format, tool_choice, tool_specs
 from protocol.messages import MAX_CHAT_MESSAGES, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_PROMPT_CHARS
 
 # chat without max_tokens: OpenAI generates until the context ends; here the wire default (256),
 # lowered by the router to what the context leaves after the prompt
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class OpenAIError(Exception):
-    """An HTTP error answered as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled",
-             500: "server_error", 502: "server_error", 503: "service_unavailable",
-             504: "timeout"}
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.code}}
-
-
-def _loc(loc: tuple) -> str:
-    """pydantic's ('messages', 0, 'content') -> 'messages[0].content'."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in ("str", "list[str]", "list[int]", "int", "function-after[...]") or "[" in str(part):
-            continue  # union member names pydantic adds to the location
-        else:
-            out += ("." if out else "") + str(part)
-    return out
-
-
-def invalid(e: ValidationError) -> OpenAIError:
-    """The first validation error as a 400 naming its field."""
-    err = e.errors(include_url=False)[0]
-    param = _loc(err["loc"]) or None
-    msg = err["msg"]
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field; this server does not accept it"
-    return OpenAIError(400, f"{param}: {msg}" if param else msg, param=param,
-                       code="invalid_value" if err["type"] != "missing" else "missing_required_parameter")
 
 
 def parse_body(model: type[BaseModel], raw: bytes) -> Any:
@@ -214,15 +175,15 @@ class ChatCompletionRequest(_Sampling):
     service_tier: str | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # to the chat template
     modalities: list[str] | None = None
+    enable_thinking: bool | None = None  # to the chat template (Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's; enable_thinking is read from it
 
     def _messages(self) -> list[ChatMessage]:
         out = []
         for i, m in enumerate(self.messages):
             where = f"messages[{i}]"
-            if m.role in ("tool", "function"):
-                raise _unsupported(f"{where}.role", f"role {m.role!r} (tool results)")
-            if m.tool_calls:
-                raise _unsupported(f"{where}.tool_calls", "tool_calls")
+            if m.role == "function":
+                raise _unsupported(f"{where}.role", "role 'function' (deprecated; send role 'tool')")
             if m.function_call is not None:
                 raise _unsupported(f"{where}.function_call", "function_call")
             if isinstance(m.content, list):
@@ -245,21 +206,15 @@ class ChatCompletionRequest(_Sampling):
                 raise OpenAIError(400, f"{where}.content: longer than {MAX_PROMPT_CHARS} characters",
                                   param=f"{where}.content", code="invalid_value")
             role = "system" if m.role == "developer" else m.role
-            out.append(ChatMessage(role=role, content=content))
+            out.append(chat_message(where, role, content, m))
         return out
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         self._check_common()
-        if self.tools:
-            raise _unsupported("tools", "tools (function calling)")
         if self.functions:
-            raise _unsupported("functions", "functions (function calling)")
-        if self.tool_choice not in (None, "none"):
-            raise _unsupported("tool_choice", "tool_choice")
+            raise _unsupported("functions", "functions (deprecated; send tools)")
         if self.function_call not in (None, "none"):
-            raise _unsupported("function_call", "function_call")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise _unsupported("response_format", f"response_format {self.response_format.get('type')!r}")
+            raise _unsupported("function_call", "function_call (deprecated; send tool_choice)")
         if self.modalities not in (None, ["text"]):
             raise _unsupported("modalities", f"modalities {self.modalities}")
         if self.top_logprobs and not self.logprobs:
@@ -268,8 +223,23 @@ class ChatCompletionRequest(_Sampling):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         sampling = self._sampling(self.max_completion_tokens or self.max_tokens,
                                   None, logprobs)
-        return GenerateRequest(request_id=request_id, messages=self._messages(), sampling=sampling,
-                               stream=bool(self.stream), reasoning_effort=self.reasoning_effort)
+        tools = tool_specs(self.tools)
+        choice, name = tool_choice(self.tool_choice, tools)
+        thinking = self.enable_thinking
+        kwargs = self.chat_template_kwargs or {}
+        if thinking is None and "enable_thinking" in kwargs:
+            thinking = kwargs["enable_thinking"]
+            if not isinstance(thinking, bool):
+                raise OpenAIError(400, "chat_template_kwargs.enable_thinking: must be true or false",
+                                  param="chat_template_kwargs.enable_thinking", code="invalid_value")
+        try:
+            return GenerateRequest(request_id=request_id, messages=self._messages(), sampling=sampling,
+                                   stream=bool(self.stream), reasoning_effort=self.reasoning_effort,
+                                   enable_thinking=thinking, tools=tools, tool_choice=choice,
+                                   tool_name=name, parallel_tool_calls=self.parallel_tool_calls is not False,
+                                   response_format=response_format(self.response_format))
+        except ValidationError as e:
+            raise invalid(e) from None
 
 
 class CompletionRequest(_Sampling):
