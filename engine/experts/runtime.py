@@ -149,13 +149,15 @@ def store_budgets(store, *, device: str = "cpu", dense: str = "bf16", head: str 
     recurrent state of linear-attention layers too), or when None an fp32 KV cache of
     ``context`` tokens in every layer. ``store``: an open ExpertStore or its directory
     (:func:`open_store`). Returns a ``Budgets``."""
-    from engine.experts.device_budget import HOST_HEADROOM, resolve_budgets
+    from engine.experts.device_budget import resolve_budgets
     from engine.units import format_bytes
 
     with open_store(store) as store:
         cfg = store.config
         dense_bytes = dense_resident_bytes(store, dense=dense, head=head, dtype=dtype)
         total = store.num_experts_total * _slot_bytes(store) if cfg.moe else 0
+        least = (cfg.moe.top_k + 1) * _slot_bytes(store) if cfg.moe else 0  # top_k slots + one RAM slot
+        staging = 2 * cfg.moe.top_k * _slot_bytes(store) if cfg.moe else 0  # one layer's misses in flight, twice
     if kv_bytes is None:
         kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * 4
         kv_note = f"KV({context} tokens)"
@@ -163,7 +165,7 @@ def store_budgets(store, *, device: str = "cpu", dense: str = "bf16", head: str 
         kv_note = f"KV budget {format_bytes(kv_bytes)}"
     head_note = f", head {head}" if head else ""
     return resolve_budgets(max(total, 1), device=device, resident=dense_bytes + kv_bytes,
-                           headroom=HOST_HEADROOM if headroom is None else headroom,
+                           headroom=headroom, min_tiers=least, staging=staging,
                            device_free=device_free, host_available=host_available,
                            device_budget=device_budget, ram_budget=ram_budget, ram_from=ram_from,
                            resident_note=f"dense {dense}{head_note} + {kv_note} counted as resident")

@@ -83,11 +83,11 @@ def test_cpu_node_splits_one_reading_between_the_tiers(store_path, figures):
     from services.budgets import decode_budgets, deployer_budgets
 
     total, resident = figures
-    avail = HOST_HEADROOM + resident + total + total // 2  # room for all of the RAM tier, half the slots
+    avail = HOST_HEADROOM + resident + total + total // 2  # room for every slot, half of them again in RAM
     cfg, told = deployer_budgets(_config(store_path), gpu=False, host_available=avail)
-    assert (cfg.ram_budget, cfg.device_budget) == (total, total // 2)
+    assert (cfg.ram_budget, cfg.device_budget) == (total // 2, total)
     b = decode_budgets(cfg, "cpu", told)  # the decode actor takes them as resolved: nothing read twice
-    assert (b.device, b.ram) == (total // 2, total) and b.auto
+    assert (b.device, b.ram) == (total, total // 2) and b.auto
     assert b.line.startswith("budgets auto: device") and "headroom 4.00 GiB" in b.line
     assert "KV budget 4.00 MiB counted as resident" in b.line and "RAM tier" in b.line
     # a given RAM tier is taken out of the same memory before the device tier is resolved
