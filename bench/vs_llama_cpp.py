@@ -141,16 +141,15 @@ def _byte_chars() -> list[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
-def write_gguf(path: Path, hf, cfg) -> Path:
-    """The checkpoint as an F32 GGUF that llama.cpp and moestream both load: qwen3moe metadata,
-    a dummy byte-level 'gpt2' vocabulary of ``vocab_size`` tokens (both sides take token ids).
-    Tensors are streamed to the file one at a time (the full model never exists twice)."""
+def gguf_writer(path: Path, cfg, file_type):
+    """A GGUFWriter for ``path`` with ``cfg``'s qwen3moe metadata and a dummy byte-level 'gpt2'
+    vocabulary of ``vocab_size`` tokens (both sides take token ids); tensors are the caller's."""
     import gguf
 
     assert cfg.moe is not None and cfg.vocab_size > 258
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_name("moestream bench random Qwen3-MoE")
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(file_type)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -174,6 +173,15 @@ def write_gguf(path: Path, hf, cfg) -> Path:
     w.add_eos_token_id(cfg.vocab_size - 1)
     w.add_bos_token_id(cfg.vocab_size - 1)
     w.add_add_bos_token(False)
+    return w
+
+
+def write_gguf(path: Path, hf, cfg) -> Path:
+    """The checkpoint as an F32 GGUF that llama.cpp and moestream both load (:func:`gguf_writer`).
+    Tensors are streamed to the file one at a time (the full model never exists twice)."""
+    import gguf
+
+    w = gguf_writer(path, cfg, gguf.LlamaFileType.ALL_F32)
     thunks = list(gguf_tensors(hf, cfg))
     for name, fn in thunks:
         t = fn()
