@@ -116,7 +116,8 @@ DEVICE_WORKSPACE = GiB // 2  # device memory "auto" leaves for activations and k
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"
-CGROUP_MARGIN = 256 * 2**20  # what "auto" leaves free under a cgroup limit: allocator slack, Python, buffers
+CGROUP_MARGIN = 384 * 2**20  # what "auto" leaves free under a cgroup limit: Python + torch (~250 MB RSS
+# measured at import), activations, allocator slack, buffers (issue 27: 256 MiB was OOM-killed)
 _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as ~2^63 rounded to a page
 
 

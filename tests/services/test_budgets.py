@@ -196,8 +196,9 @@ def test_serve_with_budgets_that_cannot_be_met_fails_in_one_line_before_any_acto
     r = CliRunner().invoke(main, ["serve", str(store_path), "--address", ray_cluster["gcs"], "--namespace", ns,
                                   "--loaders", "1", "--kv-budget", "64TiB"])
     assert r.exit_code == 2, r.output
-    assert r.stderr.startswith("error: budgets auto leave no memory") and r.stderr.count("\n") == 1
-    assert "dense/KV/state" in r.stderr and "headroom 4.00 GiB" in r.stderr
+    # the KV budget alone exceeds the host: HostMemoryError naming the minimum, in one line
+    assert r.stderr.startswith("error: available RAM") and r.stderr.count("\n") == 1
+    assert "needs at least 64.00 TiB" in r.stderr and "dense/KV/state" in r.stderr and "margin 4.00 GiB" in r.stderr
     assert _actors(ns) == []
 
 
