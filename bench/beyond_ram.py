@@ -126,13 +126,13 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
     sm = load_from_store(st, device_budget=b.device, ram_budget=b.ram, dense="int8", prefetch_depth=0,
                          io_threads=io_threads)
     slot = sm.cache.slot_bytes
-    rec = TraceRecorder(len(cfg.moe_layers), cfg.moe.num_experts, cfg.moe.top_k)
     ordinal = {l: i for i, l in enumerate(cfg.moe_layers)}
     pos = {"t": 0}
+    routed: list[tuple[int, int, list[int]]] = []  # (token, layer ordinal, experts)
 
     def observe(layer, ids):
         for j, row in enumerate(ids.tolist()):
-            rec.record(pos["t"] + j, ordinal[layer], row)
+            routed.append((pos["t"] + j, ordinal[layer], row))
 
     for blk in sm.model.moe_blocks:
         blk.observers.append(observe)
@@ -146,6 +146,11 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
             if i == 0:
                 io_pf = io_counters()
     io_end = io_counters()
+    # token by token (the prefill's layer-at-a-time order sorted into it): the order the
+    # simulator's policies replay
+    rec = TraceRecorder(len(cfg.moe_layers), cfg.moe.num_experts, cfg.moe.top_k)
+    for t, layer, row in sorted(routed, key=lambda r: (r[0], r[1])):
+        rec.record(t, layer, row)
     trace = rec.trace()
     cap = sm.cache.num_slots
     full = simulate(trace, "sweep", cap, expert_bytes=slot)

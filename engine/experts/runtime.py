@@ -48,7 +48,7 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
                     policy: str = "sweep", prefetch_depth: int | None = None, miss_compute: str = "transfer",
                     pinned=frozenset(), dtype: torch.dtype = torch.float32,
                     source: ExpertSource | None = None, device: str = "cpu",
-                    dense: str = "fp32", io_threads: int = 2, head: str | None = None,
+                    dense: str = "fp32", io_threads: int = 8, head: str | None = None,
                     admission: bool = False) -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
     format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8), ``head``
@@ -56,7 +56,10 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     where the dense model and the expert slots live ("cuda" on a GPU: experts then run on the
     fused Triton kernels, engine.quant.triton_kernels; the RAM tier is pinned host memory).
     ``prefetch_depth`` None: :func:`default_prefetch_depth` for the device. ``store``: the
-    store's directory, or an open ExpertStore, which the StoreModel then owns (closes)."""
+    store's directory, or an open ExpertStore, which the StoreModel then owns (closes).
+    ``io_threads``: a layer's expert misses read from the store at once (each one O_DIRECT
+    read of one aligned extent; 8: the queue depth at which NVMe and virtual disks give their
+    bandwidth, bench/beyond_ram.py's disk measure: 4 KiB QD16 ~6x QD1)."""
     if prefetch_depth is None:
         prefetch_depth = default_prefetch_depth(device)
     from engine.store.reader import ExpertStore
