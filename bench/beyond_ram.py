@@ -336,7 +336,7 @@ def run_bench(shape, work: Path, args) -> None:
                       f"{r.get('peak', -1) / MB:.0f} MB, oom kills {r.get('oom', 0)}", flush=True)
 
     print(f"\n| limit | system | decode tok/s | prefill tok/s | MB read / token | simulator MB / token | "
-          f"roofline tok/s | disk use | cgroup peak MB | peak beyond tiers MB | major faults / token | OOM kills | notes |")
+          f"roofline tok/s | disk use | cgroup peak MB | RSS peak beyond tiers MB | major faults / token | OOM kills | notes |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     last = None
     for label, lim in limits:
@@ -348,7 +348,9 @@ def run_bench(shape, work: Path, args) -> None:
             roof = bw / sim if sim else (bw / s["bytes_tok"] if s.get("bytes_tok") else None)
             use = s["decode"] * s["bytes_tok"] / bw if s.get("decode") and s.get("bytes_tok") else None
             s["use"] = use
-            beyond = (s["peak"] - s["tiers"]) / MB if s.get("tiers") and s.get("peak") else None
+            # the child's own peak RSS less its tiers (the cgroup's peak counts page cache, which
+            # fills any limit under file I/O)
+            beyond = (s["maxrss"] - s["tiers"]) / MB if s.get("tiers") and s.get("maxrss") else None
             notes = "; ".join(filter(None, [
                 f"refused: {s['refused'][0]}" if s["refused"] else "",
                 f"{len(s['dead'])} of {s['runs']} died: {s['dead'][0]}" if s["dead"] else "",
