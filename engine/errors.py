@@ -71,6 +71,11 @@ class DeviceBudgetError(CacheCapacityError):
     the message names the allocation, its size, what is already allocated and the budget."""
 
 
+class HostMemoryError(DeviceBudgetError):
+    """The memory this process may use (its cgroup's limit, else the RAM) cannot hold what a run
+    keeps resident (dense weights, KV cache, the margin); the message names the minimum."""
+
+
 class CapacityError(MoestreamError):
     """A request can never fit (KV cache too small for prompt + max_tokens)."""
 

@@ -3,9 +3,9 @@
 - The deployer (services.app.deploy), before any actor starts, reads the available RAM of the
   node the decode actor and the loaders go on and resolves the RAM tier: that RAM less
   ``HOST_HEADROOM``. On a node without a GPU both tiers are host memory, so it resolves both
-  from that one reading, split as ``engine.experts.device_budget.resolve_budgets`` does (RAM
-  tier first, the device slots the rest, after the dense weights and the KV budget): neither is
-  counted twice.
+  from that one reading, split as ``engine.experts.device_budget.resolve_budgets`` does (the
+  device slots first, the RAM tier the rest, after the dense weights and the KV budget): neither
+  is counted twice.
 - The decode actor (services.decode) resolves a GPU's expert slots: its device's free memory
   less the dense weights in the deployment's format and dtype, the deployment's KV budget (the
   recurrent state of linear-attention layers is part of it) and a workspace.

@@ -20,11 +20,12 @@ from typing import Iterator
 
 import torch
 
-from engine.errors import ConfigError, DeviceBudgetError
+from engine.errors import ConfigError, DeviceBudgetError, HostMemoryError
 from engine.units import format_bytes
 
-__all__ = ["Budgets", "DeviceBudget", "GiB", "HOST_HEADROOM", "auto_device_budget", "auto_ram_budget",
-           "available_host_memory", "resolve_budgets"]
+__all__ = ["Budgets", "CGROUP_MARGIN", "DeviceBudget", "GiB", "HOST_HEADROOM", "HostMemoryError",
+           "auto_device_budget", "auto_ram_budget", "available_host_memory", "cgroup_memory_limit", "host_limit",
+           "resolve_budgets"]
 
 GiB = 2**30
 
@@ -114,9 +115,59 @@ HOST_HEADROOM = 4 * GiB  # host RAM left free beside the tiers by "auto" (the OS
 DEVICE_WORKSPACE = GiB // 2  # device memory "auto" leaves for activations and kernel workspaces (GPU)
 
 
+CGROUP_ROOT = "/sys/fs/cgroup"
+CGROUP_MARGIN = 384 * 2**20  # what "auto" leaves free under a cgroup limit: Python + torch (~250 MB RSS
+# measured at import), activations, allocator slack, buffers (issue 27: 256 MiB was OOM-killed)
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as ~2^63 rounded to a page
+
+
+def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT) -> tuple[int | None, str]:
+    """The memory limit of the cgroup this process is in: ``(bytes, the file it came from)``, or
+    ``(None, "")`` when no group on the way up has one. Reads ``proc_cgroup`` for the process's
+    group (v2: the ``0::/path`` line; v1: the line whose controllers include ``memory``), then
+    that group's ``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1) and every ancestor's up
+    to the root (a child may not raise its parent's limit): the smallest wins. A path that is
+    not mounted here (another cgroup namespace) is skipped, so the root files still count."""
+    from pathlib import Path
+
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        lines = []
+    groups: list[tuple[Path, str]] = []  # (directory of the process's group, limit file name)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        rel = path.strip().lstrip("/")
+        if controllers == "":  # v2 unified hierarchy
+            groups.append((Path(root) / rel, "memory.max"))
+        elif "memory" in controllers.split(","):
+            groups.append((Path(root) / "memory" / rel, "memory.limit_in_bytes"))
+    groups += [(Path(root), "memory.max"), (Path(root) / "memory", "memory.limit_in_bytes")]
+    best: tuple[int | None, str] = (None, "")
+    for start, name in groups:
+        top = Path(root) if name == "memory.max" else Path(root) / "memory"
+        d = start
+        while True:
+            f = d / name
+            try:
+                text = f.read_text().strip()
+            except OSError:
+                text = ""
+            if text.isdigit() and int(text) < _NO_LIMIT and (best[0] is None or int(text) < best[0]):
+                best = (int(text), str(f))
+            if d == top or top not in d.parents:
+                break
+            d = d.parent
+    return best
+
+
 def host_memory(available: bool = False) -> int:
     """Bytes of RAM this process may use: physical memory (``available``: MemAvailable from
-    /proc/meminfo, else physical memory), or the cgroup limit when lower."""
+    /proc/meminfo, else physical memory), or the limit of the cgroup the process is in
+    (:func:`cgroup_memory_limit`: its own group's and its ancestors') when lower."""
     import os
     from pathlib import Path
 
@@ -129,14 +180,22 @@ def host_memory(available: bool = False) -> int:
                     break
         except (OSError, ValueError, IndexError):
             pass
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(limit_file).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            mem = min(mem, int(text))
-    return mem
+    limit, _ = cgroup_memory_limit()
+    return mem if limit is None else min(mem, limit)
+
+
+def host_limit() -> tuple[int, int, str]:
+    """What CPU budgets ``auto`` divide: ``(bytes, headroom, where)``. Under a cgroup limit
+    below the available RAM the limit is the whole allowance (the process's page cache and its
+    tiers are charged to it) and the headroom :data:`CGROUP_MARGIN`; else the available RAM and
+    :data:`HOST_HEADROOM` (the OS and other processes share it)."""
+    from engine.units import format_bytes
+
+    avail = host_memory(available=True)
+    limit, where = cgroup_memory_limit()
+    if limit is not None and limit <= avail:
+        return limit, CGROUP_MARGIN, f"cgroup limit {format_bytes(limit)} ({where})"
+    return avail, HOST_HEADROOM, f"available RAM {format_bytes(avail)}"
 
 
 def available_host_memory() -> int:
@@ -203,18 +262,43 @@ def auto_device_budget(experts_total: int, *, device: str | torch.device, reside
 
 
 def resolve_budgets(experts_total: int, *, device: str | torch.device, resident: int,
-                    headroom: int = HOST_HEADROOM, workspace: int = DEVICE_WORKSPACE,
+                    headroom: int | None = None, workspace: int = DEVICE_WORKSPACE,
                     device_free: int | None = None, host_available: int | None = None,
                     device_budget: int | None = None, ram_budget: int | None = None,
-                    ram_from: str = "given", resident_note: str = "") -> Budgets:
+                    ram_from: str = "given", resident_note: str = "", min_tiers: int = 0,
+                    staging: int = 0) -> Budgets:
     """Budgets ``auto`` for the tiers not given (``device_budget`` / ``ram_budget`` None), each
     capped at ``experts_total``. On a GPU: :func:`auto_device_budget` and
-    :func:`auto_ram_budget`. On a CPU the device tier is host memory too: the available RAM
-    less ``headroom`` and ``resident`` is shared, the RAM tier (the source of every miss) served
-    first, the device slots getting the rest; a given budget is taken out of it before the
-    other is resolved, so nothing is counted twice. A budget that comes out <= 0 raises
-    DeviceBudgetError naming the figures. ``ram_from``: how a given RAM budget was chosen."""
+    :func:`auto_ram_budget`. On a CPU the device tier is host memory too: the memory the
+    process may use (``host_available``, default :func:`host_limit`: its cgroup's limit when
+    that is lower than the available RAM) less ``headroom`` (None: :data:`CGROUP_MARGIN` under a
+    cgroup limit, :data:`HOST_HEADROOM` else) and ``resident`` is shared: with both auto the
+    device slots (what experts are computed from) first, less ``staging`` bytes that the RAM
+    tier keeps for reads in flight, the RAM tier the rest; a given budget is taken out of it
+    before the other is resolved, so nothing is counted twice. On a CPU, memory
+    that cannot hold ``resident`` + headroom + ``min_tiers`` (the least the tiers run with; checked
+    when a budget is auto or the limit is a cgroup's) raises :class:`~engine.errors.HostMemoryError` naming that minimum, before anything is
+    loaded; a budget that comes out <= 0 raises DeviceBudgetError naming the figures.
+    ``ram_from``: how a given RAM budget was chosen."""
+    from engine.units import format_bytes as fb
+
     dev = torch.device(device)
+    if dev.type != "cuda":
+        limited = False  # a cgroup limit: even given budgets must leave the dense part room under it
+        if host_available is None:
+            host_available, auto_headroom, what = host_limit()
+            limited = what.startswith("cgroup")
+        else:
+            auto_headroom, what = HOST_HEADROOM, f"available RAM {fb(host_available)}"
+        headroom = auto_headroom if headroom is None else headroom
+        need = resident + headroom + min_tiers
+        if need > host_available and (limited or device_budget is None or ram_budget is None):
+            raise HostMemoryError(
+                f"{what} cannot hold this model: it needs at least {fb(need)} ({need} B): dense/KV/state "
+                f"{fb(resident)} + margin {fb(headroom)} + the smallest expert tiers {fb(min_tiers)}; "
+                f"raise the limit or use smaller dense formats (--dense int8)")
+    elif headroom is None:
+        headroom = HOST_HEADROOM
     d_from = r_from = "given"
     if ram_budget is not None:
         r_from = ram_from
@@ -227,17 +311,26 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
         if ram_budget is None:
             ram_budget, r_from = auto_ram_budget(experts_total, headroom=headroom, host_available=host_available)
     elif device_budget is None or ram_budget is None:
-        avail = available_host_memory() if host_available is None else host_available
-        usable = avail - headroom - resident
-        where = f"available RAM {format_bytes(avail)} - headroom {format_bytes(headroom)} - dense/KV/state {format_bytes(resident)}"
-        if ram_budget is None:
-            ram_budget = min(experts_total, usable - (device_budget or 0))
-            r_from = where + (f" - device tier {format_bytes(device_budget)}" if device_budget is not None else "")
-            if ram_budget <= 0:
-                raise _nothing_left("the RAM tier", r_from)
-        if device_budget is None:
-            device_budget = min(experts_total, usable - ram_budget)
-            d_from = f"{where} - the RAM tier: on a CPU the device tier is host memory too"
+        usable = host_available - headroom - resident
+        where = f"{what} - headroom {format_bytes(headroom)} - dense/KV/state {format_bytes(resident)}"
+        if device_budget is None and ram_budget is None:
+            # both auto: the slots the experts are computed from first; the RAM tier then holds
+            # what is left, at least ``staging`` (the reads in flight): an expert in both tiers
+            # is a second copy of it, which only pays when everything fits twice
+            device_budget = min(experts_total, usable - staging)
+            d_from = f"{where} - staging {format_bytes(staging)}: on a CPU the device tier is host memory too"
             if device_budget <= 0:
                 raise _nothing_left("expert slots (the device tier)", d_from)
+            ram_budget = min(experts_total, usable - device_budget)
+            r_from = f"{where} - the device tier"
+        elif ram_budget is None:
+            ram_budget = min(experts_total, usable - device_budget)
+            r_from = f"{where} - device tier {format_bytes(device_budget)}"
+        else:
+            device_budget = min(experts_total, usable - ram_budget)
+            d_from = f"{where} - the RAM tier: on a CPU the device tier is host memory too"
+        if ram_budget <= 0:
+            raise _nothing_left("the RAM tier", r_from)
+        if device_budget <= 0:
+            raise _nothing_left("expert slots (the device tier)", d_from)
     return Budgets(device_budget, ram_budget, experts_total, d_from, r_from, resident_note if counted else "")

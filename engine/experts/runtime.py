@@ -51,7 +51,7 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
                     policy: str = "sweep", prefetch_depth: int | None = None, miss_compute: str = "transfer",
                     pinned=frozenset(), dtype: torch.dtype = torch.float32,
                     source: ExpertSource | None = None, device: str = "cpu",
-                    dense: str = "fp32", io_threads: int = 2, head: str | None = None,
+                    dense: str = "fp32", io_threads: int = 8, head: str | None = None,
                     admission: bool = False, ple_budget: int | None = None) -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
     format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8), ``head``
@@ -60,7 +60,10 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     where the dense model and the expert slots live ("cuda" on a GPU: experts then run on the
     fused Triton kernels, engine.quant.triton_kernels; the RAM tier is pinned host memory).
     ``prefetch_depth`` None: :func:`default_prefetch_depth` for the device. ``store``: the
-    store's directory, or an open ExpertStore, which the StoreModel then owns (closes)."""
+    store's directory, or an open ExpertStore, which the StoreModel then owns (closes).
+    ``io_threads``: a layer's expert misses read from the store at once (each one O_DIRECT
+    read of one aligned extent; 8: the queue depth at which NVMe and virtual disks give their
+    bandwidth, bench/beyond_ram.py's disk measure: 4 KiB QD16 ~6x QD1)."""
     if prefetch_depth is None:
         prefetch_depth = default_prefetch_depth(device)
     from engine.store.reader import ExpertStore
@@ -79,9 +82,17 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
                                 admission=admission)
         routers = {l: dense_source.get(f"model.layers.{l}.mlp.gate.weight").float() for l in cfg.moe_layers}
         cache = ExpertCache(store, source, cache_cfg, routers=routers, device=device)
-    model = quantize_dense(build_model(cfg, dense_source, dtype=dtype, provider=cache), dense, head=head)
+    # the weights quantize_dense replaces stay as the store holds them (mapped file pages) until
+    # it converts them one by one: the model never exists in full precision (issue 27)
+    stored = quantized_names(dense_source, dense, head)
+    model = build_model(cfg, dense_source, dtype=dtype, provider=cache, as_stored=stored.__contains__)
+    model = quantize_dense(model, dense, head=head)
+    for name, p in model.named_parameters():  # any the quantizer left (none today): as dtype
+        if name in stored and p.dtype != dtype:
+            p.data = p.data.to(dtype)
     ple = _attach_ple(model, store, cache, ple_budget) if store.manifest.ple_tables else None
     model.to(device)  # the dense weights run where the expert slots live
+    _return_freed_heap()
     try:
         tokenizer = store.tokenizer()
     except TokenizerNotFoundError:
@@ -104,6 +115,32 @@ def _attach_ple(model, store, cache, budget: int | None):
     if cache is not None:
         cache.metrics.ple = tier.counters
     return tier
+
+
+def _return_freed_heap() -> None:
+    """Give the heap the quantizer's temporaries left back to the OS (glibc ``malloc_trim``):
+    under a memory limit freed-but-kept heap counts as ours (measured ~80 MB on the 1.3B store)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def quantized_names(source, dense: str, head: str | None = None) -> frozenset[str]:
+    """The dense 2-D weights quantize_dense converts to ``dense`` (the LM head to ``head``; None:
+    as ``dense``): every 2-D weight but embeddings and routers; none in fp32. Read from the
+    tensor headers, nothing loaded (the same rule :func:`dense_resident_bytes` counts by)."""
+    from engine.loading.source import parse_expert_name
+
+    out = set()
+    for n in source.names():
+        fmt = (head or dense) if n == "lm_head.weight" else dense
+        if (fmt != "fp32" and parse_expert_name(n) is None and len(source.info(n).shape) == 2
+                and "embed_tokens" not in n and not n.endswith("mlp.gate.weight")):
+            out.add(n)
+    return frozenset(out)
 
 
 def default_prefetch_depth(device) -> int:
@@ -171,13 +208,15 @@ def store_budgets(store, *, device: str = "cpu", dense: str = "bf16", head: str 
     recurrent state of linear-attention layers too), or when None an fp32 KV cache of
     ``context`` tokens in every layer. ``store``: an open ExpertStore or its directory
     (:func:`open_store`). Returns a ``Budgets``."""
-    from engine.experts.device_budget import HOST_HEADROOM, resolve_budgets
+    from engine.experts.device_budget import resolve_budgets
     from engine.units import format_bytes
 
     with open_store(store) as store:
         cfg = store.config
         dense_bytes = dense_resident_bytes(store, dense=dense, head=head, dtype=dtype)
         total = store.num_experts_total * _slot_bytes(store) if cfg.moe else 0
+        least = (cfg.moe.top_k + 1) * _slot_bytes(store) if cfg.moe else 0  # top_k slots + one RAM slot
+        staging = 2 * cfg.moe.top_k * _slot_bytes(store) if cfg.moe else 0  # one layer's misses in flight, twice
     if kv_bytes is None:
         kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * 4
         kv_note = f"KV({context} tokens)"
@@ -185,7 +224,7 @@ def store_budgets(store, *, device: str = "cpu", dense: str = "bf16", head: str 
         kv_note = f"KV budget {format_bytes(kv_bytes)}"
     head_note = f", head {head}" if head else ""
     return resolve_budgets(max(total, 1), device=device, resident=dense_bytes + kv_bytes,
-                           headroom=HOST_HEADROOM if headroom is None else headroom,
+                           headroom=headroom, min_tiers=least, staging=staging,
                            device_free=device_free, host_available=host_available,
                            device_budget=device_budget, ram_budget=ram_budget, ram_from=ram_from,
                            resident_note=f"dense {dense}{head_note} + {kv_note} counted as resident")

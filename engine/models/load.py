@@ -3,6 +3,8 @@ into an ExpertProvider (all resident by default; the expert cache supplies its o
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.config import ModelConfig
@@ -11,12 +13,16 @@ from engine.loading.source import TensorSource, expert_name, parse_expert_name
 from engine.models.base import CausalLM
 
 
-def dense_state_dict(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every non-expert tensor the model needs, cast to ``dtype``."""
+def dense_state_dict(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype,
+                     as_stored: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """Every non-expert tensor the model needs, cast to ``dtype``; those ``as_stored`` names are
+    left as the source holds them (a zero-copy view of a mapped file: no full-precision copy),
+    for a caller that converts them one at a time next (engine.quant.linear.quantize_dense)."""
     with torch.device("meta"):
         skeleton = model_class(cfg)(cfg)
     wanted = [n for n in skeleton.state_dict() if not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
-    return {n: source.get(n).to(dtype) for n in wanted}
+    return {n: source.get(n) if as_stored is not None and as_stored(n) else source.get(n).to(dtype)
+            for n in wanted}
 
 
 def resident_experts(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype) -> ResidentExperts:
@@ -30,10 +36,12 @@ def resident_experts(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype)
 
 
 def build_model(cfg: ModelConfig, source: TensorSource, *, dtype: torch.dtype = torch.float32,
-                provider: ExpertProvider | None = None) -> CausalLM:
+                provider: ExpertProvider | None = None,
+                as_stored: Callable[[str], bool] | None = None) -> CausalLM:
     """The model with dense weights loaded and ``provider`` (default: every expert resident)
-    attached to each sparse layer."""
-    state = dense_state_dict(cfg, source, dtype)
+    attached to each sparse layer. ``as_stored``: see :func:`dense_state_dict` (those weights
+    are not in ``dtype`` until the caller converts them)."""
+    state = dense_state_dict(cfg, source, dtype, as_stored)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     if cfg.tie_word_embeddings:

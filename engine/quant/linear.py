@@ -34,9 +34,11 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: QuantFormat) -> "QuantLinear":
-        from engine.quant.reference import quantize
+        from engine.quant.reference import quantize_by_rows
 
-        return cls(quantize(linear.weight.detach().float(), fmt), linear.bias)
+        # by blocks of rows from the weight as it is (a bf16 view of the store's file when the
+        # model was built with as_stored): no float32 copy of the whole weight
+        return cls(quantize_by_rows(linear.weight.detach(), fmt), linear.bias)
 
     def _apply(self, fn, recurse=True):
         """``module.to(device)`` / ``.cuda()`` move the quantized weight too (it is neither a

@@ -99,6 +99,20 @@ def quantize(w: torch.Tensor, fmt: QuantFormat) -> QuantizedTensor:
                                          "scales": scale16.contiguous()})
 
 
+def quantize_by_rows(w: torch.Tensor, fmt: QuantFormat, rows: int = 1024) -> QuantizedTensor:
+    """:func:`quantize` of ``w`` ``[N, K]`` (any float dtype, e.g. a bf16 view of a mapped file)
+    ``rows`` rows at a time: every part is row-major with N first, so the parts of the blocks
+    concatenate to the whole's, equal to quantize(w) bit for bit; the float32 temporaries are
+    those of ``rows`` rows, not of the whole weight (a 32000 x 1024 head: ~130 MB in float32,
+    several times that in quantize's intermediates)."""
+    n = w.shape[0]
+    if n <= rows:
+        return quantize(w, fmt)
+    blocks = [quantize(w[i:i + rows], fmt) for i in range(0, n, rows)]
+    return QuantizedTensor(fmt, tuple(w.shape), {name: torch.cat([b.parts[name] for b in blocks])
+                                                 for name in blocks[0].parts})
+
+
 # E2M1 (4-bit float: sign, 2 exponent bits, 1 mantissa bit), indexed by code; the OCP MX order
 # (transformers' FP4_VALUES): codes 0-7 positive, 8-15 their negatives.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

@@ -83,11 +83,11 @@ def test_cpu_node_splits_one_reading_between_the_tiers(store_path, figures):
     from services.budgets import decode_budgets, deployer_budgets
 
     total, resident = figures
-    avail = HOST_HEADROOM + resident + total + total // 2  # room for all of the RAM tier, half the slots
+    avail = HOST_HEADROOM + resident + total + total // 2  # room for every slot, half of them again in RAM
     cfg, told = deployer_budgets(_config(store_path), gpu=False, host_available=avail)
-    assert (cfg.ram_budget, cfg.device_budget) == (total, total // 2)
+    assert (cfg.ram_budget, cfg.device_budget) == (total // 2, total)
     b = decode_budgets(cfg, "cpu", told)  # the decode actor takes them as resolved: nothing read twice
-    assert (b.device, b.ram) == (total // 2, total) and b.auto
+    assert (b.device, b.ram) == (total, total // 2) and b.auto
     assert b.line.startswith("budgets auto: device") and "headroom 4.00 GiB" in b.line
     assert "KV budget 4.00 MiB counted as resident" in b.line and "RAM tier" in b.line
     # a given RAM tier is taken out of the same memory before the device tier is resolved
@@ -121,12 +121,14 @@ def test_given_budgets_stay_as_they_are(store_path):
     assert (b.device, b.ram, b.auto) == (3 * MiB, store_expert_bytes(store_path), False)
 
 
-@pytest.mark.parametrize("gpu,avail,free", [(False, 3 * GiB, None), (True, 3 * GiB, None),
-                                            (True, 64 * GiB, 100 * MiB)])
-def test_a_budget_that_cannot_be_met_is_a_typed_error_with_the_figures(store_path, gpu, avail, free):
+@pytest.mark.parametrize("gpu,avail,free,fix", [
+    (False, 3 * GiB, None, "needs at least 4.00 GiB"),  # a CPU node: HostMemoryError naming the minimum
+    (True, 3 * GiB, None, "--device-budget and --ram-budget"),
+    (True, 64 * GiB, 100 * MiB, "--device-budget and --ram-budget")])
+def test_a_budget_that_cannot_be_met_is_a_typed_error_with_the_figures(store_path, gpu, avail, free, fix):
     from services.budgets import decode_budgets, deployer_budgets
 
-    with pytest.raises(DeviceBudgetError, match="--device-budget and --ram-budget") as e:
+    with pytest.raises(DeviceBudgetError, match=fix) as e:
         cfg, told = deployer_budgets(_config(store_path), gpu=gpu, host_available=avail)
         decode_budgets(cfg, "cuda", told, device_free=free)
     assert "4.00 GiB" in str(e.value) if free is None else "free device memory 100.00 MiB" in str(e.value)
@@ -194,8 +196,9 @@ def test_serve_with_budgets_that_cannot_be_met_fails_in_one_line_before_any_acto
     r = CliRunner().invoke(main, ["serve", str(store_path), "--address", ray_cluster["gcs"], "--namespace", ns,
                                   "--loaders", "1", "--kv-budget", "64TiB"])
     assert r.exit_code == 2, r.output
-    assert r.stderr.startswith("error: budgets auto leave no memory") and r.stderr.count("\n") == 1
-    assert "dense/KV/state" in r.stderr and "headroom 4.00 GiB" in r.stderr
+    # the KV budget alone exceeds the host: HostMemoryError naming the minimum, in one line
+    assert r.stderr.startswith("error: available RAM") and r.stderr.count("\n") == 1
+    assert "needs at least 64.00 TiB" in r.stderr and "dense/KV/state" in r.stderr and "margin 4.00 GiB" in r.stderr
     assert _actors(ns) == []
 
 

@@ -31,18 +31,26 @@ def test_budgets_are_capped_at_every_expert():
     assert (d, r) == (2 * GiB, 2 * GiB)
 
 
-def test_cpu_gives_the_ram_tier_first_then_device_slots():
-    # 10 GiB available, 4 headroom, 1 resident: 5 GiB usable host memory for both tiers
+def test_cpu_gives_the_device_slots_first_then_the_ram_tier():
+    # 10 GiB available, 4 headroom, 1 resident: 5 GiB usable host memory for both tiers; the
+    # slots experts are computed from come first (a RAM-tier copy of one is a second copy)
     d, r, _ = auto_budgets(3 * GiB, device="cpu", resident=GiB, headroom=4 * GiB, host_available=10 * GiB)
-    assert (r, d) == (3 * GiB, 2 * GiB)
+    assert (d, r) == (3 * GiB, 2 * GiB)
+    # less than every expert: the RAM tier keeps the staging bytes for reads in flight
+    d, r, _ = auto_budgets(8 * GiB, device="cpu", resident=GiB, headroom=4 * GiB, host_available=10 * GiB,
+                           staging=GiB // 4)
+    assert (d, r) == (5 * GiB - GiB // 4, GiB // 4)
     d, r, _ = auto_budgets(3 * GiB, device="cpu", resident=GiB, headroom=4 * GiB, host_available=20 * GiB)
     assert (r, d) == (3 * GiB, 3 * GiB)
 
 
-@pytest.mark.parametrize("device,free,avail", [("cuda", 5 * GiB, 64 * GiB), ("cuda", 80 * GiB, 3 * GiB),
-                                               ("cpu", None, 6 * GiB)])
-def test_no_memory_left_is_a_typed_error_naming_the_fix(device, free, avail):
-    with pytest.raises(DeviceBudgetError, match="--device-budget and --ram-budget"):
+@pytest.mark.parametrize("device,free,avail,fix", [
+    ("cuda", 5 * GiB, 64 * GiB, "--device-budget and --ram-budget"),
+    ("cuda", 80 * GiB, 3 * GiB, "--device-budget and --ram-budget"),
+    ("cpu", None, 6 * GiB, "needs at least 9.00 GiB"),  # the dense part alone does not fit: HostMemoryError
+    ("cpu", None, 9 * GiB + 2**20, "--device-budget and --ram-budget")])
+def test_no_memory_left_is_a_typed_error_naming_the_fix(device, free, avail, fix):
+    with pytest.raises(DeviceBudgetError, match=fix):
         auto_budgets(10 * GiB, device=device, resident=5 * GiB, headroom=4 * GiB, device_free=free,
                      host_available=avail)
 

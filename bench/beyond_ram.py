@@ -1,0 +1,377 @@
+"""Bigger than memory, side by side with llama.cpp: each system alone in a memory-limited cgroup.
+
+    python bench/beyond_ram.py                       # ~8 GB Qwen3-MoE shape, limits 25/50/75%
+    python bench/beyond_ram.py --size 1 --limits 50  # 1 GB of experts, one limit
+    python bench/beyond_ram.py --shape issue --limits-mb 1200,1000,900,700   # issue 27's first look
+
+The model (bench/beyond_ram_model.py): random 4-bit blocks written straight to moestream's
+expert store (int4 g64 experts, bf16 dense read as int8) and to a qwen3moe GGUF (Q4_K
+everywhere 2-D), the same shapes at 4.5 bits per expert weight. ``--shape qwen3`` (default):
+Qwen3-30B-A3B's layer (hidden 2048, 128 experts top-8 of width 768, 32/4 heads of 128, vocab
+32000), as many layers as ``--size`` GB of experts; ``--shape issue``: the 1.3B-A0.2B model.
+
+Each run is a fresh child process in a fresh child memory cgroup (bench/cgroup_limit.py) whose
+limit is a share of the store's bytes (``--limits``, percent) or ``--limits-mb``; the model's
+pages are evicted (posix_fadvise DONTNEED) before each run. A run: ``--prompt`` random ids then
+``--new`` greedy tokens, ``--threads`` threads. Rounds alternate moestream, llama.cpp for every
+limit; the table holds medians. llama.cpp runs twice per round: as it loads by default (its
+weights repacked for the CPU's kernels into anonymous memory) and ``mmap`` (use_extra_bufts off:
+weights used in place from the page cache, which the kernel can drop: its bigger-than-memory
+mode); the summary line takes the faster that ran. Per run: prefill and decode tok/s, bytes read from storage per
+decoded token (/proc/PID/io read_bytes, counted by the child around its decode), the cgroup's
+peak (page cache included), major faults, OOM kills (the group's oom_kill count; a child killed
+by a signal). moestream's budgets are its own: ``auto`` from the cgroup limit it finds itself in
+(engine.experts.device_budget); a limit too small for its dense part is its refusal, stated.
+
+The disk is measured first on the store's files with O_DIRECT: sequential 1 MiB reads, and 4 KiB
+random reads at queue depth 1 and 16. The roofline: decode tok/s <= disk bandwidth / missed
+bytes per token, the missed bytes predicted by engine.experts.simulate replaying the run's own
+routing through a cache of the run's device slots (policy sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from beyond_ram_model import ISSUE_SHAPE, qwen3_30b_like, write_gguf, write_store  # noqa: E402
+from cgroup_limit import LimitedGroup, NoCgroup, evict  # noqa: E402
+from llama_child import LlamaCppChild, LlamaCppDied, io_counters  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MB = 1e6
+
+
+# ---- the disk ---------------------------------------------------------------------------------
+
+def measure_disk(paths: list[Path], seconds: float = 2.0) -> dict[str, float]:
+    """O_DIRECT reads of ``paths`` (evicted first): sequential 1 MiB (bytes/s), 4 KiB random at
+    queue depth 1 and 16 (IOPS; QD16: 16 threads of pread)."""
+    import mmap
+
+    evict(paths)
+    fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
+    sizes = [os.path.getsize(p) // 4096 * 4096 for p in paths]
+    try:
+        buf = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT needs
+        t0, n, i = time.perf_counter(), 0, 0
+        while time.perf_counter() - t0 < seconds and i < len(fds):
+            for off in range(0, sizes[i] - (1 << 20) + 1, 1 << 20):
+                n += os.preadv(fds[i], [buf], off)
+                if time.perf_counter() - t0 >= seconds:
+                    break
+            i += 1
+        seq = n / (time.perf_counter() - t0)
+
+        def rand(count: list[int], stop: float, seed: int) -> None:
+            r, b = random.Random(seed), mmap.mmap(-1, 4096)
+            while time.perf_counter() < stop:
+                k = r.randrange(len(fds))
+                os.preadv(fds[k], [b], r.randrange(sizes[k] // 4096) * 4096)
+                count[0] += 1
+
+        out = {"seq_bytes_s": seq}
+        for qd in (1, 16):
+            counts = [[0] for _ in range(qd)]
+            stop = time.perf_counter() + seconds
+            ts = [threading.Thread(target=rand, args=(c, stop, j)) for j, c in enumerate(counts)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            out[f"rand4k_qd{qd}_iops"] = sum(c[0] for c in counts) / seconds
+        return out
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+# ---- the moestream child ------------------------------------------------------------------------
+
+def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_threads: int) -> dict:
+    """One run in this (limited) process: budgets auto from its cgroup, load, greedy; the
+    io counters around the decode, and the simulator's prediction for its device slots."""
+    import resource
+
+    import torch
+
+    from engine.errors import HostMemoryError
+    from engine.experts.runtime import load_from_store, store_budgets
+    from engine.experts.simulate import simulate
+    from engine.experts.trace import TraceRecorder
+    from engine.layers.sampler import SamplingConfig
+    from engine.runner import stream_request
+    from engine.store.reader import ExpertStore
+
+    torch.set_num_threads(threads)
+    io0 = io_counters()
+    st = ExpertStore(store)
+    cfg = st.config
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (prompt_len + new + 16) * 4
+    try:
+        b = store_budgets(st, device="cpu", dense="int8", kv_bytes=kv)
+    except HostMemoryError as e:
+        st.close()
+        return {"refused": str(e)}
+    sm = load_from_store(st, device_budget=b.device, ram_budget=b.ram, dense="int8", prefetch_depth=0,
+                         io_threads=io_threads)
+    slot = sm.cache.slot_bytes
+    ordinal = {l: i for i, l in enumerate(cfg.moe_layers)}
+    pos = {"t": 0}
+    routed: list[tuple[int, int, list[int]]] = []  # (token, layer ordinal, experts)
+
+    def observe(layer, ids):
+        for j, row in enumerate(ids.tolist()):
+            routed.append((pos["t"] + j, ordinal[layer], row))
+
+    for blk in sm.model.moe_blocks:
+        blk.observers.append(observe)
+    prompt = [random.Random(1234 + k).randrange(cfg.vocab_size) for k in range(prompt_len)]
+    load_io = io_counters()
+    stats, io_pf = None, None
+    with torch.inference_mode():
+        for i, (o, stats) in enumerate(stream_request(sm.model, prompt, SamplingConfig(
+                max_tokens=new, temperature=0.0, ignore_eos=True))):
+            pos["t"] = prompt_len + i  # the next step decodes token prompt_len + i
+            if i == 0:
+                io_pf = io_counters()
+    io_end = io_counters()
+    # token by token (the prefill's layer-at-a-time order sorted into it): the order the
+    # simulator's policies replay
+    rec = TraceRecorder(len(cfg.moe_layers), cfg.moe.num_experts, cfg.moe.top_k)
+    for t, layer, row in sorted(routed, key=lambda r: (r[0], r[1])):
+        rec.record(t, layer, row)
+    trace = rec.trace()
+    cap = sm.cache.num_slots
+    full = simulate(trace, "sweep", cap, expert_bytes=slot)
+    pre = simulate(trace[:prompt_len * len(cfg.moe_layers)], "sweep", cap, expert_bytes=slot)
+    counters = sm.cache.source.counters()
+    out = {
+        "prefill": stats.prefill_tps, "decode": stats.decode_tps, "budgets": b.line,
+        "device": b.device, "ram": b.ram, "slot": slot, "slots": cap,
+        "io": [io0, load_io, io_pf, io_end],
+        "sim_decode_bytes": full.bytes_missed - pre.bytes_missed,
+        "nvme_bytes": counters["nvme"].bytes_in if "nvme" in counters else 0,
+        "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    sm.close()
+    return out
+
+
+# ---- one run of each system ------------------------------------------------------------------------
+
+def run_moestream(store: Path, limit: int, args) -> dict:
+    with LimitedGroup(limit) as g:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(store), "--prompt", str(args.prompt),
+               "--new", str(args.new), "--threads", str(args.threads), "--io-threads", str(args.io_threads)]
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, preexec_fn=g.enter,
+                               timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"dead": f"stalled, no answer in {args.timeout} s", "peak": g.peak(), "oom": g.oom_kills()}
+        res = {"peak": g.peak(), "oom": g.oom_kills(), "wall": time.perf_counter() - t0}
+        if r.returncode != 0:
+            how = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit status {r.returncode}"
+            res["dead"] = how + ("" if r.returncode < 0 else f": {r.stderr.strip()[-400:]}")
+            return res
+        res.update(json.loads(r.stdout.strip().splitlines()[-1]))
+        return res
+
+
+def run_llama(gguf: Path, limit: int, args, repack: bool) -> dict:
+    with LimitedGroup(limit) as g:
+        prompt = [random.Random(1234 + k).randrange(args.vocab) for k in range(args.prompt)]
+        t0 = time.perf_counter()
+        lc = None
+        try:
+            lc = LlamaCppChild(gguf, args.threads, args.prompt + args.new + 16, min(args.prompt, 512),
+                               preexec_fn=g.enter, timeout=args.timeout, repack=repack)
+            a = lc.greedy_io(prompt, args.new)
+            res = {"prefill": a["prefill"], "decode": a["decode"], "io": a["io"]}
+        except LlamaCppDied as e:
+            res = {"dead": str(e)}
+        finally:
+            if lc is not None:
+                lc.close()
+        res.update(peak=g.peak(), oom=g.oom_kills(), wall=time.perf_counter() - t0)
+        return res
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+def per_token(res: dict, new: int) -> tuple[float, float]:
+    """(bytes read per decoded token, major faults per decoded token) from the child's counters."""
+    io = res["io"]
+    steps = max(new - 1, 1)
+    return (io[-1][0] - io[-2][0]) / steps, (io[-1][1] - io[-2][1]) / steps
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarise(runs: list[dict], new: int) -> dict:
+    ok = [r for r in runs if "decode" in r]
+    out = {"runs": len(runs), "ok": len(ok), "oom": sum(r.get("oom", 0) for r in runs),
+           "dead": [r["dead"] for r in runs if "dead" in r], "refused": [r["refused"] for r in runs if "refused" in r],
+           "peak": median([r.get("peak") for r in runs if r.get("peak", -1) >= 0])}
+    if ok:
+        out["decode"] = median([r["decode"] for r in ok])
+        out["prefill"] = median([r["prefill"] for r in ok])
+        out["bytes_tok"] = median([per_token(r, new)[0] for r in ok])
+        out["majflt_tok"] = median([per_token(r, new)[1] for r in ok])
+        if "sim_decode_bytes" in ok[0]:
+            out["sim_bytes_tok"] = median([r["sim_decode_bytes"] / max(new - 1, 1) for r in ok])
+            out["budgets"] = ok[-1]["budgets"]
+            out["tiers"] = ok[-1]["device"] + ok[-1]["ram"]
+            out["maxrss"] = median([r["maxrss"] for r in ok])
+    return out
+
+
+def fmt(x, spec=".1f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=["qwen3", "issue"], default="qwen3")
+    ap.add_argument("--size", type=float, default=8.0, help="GB of 4.5-bit experts (--shape qwen3)")
+    ap.add_argument("--limits", default="25,50,75", help="memory limits, percent of the store's bytes")
+    ap.add_argument("--limits-mb", default=None, help="memory limits in MB (instead of --limits)")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--io-threads", type=int, default=8, help="moestream's expert reads in flight (queue depth)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds a run may take before it counts as stalled")
+    ap.add_argument("--dir", default=None, help="where the model files go (kept, and reused when they match); "
+                                                "default: a temporary directory removed at the end")
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.child:
+        print(json.dumps(moestream_child(args.child, args.prompt, args.new, args.threads, args.io_threads)))
+        return
+
+    shape = ISSUE_SHAPE if args.shape == "issue" else qwen3_30b_like(args.size * 1e9)
+    args.vocab = shape.vocab
+    tmp = None
+    if args.dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="beyond_ram_", dir=os.environ.get("TMPDIR"))
+        work = Path(tmp.name)
+    else:
+        work = Path(args.dir)
+        work.mkdir(parents=True, exist_ok=True)
+    try:
+        run_bench(shape, work, args)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def run_bench(shape, work: Path, args) -> None:
+    store, gguf = work / "store", work / "model.gguf"
+    stamp = work / "shape.json"
+    want = json.dumps(vars(shape), sort_keys=True)
+    if not (stamp.exists() and stamp.read_text() == want and (store / "manifest.json").exists() and gguf.exists()):
+        t = time.perf_counter()
+        for p in (gguf, stamp):
+            p.unlink(missing_ok=True)
+        write_store(shape, store)
+        write_gguf(shape, gguf)
+        stamp.write_text(want)
+        print(f"model files written in {time.perf_counter() - t:.0f} s", flush=True)
+    files = sorted(p for p in store.iterdir() if p.is_file())
+    store_bytes = sum(p.stat().st_size for p in files)
+    layer_files = [p for p in files if p.name.startswith("experts-")]
+    expert_bytes = sum(p.stat().st_size for p in layer_files)
+    print(f"model: {shape.name}: {shape.layers} layers, hidden {shape.hidden}, {shape.experts} experts top-"
+          f"{shape.top_k} of width {shape.width}, {shape.heads}/{shape.kv_heads} heads of {shape.head_dim}, "
+          f"vocab {shape.vocab}\n  moestream store {store_bytes / MB:.0f} MB ({expert_bytes / MB:.0f} MB experts, "
+          f"int4 g64), llama.cpp GGUF {gguf.stat().st_size / MB:.0f} MB (Q4_K)\n  {args.prompt} random prompt ids + "
+          f"{args.new} greedy tokens, {args.threads} threads, moestream io threads {args.io_threads}, "
+          f"{args.rounds} alternating rounds (medians), pages evicted before each run", flush=True)
+    disk = measure_disk(layer_files)
+    bw = disk["seq_bytes_s"]
+    print(f"disk (O_DIRECT, store files): sequential 1 MiB {bw / MB:.0f} MB/s; 4 KiB random QD1 "
+          f"{disk['rand4k_qd1_iops']:.0f} IOPS ({disk['rand4k_qd1_iops'] * 4096 / MB:.1f} MB/s), QD16 "
+          f"{disk['rand4k_qd16_iops']:.0f} IOPS ({disk['rand4k_qd16_iops'] * 4096 / MB:.1f} MB/s)", flush=True)
+    if args.limits_mb:
+        limits = [(f"{mb} MB", int(float(mb) * MB)) for mb in args.limits_mb.split(",")]
+    else:
+        limits = [(f"{pc}%", int(float(pc) / 100 * store_bytes)) for pc in args.limits.split(",")]
+    try:
+        with LimitedGroup(1 << 30):
+            pass
+    except NoCgroup as e:
+        sys.exit(f"beyond-ram: {e}")
+    runs: dict[tuple[str, str], list[dict]] = {}
+    systems = [("moestream", lambda lim: run_moestream(store, lim, args))]
+    if not args.no_llama:
+        systems.append(("llama.cpp", lambda lim: run_llama(gguf, lim, args, repack=True)))
+        systems.append(("llama.cpp mmap", lambda lim: run_llama(gguf, lim, args, repack=False)))
+    for k in range(args.rounds):
+        for label, lim in limits:
+            for name, fn in systems:
+                evict(files + [gguf])
+                r = fn(lim)
+                runs.setdefault((label, name), []).append(r)
+                what = (f"{r['decode']:.2f} tok/s decode, {r['prefill']:.1f} prefill, "
+                        f"{per_token(r, args.new)[0] / MB:.1f} MB read/token" if "decode" in r
+                        else r.get("refused") or r.get("dead"))
+                print(f"round {k + 1}/{args.rounds} limit {label} {name}: {what}; cgroup peak "
+                      f"{r.get('peak', -1) / MB:.0f} MB, oom kills {r.get('oom', 0)}", flush=True)
+
+    print(f"\n| limit | system | decode tok/s | prefill tok/s | MB read / token | simulator MB / token | "
+          f"roofline tok/s | disk use | cgroup peak MB | RSS peak beyond tiers MB | major faults / token | OOM kills | notes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    last = None
+    for label, lim in limits:
+        row = {}
+        for name, _ in systems:
+            s = summarise(runs[(label, name)], args.new)
+            row[name] = s
+            sim = s.get("sim_bytes_tok")
+            roof = bw / sim if sim else (bw / s["bytes_tok"] if s.get("bytes_tok") else None)
+            use = s["decode"] * s["bytes_tok"] / bw if s.get("decode") and s.get("bytes_tok") else None
+            s["use"] = use
+            # the child's own peak RSS less its tiers (the cgroup's peak counts page cache, which
+            # fills any limit under file I/O)
+            beyond = (s["maxrss"] - s["tiers"]) / MB if s.get("tiers") and s.get("maxrss") else None
+            notes = "; ".join(filter(None, [
+                f"refused: {s['refused'][0]}" if s["refused"] else "",
+                f"{len(s['dead'])} of {s['runs']} died: {s['dead'][0]}" if s["dead"] else "",
+                s.get("budgets", "")]))
+            print(f"| {label} ({lim / MB:.0f} MB) | {name} | {fmt(s.get('decode'), '.2f')} | {fmt(s.get('prefill'))} | "
+                  f"{fmt(s['bytes_tok'] / MB if s.get('bytes_tok') is not None else None)} | "
+                  f"{fmt(sim / MB if sim is not None else None)} | {fmt(roof)} | "
+                  f"{fmt(use * 100 if use is not None else None, '.0f')}{'%' if use is not None else ''} | "
+                  f"{fmt(s['peak'] / MB if s['peak'] else None, '.0f')} | {fmt(beyond, '.0f')} | "
+                  f"{fmt(s.get('majflt_tok'), '.0f')} | {s['oom']} | {notes} |")
+        last = (label, row)
+    label, row = last
+    ours = row["moestream"]
+    d_o = ours.get("decode")
+    d_t = max((row[n]["decode"] for n in row if n.startswith("llama") and row[n].get("decode")), default=None)
+    ratio = f"{d_o / d_t:.1f}x" if d_o and d_t else "n/a"
+    use = ours.get("use")
+    print(f"beyond-ram {label}: moestream {fmt(d_o, '.2f', 'none (' + (ours['refused'] or ours['dead'] or ['?'])[0][:60] + ')')} "
+          f"tok/s, llama.cpp {fmt(d_t, '.2f', 'none')} tok/s ({ratio}), disk use "
+          f"{fmt(use * 100 if use is not None else None, '.0f', 'n/a')}% of bandwidth")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""bench/beyond_ram.py's parts on a tiny shape: the synthesised store runs in moestream, the
+GGUF holds Q4_K blocks of the same shapes that llama.cpp's reader parses, and a child in a
+limited cgroup has its peak and OOM kill counted (skipped where cgroups cannot be written)."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+TINY = dict(name="tiny", layers=2, hidden=256, experts=8, top_k=2, width=256, heads=4, kv_heads=2, head_dim=64,
+            vocab=512)
+
+
+@pytest.fixture(scope="module")
+def M():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("beyond_ram_model")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_store_runs_and_gguf_has_the_same_shapes_in_q4_k(M, tmp_path):
+    import gguf
+
+    from engine.experts.runtime import load_from_store
+
+    shape = M.Shape(**TINY)
+    M.write_store(shape, tmp_path / "store")
+    M.write_gguf(shape, tmp_path / "m.gguf")
+    with load_from_store(tmp_path / "store", dense="int8", prefetch_depth=0) as sm:
+        cfg = sm.model.config
+        assert (cfg.arch, cfg.num_layers, cfg.moe.num_experts, cfg.moe.top_k) == ("qwen3_moe", 2, 8, 2)
+        assert sm.store.num_experts_total == 16
+        a = sm.store.read_expert(0, 0, verify=True).tobytes()
+        b = sm.store.read_expert(1, 3, verify=True).tobytes()
+        assert a != b  # each expert its own random codes
+    r = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    ts = {t.name: t for t in r.tensors}
+    exps = ts["blk.1.ffn_down_exps.weight"]
+    assert exps.tensor_type == gguf.GGMLQuantizationType.Q4_K
+    assert list(exps.shape) == [shape.width, shape.hidden, shape.experts]  # GGUF order: innermost first
+    assert int(exps.n_bytes) == shape.experts * shape.hidden * shape.width * 9 // 16  # 4.5 bits/weight
+    assert ts["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    d = np.asarray(ts["blk.0.attn_q.weight"].data).reshape(-1, 144)[:, :4].copy().view(np.float16)
+    assert np.all(d == np.float16(2.0 ** -13))  # finite block scales, as written
+
+
+def test_a_child_over_its_limit_is_counted_as_an_oom_kill():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from cgroup_limit import LimitedGroup, NoCgroup
+    finally:
+        sys.path.remove(str(BENCH))
+    try:
+        g = LimitedGroup(64 * 2**20)
+    except NoCgroup as e:
+        pytest.skip(str(e))
+    with g:
+        fine = subprocess.run([sys.executable, "-c", "b = bytearray(8 << 20)"], preexec_fn=g.enter)
+        assert fine.returncode == 0 and 8 << 20 <= g.peak() <= 64 * 2**20 and g.oom_kills() == 0
+        r = subprocess.run([sys.executable, "-c", "b = bytearray(512 << 20)"], preexec_fn=g.enter)
+        assert r.returncode == -9 and g.oom_kills() == 1

@@ -1,0 +1,125 @@
+"""Budgets from the process's own cgroup: the limit is read from the group /proc/self/cgroup
+names (and its ancestors), not the root group; auto budgets fit under it with the stated margin;
+a limit too small for the dense part is refused before loading, naming the minimum."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from engine.errors import HostMemoryError
+from engine.experts.device_budget import (
+    CGROUP_MARGIN, GiB, cgroup_memory_limit, host_memory, resolve_budgets,
+)
+
+MiB = 2**20
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _tree(tmp_path: Path, proc: str, files: dict[str, str]) -> tuple[str, str]:
+    for rel, text in files.items():
+        p = tmp_path / "cg" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    (tmp_path / "cgroup").write_text(proc)
+    return str(tmp_path / "cgroup"), str(tmp_path / "cg")
+
+
+def test_v1_limit_of_the_process_group_not_the_root(tmp_path):
+    proc, root = _tree(tmp_path, "4:memory:/jobs/a\n3:cpu:/\n0::/\n", {
+        "memory/memory.limit_in_bytes": "9223372036854771712\n",
+        "memory/jobs/memory.limit_in_bytes": str(8 * GiB),
+        "memory/jobs/a/memory.limit_in_bytes": str(GiB),
+    })
+    assert cgroup_memory_limit(proc, root) == (GiB, f"{root}/memory/jobs/a/memory.limit_in_bytes")
+
+
+def test_an_ancestor_limit_below_the_group_wins(tmp_path):
+    proc, root = _tree(tmp_path, "4:memory,hugetlb:/jobs/a\n", {
+        "memory/jobs/memory.limit_in_bytes": str(512 * MiB),
+        "memory/jobs/a/memory.limit_in_bytes": "9223372036854771712",
+    })
+    assert cgroup_memory_limit(proc, root)[0] == 512 * MiB
+
+
+def test_v2_memory_max_and_max_means_none(tmp_path):
+    proc, root = _tree(tmp_path, "0::/user/job\n", {
+        "memory.max": "max\n", "user/memory.max": "max\n", "user/job/memory.max": str(3 * GiB) + "\n",
+    })
+    assert cgroup_memory_limit(proc, root)[0] == 3 * GiB
+    proc, root = _tree(tmp_path / "b", "0::/user/job\n", {"user/job/memory.max": "max\n"})
+    assert cgroup_memory_limit(proc, root) == (None, "")
+
+
+def test_a_group_not_mounted_here_falls_back_to_the_root_files(tmp_path):
+    proc, root = _tree(tmp_path, "4:memory:/elsewhere/x\n", {"memory/memory.limit_in_bytes": str(2 * GiB)})
+    assert cgroup_memory_limit(proc, root)[0] == 2 * GiB
+
+
+def test_dense_part_too_big_for_the_memory_is_refused_naming_the_minimum():
+    with pytest.raises(HostMemoryError, match=r"needs at least 1\.75 GiB"):
+        resolve_budgets(4 * GiB, device="cpu", resident=GiB + GiB // 2, headroom=GiB // 4, host_available=GiB)
+    # given budgets on plain RAM (no cgroup limit) are not second-guessed
+    b = resolve_budgets(4 * GiB, device="cpu", resident=GiB + GiB // 2, headroom=GiB // 4, host_available=GiB,
+                        device_budget=GiB // 8, ram_budget=GiB // 8)
+    assert (b.device, b.ram) == (GiB // 8, GiB // 8)
+
+
+def _child_cgroup() -> Path | None:
+    """A fresh child of this process's v1 memory group (None where it cannot be made)."""
+    try:
+        line = next(l for l in Path("/proc/self/cgroup").read_text().splitlines()
+                    if "memory" in l.split(":")[1].split(","))
+    except (OSError, StopIteration, IndexError):
+        return None
+    base = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
+    d = base / f"moestream-test-{uuid.uuid4().hex[:8]}"
+    try:
+        d.mkdir()
+        (d / "memory.limit_in_bytes").write_text(str(GiB))
+    except OSError:
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+        return None
+    return d
+
+
+_CHILD = """
+from engine.experts.device_budget import CGROUP_MARGIN, cgroup_memory_limit, host_memory, resolve_budgets
+b = resolve_budgets(64 * 2**30, device="cpu", resident=100 * 2**20, staging=64 * 2**20)
+print(cgroup_memory_limit()[0], host_memory(), b.ram, b.device, CGROUP_MARGIN)
+print(b.line)
+"""
+
+
+def test_a_process_in_a_smaller_child_cgroup_sizes_its_ram_tier_from_that_limit():
+    d = _child_cgroup()
+    if d is None:
+        pytest.skip("cannot create a child memory cgroup here (needs cgroup v1 memory group writable by this user)")
+    try:
+        assert host_memory() > 2 * GiB  # the machine's figure, which the child must not use
+        procs = str(d / "cgroup.procs")
+
+        def enter():  # runs in the child before exec: join the limited group
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        r = subprocess.run([sys.executable, "-c", _CHILD], cwd=ROOT, capture_output=True, text=True,
+                           preexec_fn=enter, timeout=300)
+        assert r.returncode == 0, r.stderr
+        limit, host, ram, dev, margin = map(int, r.stdout.split()[:5])
+        assert limit == GiB and host == GiB
+        # the tiers share the limit less the margin and the resident part: the device slots
+        # first, the RAM tier the staging bytes (the machine's 20+ GiB would give both 64 GiB)
+        assert margin == CGROUP_MARGIN
+        assert (dev, ram) == (GiB - margin - 100 * MiB - 64 * MiB, 64 * MiB)
+        assert "cgroup limit 1.00 GiB" in r.stdout
+    finally:
+        d.rmdir()
