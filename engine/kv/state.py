@@ -66,7 +66,16 @@ def state_shapes(cfg: ModelConfig) -> tuple[int, tuple[int, int], tuple[int, int
 def slot_bytes(cfg: ModelConfig) -> int:
     """Bytes of one sequence's state over every linear-attention layer (float32)."""
     layers, conv, mat = state_shapes(cfg)
-    return layers * (conv[0] * conv[1] + mat[0] * mat[1] * mat[2]) * 4
+    extra = getattr(cfg.arch_params, "extra_state_bytes", None)  # e.g. Qwen4-Exp's PLE conv windows
+    return layers * (conv[0] * conv[1] + mat[0] * mat[1] * mat[2]) * 4 + (extra(cfg) if extra else 0)
+
+
+def new_recurrent_state(cfg: ModelConfig, num_slots: int | None = None,
+                        device: torch.device | str = "cpu") -> "RecurrentState":
+    """The state class of ``cfg``: the architecture's own (``arch_params.recurrent_state``, a
+    RecurrentState subclass with more per-sequence state) or a RecurrentState."""
+    own = getattr(cfg.arch_params, "recurrent_state", None)
+    return own(cfg, num_slots, device) if own is not None else RecurrentState(cfg, num_slots, device)
 
 
 MAX_CHECKPOINTS = 65  # per-position checkpoints of one verify forward: 1 + the most drafts (64)
@@ -235,7 +244,7 @@ class HybridKVCache(KVCache):
         self.config = cfg
         self.paged = PagedKVCache(len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim, num_blocks,
                                   block_size, dtype, device=device, **kw)
-        self.state = RecurrentState(cfg, num_state_slots, device=device)
+        self.state = new_recurrent_state(cfg, num_state_slots, device=device)
         self.block_size = block_size
 
     @staticmethod
@@ -333,7 +342,7 @@ def recurrent_state_for(kv: KVCache, cfg: ModelConfig) -> RecurrentState:
                           "HybridKVCache (engine.kv.state.kv_cache_from_budget), not a bare PagedKVCache")
     state = _SIDE.get(kv)
     if state is None:
-        state = _SIDE[kv] = RecurrentState(cfg)
+        state = _SIDE[kv] = new_recurrent_state(cfg)
     return state
 
 

@@ -17,11 +17,13 @@ from engine.models.qwen2_moe import spec as qwen2_moe
 from engine.models.qwen3_5_moe import spec as qwen3_5_moe
 from engine.models.qwen3_moe import spec as qwen3_moe
 from engine.models.qwen3_next import spec as qwen3_next
+from engine.models.qwen4_exp import spec as qwen4_exp
 from engine.models.spec import ArchSpec
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     m.SPEC.key: m.SPEC
-    for m in (llama, mixtral, qwen2_moe, qwen3_moe, qwen3_next, gpt_oss, deepseek_v3, qwen3_5_moe)
+    for m in (llama, mixtral, qwen2_moe, qwen3_moe, qwen3_next, gpt_oss, deepseek_v3, qwen3_5_moe,
+              qwen4_exp)
 }
 
 
