@@ -15,9 +15,8 @@ undone by engine.models.qwen3_5_moe.gguf) plus, with H = hidden and S = hc_count
     layers.N.ple.{key,value}_proj                 blk.N.ple_{key,value}          as is
     layers.N.ple.norm_{key,query,conv}            blk.N.ple_norm_*               w - 1
     layers.N.ple.conv1d [S, 1, K]                 blk.N.ple_conv1d [S, K]        [S, 1, K]
-    layers.N.ple.ple_embedding.ngram_embedding    per_layer_token_embd [R, d]    one shard (rows
-      (split_ngram_parts shards of rows)            (one table, no block id)       beyond the heads'
-                                                                                  ranges: zeros)
+    layers.N.ple.ple_embedding.ngram_embedding    per_layer_token_embd [R, d]    one shard: the rows
+      (split_ngram_parts shards of rows)            (one table, no block id)       of the heads' ranges
 
 Metadata: ``qwen35moe``'s keys under ``qwen4exp.`` plus ``hyper_connection.{count,low_rank}``,
 ``attention.indexer.{head_count,key_length,top_k}`` (top_k is the token budget),
@@ -125,7 +124,7 @@ def _ple_fields(get, text: dict[str, Any], source: object) -> dict[str, Any]:
     eos = int(get("ple.eos_token_id"))
     text.update(ple_layer_ids=[int(layers[0]) + 1], ngram_size=ngram, heads_per_ngram=per,
                 ple_embed_dim=row_dim * heads, ple_conv_kernel_size=int(get("ple.conv_kernel")),
-                ngram_vocab_size_base=min(sizes), split_ngram_parts=1)
+                ngram_vocab_size_base=min(sizes), split_ngram_parts=1, make_ngram_vocab_size_divisible_by=1)
     text.setdefault("eos_token_id", [eos])  # PLE needs one; the file's own eos stays the stop token
     return dict(ngram_multipliers=tuple(int(m) for m in mult), ngram_head_sizes=sizes, ple_eos=eos)
 
@@ -187,9 +186,8 @@ def _indexer(config: ModelConfig, layer: int, part: str, shape: tuple[int, ...])
 
 
 def _ple_table(config: ModelConfig, shape: tuple[int, ...]):
-    """The one PLE layer's table as its single shard: the file's rows (at least the heads'
-    ranges) cut or zero-padded to the padded row count the hash implies (rows past the ranges are
-    never looked up)."""
+    """The one PLE layer's table as its single shard: the rows of the hash heads' ranges (the
+    config's divisor is 1), the converter's padding rows after them cut off (never looked up)."""
     a = config.arch_params
     if len(a.ple_layers) != 1:
         raise ModelFormatError(PLE_TABLE, f"the file has a PLE table but its metadata declares "
@@ -200,10 +198,8 @@ def _ple_table(config: ModelConfig, shape: tuple[int, ...]):
         raise ModelFormatError(PLE_TABLE, f"shape {list(shape)}; expected [rows >= {used} (the hash heads' "
                                           f"ranges), {a.ple_row_dim} (embedding_length_per_layer_input)]")
 
-    def table(src) -> torch.Tensor:
-        t = src.stored_tensor(PLE_TABLE)[:h.num_rows]
-        return torch.cat([t, t.new_zeros(h.num_rows - t.shape[0], t.shape[1])]) if t.shape[0] < h.num_rows else t
-    return [(f"model.layers.{a.ple_layers[0]}.ple.ngram.shard_0", (h.num_rows, a.ple_row_dim), None, table)]
+    return [(f"model.layers.{a.ple_layers[0]}.ple.ngram.shard_0", (used, a.ple_row_dim), None,
+             lambda src: src.stored_tensor(PLE_TABLE)[:used].clone())]
 
 
 def _shifted(gname: str):
