@@ -55,8 +55,12 @@ WEIGHT_SEED = 0
 CONVERTER_CACHE = Path.home() / ".cache" / "moestream" / "llama_cpp_converter"
 
 
-def build_checkpoint(out: Path, shape: dict, seed: int = WEIGHT_SEED) -> None:
-    """A random Qwen3.5-MoE VLM checkpoint with SmolLM2's tokenizer (what the converter needs)."""
+def build_checkpoint(out: Path, shape: dict, seed: int = WEIGHT_SEED, family: str = "Qwen3_5Moe",
+                     perturb: float = 0.0) -> None:
+    """A random VLM checkpoint of transformers' ``{family}ForConditionalGeneration`` (Qwen3.5-MoE
+    here; Qwen4-Exp for bench/qwen4exp_vs_llama_cpp.py) with SmolLM2's tokenizer (what the
+    converter needs). perturb: every weight moves by that much Gaussian noise off its init (whose
+    zero-centred norms and zero convolutions would leave parts of a model unexercised)."""
     import transformers as T
     from transformers import AutoTokenizer
 
@@ -69,9 +73,16 @@ def build_checkpoint(out: Path, shape: dict, seed: int = WEIGHT_SEED) -> None:
                 rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
                                      mrope_section=[rot - 2 * (rot // 3), rot // 3, rot // 3],
                                      mrope_interleaved=True))
-    cfg = T.Qwen3_5MoeConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=shape["hidden_size"]))
+    cfg = getattr(T, f"{family}Config")(text_config=text,
+                                        vision_config=dict(VISION, out_hidden_size=shape["hidden_size"]))
     torch.manual_seed(seed)
-    T.Qwen3_5MoeForConditionalGeneration(cfg).save_pretrained(out)
+    model = getattr(T, f"{family}ForConditionalGeneration")(cfg)
+    if perturb:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dtype.is_floating_point:
+                    p.add_(torch.randn_like(p) * perturb)
+    model.save_pretrained(out)
     tok.save_pretrained(str(out))
 
 
