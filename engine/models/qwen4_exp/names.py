@@ -49,7 +49,7 @@ def hf_split(stored: str, shape: tuple[int, ...], dtype: str, get, config: Model
     """ArchSpec.hf_split: [] for tensors never read; PLE shards renamed; the rest as Qwen3.5-MoE
     (VLM-layout names; a text-only checkpoint's ``model.*`` are looked at as if under
     ``model.language_model.``)."""
-    if stored.endswith(_BUFFERS):
+    if stored.endswith(_BUFFERS) or stored.endswith(".weight_scale_inv"):
         return []
     if ".ple.ple_embedding.ngram_embedding." in stored:
         if dtype not in q35.FP8_DTYPES:
