@@ -65,6 +65,20 @@ def llama_cpp_scores(llama_cpp, gguf_path: Path, ids: list[int], n_ctx: int) -> 
         llm.close()
 
 
+def llama_cpp_greedy(llama_cpp, gguf_path: Path, ids: list[int], n: int, n_ctx: int) -> list[int]:
+    """llama.cpp's ``n`` greedy tokens after ``ids``."""
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=2, verbose=False)
+    try:
+        out: list[int] = []
+        for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            out.append(int(t))
+            if len(out) == n:
+                return out
+        return out
+    finally:
+        llm.close()
+
+
 def assert_same_model(g, h) -> None:
     """The GGUF's files ``g`` hold the HF checkpoint ``h``'s model: the config's shapes, every
     tensor under the same canonical name, nothing left unmapped."""

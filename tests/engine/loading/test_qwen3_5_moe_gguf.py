@@ -23,8 +23,8 @@ from engine.loading import open_model_files
 from engine.models.load import build_model
 from engine.models.qwen3_5_moe.gguf import config_from_gguf
 from tests.engine.loading.converted import (all_logits, assert_generate_equal, assert_matches_transformers,
-                                            assert_same_model, converter_module, llama_cpp_scores,
-                                            rewrite_gguf)
+                                            assert_same_model, converter_module, llama_cpp_greedy,
+                                            llama_cpp_scores, rewrite_gguf)
 from tests.engine.models.qwen3_5_moe_tiny import add_mtp, make_qwen3_5_moe
 
 # grouped: 2 key heads, 4 value heads (the converter re-orders value heads), untied, attention
@@ -105,15 +105,7 @@ def test_llama_cpp_greedy_tokens_equal_moestreams(converted):
     model = build_model(cfg, files.source)
     ids = torch.randint(3, cfg.vocab_size, (80,), generator=torch.Generator().manual_seed(6)).tolist()
     theirs = llama_cpp_scores(llama_cpp, with_mtp, ids, n_ctx=160)
-    llm = llama_cpp.Llama(model_path=str(with_mtp), n_ctx=160, n_threads=2, verbose=False)
-    try:
-        lc_tokens = []
-        for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            lc_tokens.append(int(t))
-            if len(lc_tokens) == 32:
-                break
-    finally:
-        llm.close()
+    lc_tokens = llama_cpp_greedy(llama_cpp, with_mtp, ids, 32, n_ctx=160)
     ours = all_logits(model, ids).numpy()
     # measured: max |difference| 3.2e-4 with logits up to 1.7 (llama.cpp's own kernels and order)
     assert np.abs(theirs - ours).max() < 5e-3 * np.abs(ours).max()

@@ -32,7 +32,8 @@ from engine.loading import open_model_files
 from engine.models.load import build_model
 from engine.models.qwen4_exp.gguf import config_from_gguf
 from tests.engine.loading.converted import (all_logits, assert_generate_equal, assert_matches_transformers,
-                                            converter_module, llama_cpp_scores, rewrite_gguf)
+                                            converter_module, llama_cpp_greedy, llama_cpp_scores,
+                                            rewrite_gguf)
 from tests.engine.models.qwen4_exp_tiny import make_qwen4_exp
 
 # llama.cpp-compatible tiny shapes (module doc). qsa_r4: 1 PLE layer (layer 2), hc 2, ngram 3,
@@ -110,16 +111,7 @@ def test_greedy_tokens_equal_transformers_and_llama_cpp(converted):
     if name != "r1_ple":
         return
     llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=96, n_threads=2, verbose=False)
-    try:
-        theirs = []
-        for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            theirs.append(int(t))
-            if len(theirs) == 32:
-                break
-    finally:
-        llm.close()
-    assert theirs == ours
+    assert llama_cpp_greedy(llama_cpp, path, ids, 32, n_ctx=96) == ours
     scores = llama_cpp_scores(llama_cpp, path, ids, n_ctx=96)
     logits = all_logits(model, ids).numpy()
     # llama.cpp's own kernels and summation order
