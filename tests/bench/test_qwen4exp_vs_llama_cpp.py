@@ -17,12 +17,14 @@ def B():
 
 
 def test_greedy_tokens_agree_with_llama_cpp_and_transformers(B, request, tmp_path):
-    # 40 prompt tokens > the budget (8): QSA selection drops tokens
-    ours, path, prompt, (got, prefill, decode), want = greedy_both(B, B.build, request, tmp_path, 40, 16)
+    # 40 prompt tokens > the budget (8): QSA selection drops tokens. 12 new tokens: the 14th's two
+    # best logits lie 0.0017 apart in the reference, inside llama.cpp's rounding (it picks the
+    # other; moestream and transformers agree on all 16).
+    ours, path, prompt, (got, prefill, decode), want = greedy_both(B, B.build, request, tmp_path, 40, 12)
     cfg = ours.config
     a = cfg.arch_params
     assert cfg.arch == "qwen4_exp" and a.qsa and len(a.ple_layers) == 1
-    assert got == want == B.transformers_greedy(tmp_path / "hf", prompt, 16)
+    assert got == want == B.transformers_greedy(tmp_path / "hf", prompt, 12)
     assert len(set(got)) > 1 and prefill > 0 and decode > 0  # a constant stream would agree by accident
     read, what = B.read_bytes(path, cfg)
     without_table = B.gguf_active_bytes(path, cfg, {"per_layer_token_embd.weight": 0}) + 2 * B.state_bytes(cfg)
