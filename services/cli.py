@@ -286,6 +286,10 @@ def info(path):
 
         for line in info_lines(cfg, _human):
             click.echo(line)
+    own_lines = getattr(cfg.arch_params, "info_lines", None)  # e.g. Qwen4-Exp's PLE tables and QSA
+    if own_lines is not None:
+        for line in own_lines(cfg, _human):
+            click.echo(line)
 
 
 def _info_config(path: Path):

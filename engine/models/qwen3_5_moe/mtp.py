@@ -91,6 +91,9 @@ def load_mtp_head(target: nn.Module, source, dtype: torch.dtype | None = None) -
     """The target's MTP head from an HF checkpoint (HFSource); ModelFormatError when the
     checkpoint has none or more than one MTP layer, or a tensor is missing or misshapen."""
     cfg: ModelConfig = target.config
+    if not getattr(target, "mtp_drafter", True):  # a family whose MTP head has no reference here
+        raise ConfigError(f"{cfg.arch}: `--speculative mtp` is not supported for this architecture "
+                          f"(use --speculative ngram or a draft model)")
     names = mtp_names(source)
     where = getattr(source, "path", "<checkpoint>")
     if not names:

@@ -126,6 +126,11 @@ class Qwen4ExpParams:
 
         return parameter_counts(cfg)
 
+    def info_lines(self, cfg: ModelConfig, human) -> list[str]:
+        from engine.models.qwen4_exp.info import info_lines
+
+        return info_lines(cfg, human)
+
     def recurrent_state(self, cfg: ModelConfig, num_slots: int | None, device) -> Any:
         """engine.kv.state's hook: the per-sequence state of this model (DeltaNet + PLE conv + n-gram
         context + QSA index keys)."""

@@ -23,7 +23,6 @@ each mixer and FFN call, which hyper-connections replace, so every step runs the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
@@ -137,6 +136,9 @@ class _NoNativeStep:
 
 
 class Qwen4ExpForCausalLM(Qwen3NextForCausalLM):
+    # transformers drops Qwen4-Exp's mtp.* weights: no reference to check a drafter against
+    mtp_drafter = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)
         self.config = cfg

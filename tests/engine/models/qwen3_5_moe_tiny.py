@@ -59,7 +59,16 @@ def make_qwen3_5_moe(out: Path, seed: int = 0, vocab: int = 96, *, tied: bool = 
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.add_(torch.randn_like(p) * (0.5 if name.endswith(("A_log", "dt_bias")) else 0.05))
-        if dtype != torch.float32:
+    save_vlm(model, out, dtype, max_shard_size, vision)
+    return model
+
+
+def save_vlm(model: torch.nn.Module, out: Path, dtype: torch.dtype, max_shard_size: str | None,
+             vision: bool) -> None:
+    """save_pretrained a VLM in ``dtype`` (the fp32 model then holds the values as written),
+    sharded when ``max_shard_size`` is given, without `model.visual.*` unless ``vision``."""
+    if dtype != torch.float32:
+        with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.to(dtype).float())
     out = Path(out)
@@ -68,7 +77,6 @@ def make_qwen3_5_moe(out: Path, seed: int = 0, vocab: int = 96, *, tied: bool = 
     (copy.deepcopy(model).to(dtype) if dtype != torch.float32 else model).save_pretrained(out, **kw)
     if not vision:
         drop_vision(out)
-    return model
 
 
 def shard_files(out: Path) -> list[Path]:

@@ -8,13 +8,12 @@ below the contexts the tests run (>= 100 positions), so QSA selection drops bloc
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
 import transformers as T
 
-from tests.engine.models.qwen3_5_moe_tiny import TINY_VISION, drop_vision
+from tests.engine.models.qwen3_5_moe_tiny import TINY_VISION, save_vlm
 
 # name -> text_config overrides. Layers 1-3 are DeltaNet, 4 is QSA attention (interval 4); the
 # 5-layer case has a second QSA layer's worth of DeltaNet first.
@@ -69,15 +68,7 @@ def make_qwen4_exp(out: Path, seed: int = 0, vocab: int = 96, *, case: str | Non
     torch.manual_seed(seed)
     model = T.Qwen4ExpForConditionalGeneration(cfg).eval()
     _perturb(model, seed)
-    if dtype != torch.float32:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.to(dtype).float())
-    out = Path(out)
-    kw = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
-    (copy.deepcopy(model).to(dtype) if dtype != torch.float32 else model).save_pretrained(out, **kw)
-    if not vision:
-        drop_vision(out)
+    save_vlm(model, out, dtype, max_shard_size, vision)
     return model
 
 

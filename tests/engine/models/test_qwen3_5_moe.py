@@ -92,30 +92,38 @@ def _fp8_block(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.T
     return q[:out, :inp].contiguous(), scale
 
 
-def test_block_fp8_checkpoint_loads_as_its_dequantized_values(tmp_path):
-    """The published FP8 layout (every 2-D projection F8_E4M3 + weight_scale_inv per 128 x 128
-    block, the split DeltaNet projections included): each canonical tensor equals the dequantized
-    values, and the model equals one loaded from those values written in fp32."""
+def write_fp8_and_dequantized(root, selected) -> dict[str, torch.Tensor]:
+    """From the checkpoint root/fp32: root/fp8 with every 2-D tensor whose name ``selected`` block-FP8
+    (+ weight_scale_inv, and quantization_config in config.json), root/deq with those tensors'
+    dequantized values in fp32 and the rest as they were; returns the fp8 tensors."""
     from safetensors.torch import load_file, save_file
 
-    make_qwen3_5_moe(tmp_path / "fp32", seed=6, hidden_size=160)  # 160: a partial 128-block
-    tensors = load_file(tmp_path / "fp32" / "model.safetensors")
+    tensors = load_file(root / "fp32" / "model.safetensors")
     fp8, deq = {}, {}
     for name, t in tensors.items():
-        if t.ndim == 2 and "_proj" in name and name.startswith("model.language_model."):
+        if t.ndim == 2 and selected(name):
             q, s = _fp8_block(t)
             fp8[name], fp8[name + "_scale_inv"] = q, s
             deq[name] = q.float() * s.repeat_interleave(128, 0)[:t.shape[0]].repeat_interleave(128, 1)[:, :t.shape[1]]
         else:
             fp8[name] = deq[name] = t
-    assert sum(n.endswith("_scale_inv") for n in fp8) > 20
     for d, ts in (("fp8", fp8), ("deq", deq)):
-        (tmp_path / d).mkdir()
-        save_file(ts, tmp_path / d / "model.safetensors", metadata={"format": "pt"})
-        cfg = json.loads((tmp_path / "fp32" / "config.json").read_text())
+        (root / d).mkdir()
+        save_file(ts, root / d / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((root / "fp32" / "config.json").read_text())
         if d == "fp8":
             cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-        (tmp_path / d / "config.json").write_text(json.dumps(cfg))
+        (root / d / "config.json").write_text(json.dumps(cfg))
+    return fp8
+
+
+def test_block_fp8_checkpoint_loads_as_its_dequantized_values(tmp_path):
+    """The published FP8 layout (every 2-D projection F8_E4M3 + weight_scale_inv per 128 x 128
+    block, the split DeltaNet projections included): each canonical tensor equals the dequantized
+    values, and the model equals one loaded from those values written in fp32."""
+    make_qwen3_5_moe(tmp_path / "fp32", seed=6, hidden_size=160)  # 160: a partial 128-block
+    fp8 = write_fp8_and_dequantized(tmp_path, lambda name: "_proj" in name and name.startswith("model.language_model."))
+    assert sum(n.endswith("_scale_inv") for n in fp8) > 20
     a, b = open_model_files(tmp_path / "fp8"), open_model_files(tmp_path / "deq")
     assert a.source.names() == b.source.names()
     assert a.source.info("model.layers.0.linear_attn.in_proj_qkvz.weight").dtype == "f8_e4m3"

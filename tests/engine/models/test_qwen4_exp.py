@@ -26,7 +26,7 @@ from engine.models.load import build_model
 from engine.models.qwen4_exp.ngram import ngram_hash, ngram_row_ids
 from engine.models.qwen4_exp.qsa_reference import QSAIndexer
 from tests.engine.models.qwen4_exp_tiny import CASES, make_qwen4_exp, make_qwen4_exp_text, prompt, text_config
-from tests.engine.models.test_qwen3_5_moe import _fp8_block
+from tests.engine.models.test_qwen3_5_moe import write_fp8_and_dequantized
 from tests.engine.models.test_qwen3_next import check_against_transformers
 
 
@@ -179,22 +179,7 @@ def test_block_fp8_checkpoint_loads_as_its_dequantized_values(tmp_path):
     """Block-FP8 (F8_E4M3 + weight_scale_inv per 128 x 128) projections and PLE shards: each
     canonical tensor equals its dequantized values and the logits equal a fp32 copy of them."""
     make_qwen4_exp(tmp_path / "fp32", seed=6, case="ple2_ng3_hc2")
-    tensors = load_file(tmp_path / "fp32" / "model.safetensors")
-    fp8, deq = {}, {}
-    for name, t in tensors.items():
-        if t.ndim == 2 and ("_proj" in name or "ngram_embedding" in name) and "visual" not in name:
-            q, s = _fp8_block(t)
-            fp8[name], fp8[name + "_scale_inv"] = q, s
-            deq[name] = q.float() * s.repeat_interleave(128, 0)[:t.shape[0]].repeat_interleave(128, 1)[:, :t.shape[1]]
-        else:
-            fp8[name] = deq[name] = t
-    for d, ts in (("fp8", fp8), ("deq", deq)):
-        (tmp_path / d).mkdir()
-        save_file(ts, tmp_path / d / "model.safetensors", metadata={"format": "pt"})
-        cfg = json.loads((tmp_path / "fp32" / "config.json").read_text())
-        if d == "fp8":
-            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-        (tmp_path / d / "config.json").write_text(json.dumps(cfg))
+    write_fp8_and_dequantized(tmp_path, lambda n: ("_proj" in n or "ngram_embedding" in n) and "visual" not in n)
     a, b = open_model_files(tmp_path / "fp8"), open_model_files(tmp_path / "deq")
     assert a.source.names() == b.source.names()
     assert a.source.info("model.layers.0.ple.ngram.shard_0").dtype == "f8_e4m3"
@@ -259,3 +244,30 @@ def test_missing_ple_shard_is_refused(tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ModelFormatError, match="ngram.shard_3"):
         open_model_files(tmp_path)
+
+
+def test_mtp_drafter_is_refused(tiny, tmp_path):
+    """No MTP drafter for Qwen4-Exp (no reference to check one against): a typed error, before
+    the checkpoint is read."""
+    from engine.errors import ConfigError
+    from engine.models.qwen3_5_moe.mtp_draft import mtp_speculative_config
+
+    make_qwen4_exp(tmp_path, seed=1, case="ple0_ng3_hc4")
+    with pytest.raises(ConfigError, match="speculative mtp` is not supported"):
+        mtp_speculative_config(tiny, tmp_path)
+
+
+def test_table_in_twelve_shards_of_unequal_rows(tmp_path):
+    """12 shards (names sort shard_10 before shard_2; the last shard shorter): the rows come in
+    numeric shard order, as transformers writes and reads them."""
+    ref = make_qwen4_exp(tmp_path, seed=2, case="ple2_ng3_hc2", split_ngram_parts=12,
+                         make_ngram_vocab_size_divisible_by=7)
+    files = open_model_files(tmp_path)
+    shapes = [files.source.info(f"model.layers.0.ple.ngram.shard_{k}").shape[0] for k in range(12)]
+    assert len(set(shapes)) == 2 and shapes[-1] < shapes[0]
+    ours = build_model(files.config, files.source)
+    toks = torch.tensor(prompt(96, 80))
+    with torch.no_grad():
+        want = ref(toks[None]).logits[0]
+    got = ours(toks, BatchLayout.single(0, 80, 0), _kv(files.config), all_logits=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
