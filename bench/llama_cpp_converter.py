@@ -32,11 +32,20 @@ _KEEP = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/
 _RUN = """
 import os, runpy, sys
 from transformers.models.auto import tokenization_auto
-for model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+for model_type in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text"):
     tokenization_auto.TOKENIZER_MAPPING_NAMES[model_type] = "TokenizersBackend"
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path[:0] = [os.path.dirname(script), os.path.join(os.path.dirname(script), "gguf-py")]
+from conversion.base import ModelBase
+_load_hparams = ModelBase.load_hparams
+def load_hparams(dir_model, is_mistral_format):
+    config = _load_hparams(dir_model, is_mistral_format)
+    for c in (config, config.get("text_config") or {}):
+        if "indexed_attention" in (c.get("layer_types") or ()):
+            c["layer_types"] = ["full_attention" if t == "indexed_attention" else t for t in c["layer_types"]]
+    return config
+ModelBase.load_hparams = staticmethod(load_hparams)
 runpy.run_path(script, run_name="__main__")
 """
 

@@ -15,9 +15,8 @@ both systems:
   decoding through the serving engine (engine.runner.stream_request).
 * llama.cpp: the same file through llama-cpp-python (its own qwen35moe graph), greedy over ids.
 
-Prompt: ``--prompt`` random ids (torch.Generator seed 1234), then ``--new`` greedy tokens, batch
-1, ``--threads`` threads each; rows alternate inside a round after one warm-up each; the table
-holds the median of ``--rounds`` rounds.
+Prompt and rounds: bench/gguf_side_by_side.py (the frame this bench and qwen4exp_vs_llama_cpp.py
+share).
 
 Roofline decode tok/s = measured memory read bandwidth / bytes one decoded token reads: every
 F32 weight once except top_k/E of the stacked experts and one embedding row (from the GGUF's own
@@ -31,19 +30,15 @@ bench says why and stops.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_cpu import measure_bandwidth  # noqa: E402
-from llama_cpp_converter import ConverterUnavailable, convert, fetch_converter  # noqa: E402
-from vs_llama_cpp import (INSTALL_HINT, LlamaCpp, gguf_active_bytes, have_llama_cpp,  # noqa: E402
-                          load_fp32, make_prompt, moestream_greedy)
+from gguf_side_by_side import add_args, run  # noqa: E402
+from llama_cpp_converter import ConverterUnavailable, convert, fetch_converter  # noqa: E402,F401
+from vs_llama_cpp import LlamaCpp, gguf_active_bytes, load_fp32, make_prompt, moestream_greedy  # noqa: E402,F401
 
 # A small Qwen3.5-MoE: 8 layers (attention every 4th), 32 experts top-4 + a shared expert,
 # DeltaNet 4 key / 8 value heads of 64 (llama.cpp needs equal key and value head dims).
@@ -60,8 +55,12 @@ WEIGHT_SEED = 0
 CONVERTER_CACHE = Path.home() / ".cache" / "moestream" / "llama_cpp_converter"
 
 
-def build_checkpoint(out: Path, shape: dict, seed: int = WEIGHT_SEED) -> None:
-    """A random Qwen3.5-MoE VLM checkpoint with SmolLM2's tokenizer (what the converter needs)."""
+def build_checkpoint(out: Path, shape: dict, seed: int = WEIGHT_SEED, family: str = "Qwen3_5Moe",
+                     perturb: float = 0.0) -> None:
+    """A random VLM checkpoint of transformers' ``{family}ForConditionalGeneration`` (Qwen3.5-MoE
+    here; Qwen4-Exp for bench/qwen4exp_vs_llama_cpp.py) with SmolLM2's tokenizer (what the
+    converter needs). perturb: every weight moves by that much Gaussian noise off its init (whose
+    zero-centred norms and zero convolutions would leave parts of a model unexercised)."""
     import transformers as T
     from transformers import AutoTokenizer
 
@@ -74,9 +73,16 @@ def build_checkpoint(out: Path, shape: dict, seed: int = WEIGHT_SEED) -> None:
                 rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
                                      mrope_section=[rot - 2 * (rot // 3), rot // 3, rot // 3],
                                      mrope_interleaved=True))
-    cfg = T.Qwen3_5MoeConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=shape["hidden_size"]))
+    cfg = getattr(T, f"{family}Config")(text_config=text,
+                                        vision_config=dict(VISION, out_hidden_size=shape["hidden_size"]))
     torch.manual_seed(seed)
-    T.Qwen3_5MoeForConditionalGeneration(cfg).save_pretrained(out)
+    model = getattr(T, f"{family}ForConditionalGeneration")(cfg)
+    if perturb:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dtype.is_floating_point:
+                    p.add_(torch.randn_like(p) * perturb)
+    model.save_pretrained(out)
     tok.save_pretrained(str(out))
 
 
@@ -91,77 +97,20 @@ def state_bytes(cfg) -> int:
     return slot_bytes(cfg)
 
 
+def read_bytes(path: Path, cfg) -> tuple[float, str]:
+    """Bytes one decoded token reads (module doc) and what they are."""
+    state = state_bytes(cfg)
+    return gguf_active_bytes(path, cfg) + 2 * state, (
+        f"F32 weights, top-{cfg.moe.top_k} of {cfg.moe.num_experts} experts, recurrent state "
+        f"{state / 1e6:.2f} MB read and rewritten")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=None, help="layers (default: the shape's)")
-    ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--tiny", action="store_true", help="the tests' tiny shape")
+    add_args(ap)
     args = ap.parse_args(argv)
-
-    if not have_llama_cpp():
-        print(INSTALL_HINT)
-        return
-    torch.set_num_threads(args.threads)
-    shape = dict(TINY if args.tiny else SHAPE)
-    if args.layers is not None:
-        shape["num_hidden_layers"] = args.layers
-    bw = measure_bandwidth()
-    print(f"threads {args.threads}, memory read bandwidth {bw / 1e9:.1f} GB/s, prompt {args.prompt} tokens, "
-          f"{args.new} new tokens, batch 1, {args.rounds} alternating rounds (median)\n"
-          f"model: random Qwen3.5-MoE (qwen35moe), F32 GGUF by llama.cpp's converter: "
-          + ", ".join(f"{k}={v}" for k, v in shape.items()), flush=True)
-    with tempfile.TemporaryDirectory(prefix="qwen35_vs_llama_cpp_") as tmp_name:
-        tmp = Path(tmp_name)
-        t = time.perf_counter()
-        build_checkpoint(tmp / "hf", shape)
-        try:
-            path = to_gguf(tmp / "hf", tmp / "f32.gguf")
-        except ConverterUnavailable as e:
-            print(f"stopped: llama.cpp's converter is not available here: {e}")
-            return
-        print(f"checkpoint and GGUF ({path.stat().st_size / 1e6:.0f} MB) written in "
-              f"{time.perf_counter() - t:.0f} s", flush=True)
-
-        ours = load_fp32(path)
-        cfg = ours.config
-        prompt = make_prompt(args.prompt, cfg.vocab_size)
-        theirs = LlamaCpp(path, args.threads, args.prompt + args.new + 16, min(args.prompt, 512))
-        try:
-            rows = {"moestream": lambda: moestream_greedy(ours, prompt, args.new),
-                    "llama.cpp": lambda: theirs.greedy(prompt, args.new)}
-            tokens = {name: run()[0] for name, run in rows.items()}  # also the warm-up
-            a, b = tokens["moestream"], tokens["llama.cpp"]
-            agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-            print(f"greedy tokens: first {agree} of {args.new} agree "
-                  f"({sum(x == y for x, y in zip(a, b))}/{args.new} positions equal)\n"
-                  f"  moestream  {a}\n  llama.cpp  {b}", flush=True)
-            figures: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in rows}
-            for k in range(args.rounds):
-                for name, run in rows.items():
-                    _, p, d = run()
-                    figures[name][0].append(p)
-                    figures[name][1].append(d)
-                print(f"round {k + 1}/{args.rounds}: " + ", ".join(
-                    f"{n} {f[0][-1]:.0f}/{f[1][-1]:.1f}" for n, f in figures.items()), flush=True)
-        finally:
-            theirs.close()
-
-        read = gguf_active_bytes(path, cfg) + 2 * state_bytes(cfg)
-        roofline = bw / read
-        print(f"\nbytes read per decoded token: {read / 1e6:.1f} MB (F32 weights, top-{cfg.moe.top_k} of "
-              f"{cfg.moe.num_experts} experts, recurrent state {state_bytes(cfg) / 1e6:.2f} MB read and rewritten)")
-        print("\n| system | weights | prefill tok/s | decode tok/s | roofline decode tok/s | % of roofline |")
-        print("|---|---|---|---|---|---|")
-        for name, (p, d) in figures.items():
-            pm, dm = statistics.median(p), statistics.median(d)
-            print(f"| {name} | F32 GGUF | {pm:.0f} | {dm:.1f} | {roofline:.1f} | {100 * dm / roofline:.0f}% |")
-        pm = {n: statistics.median(f[0]) for n, f in figures.items()}
-        dm = {n: statistics.median(f[1]) for n, f in figures.items()}
-        print(f"\nmoestream / llama.cpp: prefill {pm['moestream'] / pm['llama.cpp']:.2f}x, "
-              f"decode {dm['moestream'] / dm['llama.cpp']:.2f}x")
+    run(args, model="random Qwen3.5-MoE (qwen35moe)", shape=TINY if args.tiny else SHAPE,
+        build=build_checkpoint, to_gguf=to_gguf, read_bytes=read_bytes)
 
 
 if __name__ == "__main__":

@@ -195,19 +195,21 @@ def write_gguf(path: Path, hf, cfg) -> Path:
     return path
 
 
-def gguf_active_bytes(path: Path, cfg) -> float:
+def gguf_active_bytes(path: Path, cfg, rows_read: dict[str, int] | None = None) -> float:
     """Bytes of weights one decoded token reads from a GGUF: every tensor once, top_k/E of each
-    stacked expert tensor, one row of the token embedding."""
+    stacked expert tensor, one row of the token embedding (``rows_read``: rows per token of
+    other tables, e.g. a PLE table's n-gram heads)."""
     import gguf
 
     assert cfg.moe is not None
+    rows = {"token_embd.weight": 1, **(rows_read or {})}
     total = 0.0
     for t in gguf.GGUFReader(str(path)).tensors:
         n = float(t.n_bytes)
         if "_exps." in t.name:
             n *= cfg.moe.top_k / cfg.moe.num_experts
-        elif t.name == "token_embd.weight":
-            n /= cfg.vocab_size
+        elif t.name in rows:
+            n *= rows[t.name] / int(t.shape[-1])  # gguf-py's shape: [row width, rows]
         total += n
     return total
 

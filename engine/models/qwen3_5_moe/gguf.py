@@ -44,17 +44,25 @@ GGUF_ARCH = "qwen35moe"
 
 def config_from_gguf(meta: Mapping[str, Any], source: object) -> ModelConfig:
     """The ModelConfig of a ``qwen35moe`` GGUF, parsed as its VLM config.json."""
-    text = next_gguf.hf_text_dict(meta, GGUF_ARCH, source)
-    sections = gguf_keys(meta, GGUF_ARCH, source)("rope.dimension_sections")
-    if not isinstance(sections, list) or not 3 <= len(sections) <= 4 or sum(sections[3:]) != 0:
-        raise ModelFormatError(source, f"{GGUF_ARCH}.rope.dimension_sections must list the 3 text "
-                                       f"sections (and a fourth 0), got {sections!r}")
-    text["rope_parameters"].update(mrope_section=[int(s) for s in sections[:3]], mrope_interleaved=True)
+    text = hf_text_dict(meta, GGUF_ARCH, source)
     tied = text.pop("tie_word_embeddings")
     text["model_type"] = "qwen3_5_moe_text"
     raw = {"architectures": [HF_ARCHITECTURE], "model_type": MODEL_TYPE,
            "text_config": text, "tie_word_embeddings": tied}
     return config_from_hf(raw, source)
+
+
+def hf_text_dict(meta: Mapping[str, Any], arch: str, source: object) -> dict[str, Any]:
+    """Qwen3-Next's text config.json fields of a GGUF under ``arch`` plus the multimodal-RoPE
+    sections (``rope.dimension_sections``: the 3 text sections and a fourth 0, always
+    interleaved): what ``qwen35moe`` and ``qwen4exp`` files share."""
+    text = next_gguf.hf_text_dict(meta, arch, source)
+    sections = gguf_keys(meta, arch, source)("rope.dimension_sections")
+    if not isinstance(sections, list) or not 3 <= len(sections) <= 4 or sum(sections[3:]) != 0:
+        raise ModelFormatError(source, f"{arch}.rope.dimension_sections must list the 3 text "
+                                       f"sections (and a fourth 0), got {sections!r}")
+    text["rope_parameters"].update(mrope_section=[int(s) for s in sections[:3]], mrope_interleaved=True)
+    return text
 
 
 def gguf_split(gname: str, shape: tuple[int, ...], config: ModelConfig):

@@ -28,7 +28,7 @@ from engine.errors import ConfigError, ModelFormatError
 from engine.kv.qsa_index import QSASpec
 from engine.models.qwen3_5_moe.config import DEFAULT_MROPE_SECTION, mrope_layout, rope_params
 from engine.models.qwen3_next.config import hf_fields
-from engine.models.qwen4_exp.ngram import NGramHash, ngram_hash
+from engine.models.qwen4_exp.ngram import NGramHash, ngram_hash, stated_hash
 
 HF_ARCHITECTURES = ("Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM")
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
@@ -64,6 +64,10 @@ class Qwen4ExpParams:
     output_gate: str = "silu"
     mrope_section: tuple[int, int, int] = DEFAULT_MROPE_SECTION
     mrope_interleaved: bool = True
+    # A GGUF states the hash of its one PLE layer instead of (seed, ngram_vocab_base): the
+    # multipliers [ngram_size] and head vocab sizes [ngram heads]; () = derived (ngram.ngram_hash)
+    ngram_multipliers: tuple[int, ...] = ()
+    ngram_head_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.hc_count <= 1:
@@ -118,6 +122,9 @@ class Qwen4ExpParams:
         return (self.ple_conv_kernel - 1) * self.ngram_size
 
     def ngram_hash(self, cfg: ModelConfig, ple_index: int) -> NGramHash:
+        if self.ngram_multipliers:
+            return stated_hash(self.ngram_multipliers, self.ngram_head_sizes, self.heads_per_ngram,
+                               self.ngram_vocab_divisor, self.ple_eos)
         return ngram_hash(vocab_size=cfg.vocab_size, ngram_size=self.ngram_size, heads_per_ngram=self.heads_per_ngram,
                           vocab_base=self.ngram_vocab_base, divisor=self.ngram_vocab_divisor, seed=self.seed,
                           ple_layer_index=ple_index, eos=self.ple_eos)
@@ -152,6 +159,8 @@ def params_from_dict(d: Mapping[str, Any]) -> Qwen4ExpParams:
     d = dict(d)
     d["ple_layers"] = tuple(d["ple_layers"])
     d["mrope_section"] = tuple(d["mrope_section"])
+    for name in ("ngram_multipliers", "ngram_head_sizes"):
+        d[name] = tuple(d.get(name, ()))
     return Qwen4ExpParams(**d)
 
 

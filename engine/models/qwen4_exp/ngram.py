@@ -88,10 +88,17 @@ def ngram_hash(*, vocab_size: int, ngram_size: int, heads_per_ngram: int, vocab_
     """The hash of PLE layer ``ple_layer_index`` (0-based among the PLE layers)."""
     g = (ngram_size - 1) * heads_per_ngram
     sizes = primes_from(vocab_base, (ple_layer_index + 1) * g)[ple_layer_index * g:]
-    offsets = tuple(sum(sizes[:h]) for h in range(g))
-    rows = math.ceil(sum(sizes) / divisor) * divisor
-    return NGramHash(ngram_size, heads_per_ngram, multipliers(vocab_size, ngram_size, ple_layer_index, seed),
-                     tuple(sizes), offsets, rows, eos)
+    return stated_hash(multipliers(vocab_size, ngram_size, ple_layer_index, seed), sizes, heads_per_ngram,
+                       divisor, eos)
+
+
+def stated_hash(multipliers: tuple[int, ...], head_sizes: tuple[int, ...], heads_per_ngram: int, divisor: int,
+                eos: int) -> NGramHash:
+    """The hash of a PLE layer whose constants a file states (a GGUF: multipliers [N], head vocab
+    sizes [G]); the heads' tables end to end, as ngram_hash lays them out."""
+    offsets = tuple(sum(head_sizes[:h]) for h in range(len(head_sizes)))
+    rows = math.ceil(sum(head_sizes) / divisor) * divisor
+    return NGramHash(len(multipliers), heads_per_ngram, tuple(multipliers), tuple(head_sizes), offsets, rows, eos)
 
 
 def shifted_tokens(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ table's shards, Qwen3.5-MoE's DeltaNet projections and block-FP8), tensor list a
 
 from __future__ import annotations
 
-from engine.models.qwen4_exp import config, names, tensors
+from engine.models.qwen4_exp import config, gguf, names, tensors
 from engine.models.spec import ArchSpec
 
 
@@ -24,4 +24,7 @@ SPEC = ArchSpec(
     model_class=_model_class,
     expected_tensors=tensors.expected_tensors,
     hf_split=names.hf_split,
+    gguf_arch=gguf.GGUF_ARCH,
+    config_from_gguf=gguf.config_from_gguf,
+    gguf_split=gguf.gguf_split,
 )

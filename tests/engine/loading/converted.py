@@ -65,6 +65,20 @@ def llama_cpp_scores(llama_cpp, gguf_path: Path, ids: list[int], n_ctx: int) -> 
         llm.close()
 
 
+def llama_cpp_greedy(llama_cpp, gguf_path: Path, ids: list[int], n: int, n_ctx: int) -> list[int]:
+    """llama.cpp's ``n`` greedy tokens after ``ids``."""
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=2, verbose=False)
+    try:
+        out: list[int] = []
+        for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            out.append(int(t))
+            if len(out) == n:
+                return out
+        return out
+    finally:
+        llm.close()
+
+
 def assert_same_model(g, h) -> None:
     """The GGUF's files ``g`` hold the HF checkpoint ``h``'s model: the config's shapes, every
     tensor under the same canonical name, nothing left unmapped."""
@@ -103,3 +117,25 @@ def assert_generate_equal(gguf_path: Path, hf_dir: Path) -> None:
     b = CliRunner().invoke(main, ["generate", "--model", str(hf_dir), *args])
     assert a.exit_code == 0 and b.exit_code == 0, (a.output, b.output)
     assert a.stdout == b.stdout and len(a.stdout.strip()) > 0
+
+
+def rewrite_gguf(src: Path, dst: Path, drop: str | None = None, replace: dict | None = None) -> Path:
+    """``src`` rewritten with gguf-py, every key kept, tensor ``drop`` (if any) left out and the
+    tensors named in ``replace`` (GGUF name -> numpy array in gguf-py's order) swapped in."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), arch=r.fields["general.architecture"].contents())
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in r.tensors:
+        if t.name != drop:
+            w.add_tensor(t.name, (replace or {}).get(t.name, np.asarray(t.data)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -23,7 +23,8 @@ from engine.loading import open_model_files
 from engine.models.load import build_model
 from engine.models.qwen3_5_moe.gguf import config_from_gguf
 from tests.engine.loading.converted import (all_logits, assert_generate_equal, assert_matches_transformers,
-                                            assert_same_model, converter_module, llama_cpp_scores)
+                                            assert_same_model, converter_module, llama_cpp_greedy,
+                                            llama_cpp_scores, rewrite_gguf)
 from tests.engine.models.qwen3_5_moe_tiny import add_mtp, make_qwen3_5_moe
 
 # grouped: 2 key heads, 4 value heads (the converter re-orders value heads), untied, attention
@@ -104,15 +105,7 @@ def test_llama_cpp_greedy_tokens_equal_moestreams(converted):
     model = build_model(cfg, files.source)
     ids = torch.randint(3, cfg.vocab_size, (80,), generator=torch.Generator().manual_seed(6)).tolist()
     theirs = llama_cpp_scores(llama_cpp, with_mtp, ids, n_ctx=160)
-    llm = llama_cpp.Llama(model_path=str(with_mtp), n_ctx=160, n_threads=2, verbose=False)
-    try:
-        lc_tokens = []
-        for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            lc_tokens.append(int(t))
-            if len(lc_tokens) == 32:
-                break
-    finally:
-        llm.close()
+    lc_tokens = llama_cpp_greedy(llama_cpp, with_mtp, ids, 32, n_ctx=160)
     ours = all_logits(model, ids).numpy()
     # measured: max |difference| 3.2e-4 with logits up to 1.7 (llama.cpp's own kernels and order)
     assert np.abs(theirs - ours).max() < 5e-3 * np.abs(ours).max()
@@ -126,33 +119,12 @@ def test_generate_from_the_gguf_equals_generate_from_the_checkpoint(converted):
     assert_generate_equal(with_mtp, hf_dir)
 
 
-def _copy_gguf_without(src: Path, dst: Path, drop: str | None) -> Path:
-    """``src`` rewritten with gguf-py, every key kept, tensor ``drop`` (if any) left out."""
-    import gguf
-
-    r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), arch=r.fields["general.architecture"].contents())
-    for key, field in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-    for t in r.tensors:
-        if t.name != drop:
-            w.add_tensor(t.name, np.asarray(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 @pytest.mark.parametrize("drop", ["blk.0.ssm_a", "blk.0.attn_gate.weight", "blk.0.ssm_alpha.weight"])
 def test_gguf_missing_a_deltanet_tensor_is_one_format_error(converted, tmp_path, drop):
     _, _, _, no_mtp = converted
-    full = open_model_files(_copy_gguf_without(no_mtp, tmp_path / "full.gguf", None))
+    full = open_model_files(rewrite_gguf(no_mtp, tmp_path / "full.gguf"))
     build_model(full.config, full.source)  # the rewrite itself loses nothing
-    bad = _copy_gguf_without(no_mtp, tmp_path / "bad.gguf", drop)
+    bad = rewrite_gguf(no_mtp, tmp_path / "bad.gguf", drop=drop)
     with pytest.raises(ModelFormatError) as e:
         files = open_model_files(bad)
         build_model(files.config, files.source)
