@@ -59,12 +59,49 @@ def test_sockets_loopback_or_token_and_sigterm_stops_everything(serve):
     _stopped_cleanly(serve, pids, signal.SIGTERM, group=False)
 
 
+def _env_command(s: Serve) -> tuple[dict[str, str], str]:
+    """`moestream env` in a second terminal of the same account: (exports, note)."""
+    from tests.deploy.helpers import ROOT
+
+    p = subprocess.run([sys.executable, "-m", "services.cli", "env"], capture_output=True, text=True,
+                       env={**s.env, "PYTHONPATH": str(ROOT)}, timeout=120, cwd=s.tmp)
+    assert p.returncode == 0, p.stderr
+    return dict(line.removeprefix("export ").split("=", 1) for line in p.stdout.splitlines()), p.stderr
+
+
+def _gcs_address(pids: list[int]) -> str:
+    """The GCS this deployment's gcs_server process listens on, from its command line."""
+    for pid in pids:
+        args = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        if args and args[0].endswith("gcs_server"):
+            port = next(a.split("=", 1)[1] for a in args if a.startswith("--gcs_server_port="))
+            return f"127.0.0.1:{port}"
+    raise AssertionError("no gcs_server among the deployment's processes")
+
+
 def test_ctrl_c_of_the_terminal_stops_everything(serve):
     serve.start()
     pids = serve.pids()
     assert len(shm_of(serve.namespace)) == 2
+    # a second terminal finds this cluster: `moestream env` prints its GCS (issue 28; before,
+    # the address deploy/start-head.sh's cluster would have, 127.0.0.1:6379)
+    exports, note = _env_command(serve)
+    assert exports["RAY_ADDRESS"] == _gcs_address(pids), (exports, note)
+    assert f"namespace {serve.namespace}" in note
     # a terminal's Ctrl-C: SIGINT to the whole foreground group (gcs_server, raylet, ... too)
     _stopped_cleanly(serve, pids, signal.SIGINT, group=True)
+    exports, note = _env_command(serve)  # stopped: none is running, and it says so
+    assert "RAY_ADDRESS" not in exports and "no Ray cluster" in note
+
+
+def test_sigterm_to_the_group_stops_everything(serve):
+    """What systemd's KillMode=control-group and `kill -TERM -PGID` do: SIGTERM to serve and
+    every process of its group at once. Before the fix the local cluster's GCS and raylet died
+    with it, serve waited 60 s for the dead GCS, exited 1 and left processes running."""
+    serve.start()
+    pids = serve.pids()
+    assert len(shm_of(serve.namespace)) == 2
+    _stopped_cleanly(serve, pids, signal.SIGTERM, group=True)
 
 
 def test_sigkill_of_everything_then_start_again_leaves_one_deployment_of_segments(serve, store_path):
