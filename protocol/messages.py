@@ -43,6 +43,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_TOOLS = 128  # tools offered in one request
+MAX_TOOL_CALLS = 64  # tool calls in one assistant turn
+MAX_NAME_CHARS = 256  # a tool's or a message author's name
+MAX_SCHEMA_CHARS = 1_000_000  # a JSON schema or grammar, as text
 MAX_TOP_K = 1_000_000
 MAX_SEED = 2**63 - 1
 MAX_ERROR_MESSAGE_CHARS = 4096
@@ -145,6 +149,17 @@ class WireMessage(StrictModel):
 # --------------------------------------------------------------------------- client-facing
 
 
+class GrammarSpec(StrictModel):
+    """A constraint on the output, enforced token by token in the sampler (engine.agent.grammar).
+    The router derives it from ``response_format`` and ``tool_choice``; clients do not send it."""
+
+    kind: Literal["json_object", "json_schema", "ebnf", "structural_tag"] = Field(
+        description="json_object: any JSON object; json_schema: ``text`` is a JSON schema; ebnf: "
+        "``text`` is a GBNF/EBNF grammar whose start rule is ``root``; structural_tag: ``text`` is "
+        "an xgrammar structural tag (JSON).")
+    text: str = Field("", max_length=MAX_SCHEMA_CHARS, description="The schema or grammar text.")
+
+
 class SamplingParams(StrictModel):
     """How to pick each next token. Defaults give plain sampling at temperature 1."""
 
@@ -240,16 +255,75 @@ class SamplingParams(StrictModel):
         description=f"Most draft tokens verified per step, 1..{MAX_DRAFT_TOKENS}; None takes the "
         "server's default (adaptive).",
     )
+    grammar: GrammarSpec | None = Field(
+        None,
+        description="Constrain the output to this grammar (structured output, forced tool calls); "
+        "None: unconstrained. A constrained request does not speculate.",
+    )
+
+
+class ToolCall(StrictModel):
+    """One function call the assistant made (in a request's history, or in a result)."""
+
+    id: str = Field(min_length=1, max_length=MAX_NAME_CHARS, description="The call's id; a tool "
+                    "message answers it by this id.")
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS, description="The function's name.")
+    arguments: str = Field(max_length=MAX_PROMPT_CHARS, description="The arguments as JSON text "
+                           "(an object when the model wrote valid JSON).")
+
+
+class ToolCallDelta(StrictModel):
+    """A streamed piece of a tool call: the first piece of call ``index`` has its id and name,
+    later pieces append to its arguments text."""
+
+    index: int = Field(ge=0, le=MAX_TOOL_CALLS, description="Which call of this answer (0-based).")
+    id: str | None = Field(None, max_length=MAX_NAME_CHARS, description="Set on the call's first piece.")
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS, description="Set on the call's first piece.")
+    arguments: str = Field("", max_length=MAX_PROMPT_CHARS, description="Arguments text added.")
+
+
+class ToolSpec(StrictModel):
+    """A function the model may call."""
+
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[A-Za-z0-9_.:-]+$",
+                      description="The function's name: letters, digits, _ . : -")
+    description: str = Field("", max_length=MAX_PROMPT_CHARS, description="What it does.")
+    parameters: str = Field('{"type": "object", "properties": {}}', max_length=MAX_SCHEMA_CHARS,
+                            description="JSON schema of its arguments, as JSON text.")
+    strict: bool = Field(False, description="Arguments must follow the schema (OpenAI's strict).")
+
+
+class ResponseFormat(StrictModel):
+    """The shape of the answer: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = Field(description="The format.")
+    schema_text: str | None = Field(None, max_length=MAX_SCHEMA_CHARS, description="json_schema: "
+                                    "the JSON schema as JSON text.")
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS, description="json_schema: its name.")
+    strict: bool = Field(True, description="json_schema: enforce the schema (always enforced here).")
 
 
 class ChatMessage(StrictModel):
     """One turn of a chat; the tokenizer's chat template renders the list into a prompt."""
 
-    role: Literal["system", "user", "assistant"] = Field(
-        description="Who speaks: system, user or assistant."
+    role: Literal["system", "user", "assistant", "tool"] = Field(
+        description="Who speaks: system, user, assistant, or tool (a tool call's result)."
     )
     content: str = Field(
         max_length=MAX_PROMPT_CHARS, description="The text of the turn (may be empty)."
+    )
+    tool_calls: list[ToolCall] | None = Field(
+        None, max_length=MAX_TOOL_CALLS, description="assistant: the calls it made."
+    )
+    tool_call_id: str | None = Field(
+        None, max_length=MAX_NAME_CHARS, description="tool: the id of the call this answers."
+    )
+    name: str | None = Field(
+        None, max_length=MAX_NAME_CHARS, description="tool: the function's name (optional)."
+    )
+    reasoning: str | None = Field(
+        None, max_length=MAX_PROMPT_CHARS, description="assistant: its reasoning text, given to "
+        "templates that render it (as ``reasoning_content``)."
     )
 
 
@@ -295,6 +369,28 @@ class GenerateRequest(WireMessage):
     stream: bool = Field(
         False, description="Stream TokenChunk messages as tokens are produced, then the result."
     )
+    enable_thinking: bool | None = Field(
+        None, description="With messages: passed to the chat template as `enable_thinking` "
+        "(Qwen3's templates think unless it is false). None: the template's default."
+    )
+    tools: list[ToolSpec] | None = Field(
+        None, max_length=MAX_TOOLS, description="With messages: functions the model may call, "
+        "rendered by the chat template; its calls come back as tool_calls."
+    )
+    tool_choice: Literal["auto", "none", "required", "function"] = Field(
+        "auto", description="auto: the model decides; none: no calls (tools are not rendered); "
+        "required: at least one call; function: a call of `tool_name`. required and function "
+        "are enforced by a grammar."
+    )
+    tool_name: str | None = Field(
+        None, max_length=MAX_NAME_CHARS, description="tool_choice 'function': the tool to call."
+    )
+    parallel_tool_calls: bool = Field(
+        True, description="False: at most one call per answer (enforced under required/function)."
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description="With messages or a prompt: the answer's format, enforced by a grammar."
+    )
 
     @field_validator("messages")
     @classmethod
@@ -319,6 +415,15 @@ class GenerateRequest(WireMessage):
                 "exactly one of 'prompt', 'messages' or 'prompt_token_ids' must be given; got "
                 + (" and ".join(repr(g) for g in given) if given else "none")
             )
+        if self.tool_choice == "function":
+            names = [t.name for t in self.tools or ()]
+            if self.tool_name not in names:
+                raise ValueError(f"tool_choice names {self.tool_name!r}, which is not among the "
+                                 f"tools given: {names[:8]}")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs at least one tool")
+        if self.tools and self.messages is None:
+            raise ValueError("tools need chat messages (a chat template renders them)")
         return self
 
 
@@ -346,9 +451,13 @@ class TokenChunk(WireMessage):
     )
     reasoning: str | None = Field(
         None,
-        description="For models with reasoning channels (gpt-oss's harmony format): reasoning "
-        "text decoded since the previous chunk (``text`` is then the answer only); None for "
-        "other models.",
+        description="For models with reasoning (gpt-oss's analysis channel, <think>...</think>): "
+        "reasoning text decoded since the previous chunk (``text`` is then the answer only); "
+        "None for models without reasoning.",
+    )
+    tool_calls: list[ToolCallDelta] | None = Field(
+        None, max_length=MAX_TOOL_CALLS, description="Tool-call pieces parsed since the previous "
+        "chunk (requests with tools); None: none."
     )
     logprobs: FiniteFloats | None = Field(
         None,
@@ -416,8 +525,12 @@ class GenerateResult(WireMessage):
     text: str = Field(description="The generated text, without any stop string.")
     reasoning: str | None = Field(
         None,
-        description="For models with reasoning channels (gpt-oss's harmony format): the "
-        "reasoning (analysis channel) text, ``text`` being the answer; None for other models.",
+        description="For models with reasoning (gpt-oss's analysis channel, <think>...</think>): "
+        "the reasoning text, ``text`` being the answer; None for models without reasoning.",
+    )
+    tool_calls: list[ToolCall] | None = Field(
+        None, max_length=MAX_TOOL_CALLS, description="The tool calls parsed from the output "
+        "(requests with tools); None: none."
     )
     token_ids: TokenIds = Field(
         max_length=MAX_NEW_TOKENS, description="The generated token ids."
