@@ -17,7 +17,11 @@ Translation (Anthropic -> chat messages):
   * ``thinking: {"type": "enabled"}`` / ``"disabled"`` -> the chat template's ``enable_thinking``;
     absent: the template's default (Qwen3's templates think). ``budget_tokens`` is accepted and
     not enforced: ``max_tokens`` bounds reasoning and answer together;
-  * ``tool_choice`` auto / any / tool / none -> auto / required / function / none.
+  * ``tool_choice`` auto / any / tool / none -> auto / required / function / none;
+  * ``output_config.effort`` -> the template's ``reasoning_effort`` (low / medium / high);
+    ``output_config.format`` (a JSON schema) -> the answer constrained to it, as OpenAI's
+    ``response_format: json_schema``;
+  * ``temperature`` / ``top_p`` / ``top_k`` (older clients send them) are the sampler's.
 
 Validation is strict (unknown fields refused, no "5" for 5), as on the OpenAI endpoints.
 """
@@ -85,8 +89,19 @@ class ToolChoiceIn(_Body):
 
 
 class ThinkingIn(_Body):
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    display: Literal["summarized"] | None = None  # "omitted" (signed, redacted thinking): not here
+
+
+class OutputFormatIn(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfigIn(_Body):
+    effort: Literal["low", "medium", "high"] | None = None  # the template's reasoning_effort
+    format: OutputFormatIn | None = None
 
 
 class MetadataIn(_Body):
@@ -100,6 +115,8 @@ class CountTokensRequest(_Body):
     tools: list[ToolIn] | None = Field(None, max_length=128)
     tool_choice: ToolChoiceIn | None = None
     thinking: ThinkingIn | None = None
+    output_config: OutputConfigIn | None = None
+    cache_control: dict[str, Any] | None = None  # a caching hint: prefix caching needs none
 
     # ---- translation -------------------------------------------------------------------------
     def _text_of(self, blocks: str | list[Block], where: str) -> str:
@@ -232,12 +249,21 @@ class CountTokensRequest(_Body):
         return kw
 
     def _thinking(self) -> dict[str, Any]:
-        if self.thinking is None:
-            return {}
-        return {"enable_thinking": self.thinking.type != "disabled"}
+        """``thinking`` -> the template's enable_thinking; ``output_config`` -> its
+        reasoning_effort and the answer's JSON schema."""
+        kw: dict[str, Any] = {}
+        if self.thinking is not None:
+            kw["enable_thinking"] = self.thinking.type != "disabled"
+        cfg = self.output_config
+        if cfg is not None and cfg.effort is not None:
+            kw["reasoning_effort"] = cfg.effort
+        if cfg is not None and cfg.format is not None:
+            kw["response_format"] = {"type": "json_schema", "name": "output",
+                                     "schema_text": json.dumps(cfg.format.schema_, ensure_ascii=False)}
+        return kw
 
     def generate_fields(self) -> dict[str, Any]:
-        """What GenerateRequest gets from the conversation (messages, tools, thinking)."""
+        """What GenerateRequest gets from the conversation (messages, tools, thinking, format)."""
         return {"messages": self._messages(), **self._tools(), **self._thinking()}
 
 

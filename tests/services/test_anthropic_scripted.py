@@ -180,6 +180,16 @@ def test_blocks_system_list_and_multi_turn_render_as_the_plain_form(served, clie
     assert dec.calls[-1][0] == plain
 
 
+def test_effort_reaches_the_template(served, client):
+    _, router, dec, _ = served
+    dec.script = _script(router, SCRIPT)
+    client.messages.create(model=MODEL, max_tokens=4, system=SYSTEM, output_config={"effort": "high"},
+                           messages=[{"role": "user", "content": QUESTION}])
+    prompt = dec.calls[-1][0]
+    assert prompt == router.tokenizer.apply_chat_template(MESSAGES, reasoning_effort="high")
+    assert "Reasoning: high" in router.tokenizer.decode(prompt)
+
+
 def test_stop_sequences_and_max_tokens(served, client):
     _, router, dec, _ = served
     dec.script = _script(router, "<|channel|>final<|message|>one two three four five six<|return|>")
@@ -225,6 +235,9 @@ def test_keys_by_x_api_key_and_bearer_and_errors_in_anthropic_shape(served):
      "messages[0].content[0]", ["document"]),
     ({"max_tokens": 0}, "max_tokens", ["greater than or equal to 1"]),
     ({"temperature": 1.5}, "temperature", ["less than or equal to 1"]),
+    ({"output_config": {"effort": "max"}}, "output_config.effort", ["low", "high"]),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048, "display": "omitted"}},
+     "thinking.display", ["summarized"]),
     ({"top_q": 1}, "top_q", ["unknown field"]),
     ({"model": "claude-x"}, "model", ["not served here"]),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", ["user", "assistant"]),
