@@ -183,8 +183,9 @@ def test_blocks_system_list_and_multi_turn_render_as_the_plain_form(served, clie
 def test_effort_reaches_the_template(served, client):
     _, router, dec, _ = served
     dec.script = _script(router, SCRIPT)
-    client.messages.create(model=MODEL, max_tokens=4, system=SYSTEM, output_config={"effort": "high"},
-                           messages=[{"role": "user", "content": QUESTION}])
+    client.messages.create(model=MODEL, max_tokens=4, system=SYSTEM,
+                           messages=[{"role": "user", "content": QUESTION}],
+                           extra_body={"output_config": {"effort": "high"}})
     prompt = dec.calls[-1][0]
     assert prompt == router.tokenizer.apply_chat_template(MESSAGES, reasoning_effort="high")
     assert "Reasoning: high" in router.tokenizer.decode(prompt)
