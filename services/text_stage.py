@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from engine.harmony import REASONING_CHANNELS, HarmonyStreamParser, HarmonyTokens
+from engine.agent.deltas import Delta
+from engine.agent.harmony_calls import HarmonyAgentParser
+from engine.harmony import HarmonyTokens
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -73,10 +75,50 @@ class TextStage:
     def finish_parts(self) -> tuple[str, str]:
         return self.finish(), ""
 
+    def take_calls(self) -> list[Delta]:
+        """Tool-call deltas parsed since the last call (none for plain text)."""
+        return []
+
+
+class ParsedTextStage(TextStage):
+    """The text stage of a chat whose output has reasoning or tool-call markup: the text (after
+    stop strings, on the raw output) goes through the request's engine.agent parser chain;
+    reasoning and answer come back apart, tool-call deltas are taken with :meth:`take_calls`."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], parser, stop: Iterable[str] = (),
+                 stop_ids: Iterable[int] = ()) -> None:
+        super().__init__(tokenizer, prompt_ids, stop, stop_ids)
+        self.parser = parser
+        self.calls: list[Delta] = []
+
+    def _split(self, deltas: list[Delta]) -> tuple[str, str]:
+        content = reasoning = ""
+        for d in deltas:
+            if d.kind == "content":
+                content += d.text
+            elif d.kind == "reasoning":
+                reasoning += d.text
+            else:
+                self.calls.append(d)
+        return content, reasoning
+
+    def feed_parts(self, token_ids: Sequence[int]) -> tuple[int, str, str]:
+        n, text = TextStage.feed(self, token_ids)
+        return (n, *self._split(self.parser.feed(text) if text else []))
+
+    def finish_parts(self) -> tuple[str, str]:
+        text = TextStage.finish(self)
+        return self._split((self.parser.feed(text) if text else []) + self.parser.finish())
+
+    def take_calls(self) -> list[Delta]:
+        out, self.calls = self.calls, []
+        return out
+
 
 class HarmonyTextStage(TextStage):
     """The text stage of a model that writes gpt-oss's harmony format (engine.harmony): the
-    analysis channel becomes reasoning, every other channel the answer, control tokens are never
+    analysis channel becomes reasoning, messages to ``functions.NAME`` tool calls (requests with
+    tools: engine.agent.harmony_calls), every other channel the answer, control tokens are never
     text. Messages of one part are joined by a newline. Stop strings are matched in each part on
     its own; a match in either ends the request (text after it is not returned), and the other
     part's withheld text, which came before the match, is released. Stop tokens (<|return|>,
@@ -85,30 +127,33 @@ class HarmonyTextStage(TextStage):
     PARTS = ("content", "reasoning")
 
     def __init__(self, tokenizer, tokens: HarmonyTokens, stop: Iterable[str] = (),
-                 stop_ids: Iterable[int] = ()) -> None:
+                 stop_ids: Iterable[int] = (), tools: dict[str, dict] | None = None,
+                 parse_calls: bool = False) -> None:
         super().__init__(None, (), stop, stop_ids)
-        self.parser = HarmonyStreamParser(tokenizer, tokens)
+        self.parser = HarmonyAgentParser(tokenizer, tokens, tools, parse_calls)
         self.harmony_stops = tokens.stop_ids
         stops = list(stop)
         self.matchers = {part: StopStringMatcher(stops) for part in self.PARTS}
-        self._last_index: dict[str, int | None] = {part: None for part in self.PARTS}
+        self.calls: list[Delta] = []
 
-    def _route(self, deltas) -> tuple[dict[str, str], bool]:
-        """Deltas -> text per part (joined, cut at stop strings); whether a stop string hit."""
+    def _route(self, deltas: list[Delta]) -> tuple[dict[str, str], bool]:
+        """Deltas -> text per part (cut at stop strings); whether a stop string hit."""
         out = {part: "" for part in self.PARTS}
         for d in deltas:
-            part = "reasoning" if d.channel in REASONING_CHANNELS else "content"
-            text = d.text
-            if self._last_index[part] is not None and self._last_index[part] != d.index:
-                text = "\n" + text  # a new message in a part that already has text
-            self._last_index[part] = d.index
-            piece, stopped = self.matchers[part].feed(text)
-            out[part] += piece
+            if d.kind not in self.PARTS:
+                self.calls.append(d)
+                continue
+            piece, stopped = self.matchers[d.kind].feed(d.text)
+            out[d.kind] += piece
             if stopped:
-                other = "reasoning" if part == "content" else "content"
+                other = "reasoning" if d.kind == "content" else "content"
                 out[other] += self.matchers[other].flush()
                 return out, True
         return out, False
+
+    def take_calls(self) -> list[Delta]:
+        out, self.calls = self.calls, []
+        return out
 
     def feed_parts(self, token_ids: Sequence[int]) -> tuple[int, str, str]:
         if self.stopped:

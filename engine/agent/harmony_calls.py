@@ -19,15 +19,25 @@ FUNCTIONS = "functions."
 
 
 class HarmonyAgentParser:
-    def __init__(self, tokenizer: Any, tokens: HarmonyTokens, tools: dict[str, dict] | None = None) -> None:
+    def __init__(self, tokenizer: Any, tokens: HarmonyTokens, tools: dict[str, dict] | None = None,
+                 parse_calls: bool = True) -> None:
+        """``parse_calls`` False (a request without tools): messages to functions are text."""
         self.parser = HarmonyStreamParser(tokenizer, tokens)
         self.tools = tools
+        self.parse_calls = parse_calls
         self.calls = 0
         self._args: dict[int, str] = {}  # message index -> arguments text so far
         self._last: dict[str, int] = {}  # part -> index of the message that last added to it
 
+    @property
+    def messages(self):
+        """The harmony messages parsed so far (engine.harmony.HarmonyMessage)."""
+        return self.parser.messages
+
     def _recipient(self, index: int) -> str | None:
         r = self.parser.messages[index].recipient
+        if not self.parse_calls:
+            return None
         return r[len(FUNCTIONS):] if r and r.startswith(FUNCTIONS) else None
 
     def _route(self, deltas: list[HarmonyDelta]) -> list[Delta]:
