@@ -70,13 +70,17 @@ def _env_command(s: Serve) -> tuple[dict[str, str], str]:
 
 
 def _gcs_address(pids: list[int]) -> str:
-    """The GCS this deployment's gcs_server process listens on, from its command line."""
+    """The GCS of this deployment, from the command lines of its processes (the raylet and the
+    agents are started with ``--gcs-address=HOST:PORT``; the GCS itself with port 0)."""
+    found = set()
     for pid in pids:
-        args = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
-        if args and args[0].endswith("gcs_server"):
-            port = next(a.split("=", 1)[1] for a in args if a.startswith("--gcs_server_port="))
-            return f"127.0.0.1:{port}"
-    raise AssertionError("no gcs_server among the deployment's processes")
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        found |= {a.split("=", 1)[1] for a in args if a.startswith(("--gcs-address=", "--gcs_address="))}
+    assert len(found) == 1, found
+    return found.pop()
 
 
 def test_ctrl_c_of_the_terminal_stops_everything(serve):
