@@ -7,25 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.services.test_http_api import wait_idle
+from tests.services.test_http_api import KEY, MODEL, http, wait_idle  # noqa: F401 (http: fixture)
 
 pytestmark = pytest.mark.ray
 
 anthropic = pytest.importorskip("anthropic")
-KEY = "anthropic-key-7f3a"
-MODEL = "tiny-moe"
-
-
-@pytest.fixture(scope="module")
-def http(app):
-    from services.http.server import HttpSettings, key_digest
-
-    settings = HttpSettings(host="127.0.0.1", port=0, namespace=app.namespace, model_name=MODEL,
-                            api_key_sha256=key_digest(KEY))
-    app.stop_http()  # one left by another test would keep its own settings
-    host, port = app.start_http(settings)
-    yield f"http://{host}:{port}"
-    app.stop_http()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ import pytest
 
 from tests.services.local_handles import Handle
 from tests.services.test_harmony import ANALYSIS, FINAL, SCRIPT
-from tests.services.test_harmony_api import ScriptedDecode, _script, gpt_oss_store  # noqa: F401 (fixture)
+from tests.services.test_harmony_api import (ScriptedDecode, _script, gpt_oss_store,  # noqa: F401 (fixture)
+                                             in_process_server)
 
 anthropic = pytest.importorskip("anthropic")
 MODEL = "tiny-gpt-oss"
@@ -46,30 +47,11 @@ class GatedDecode(ScriptedDecode):
 @pytest.fixture(scope="module")
 def served(gpt_oss_store):  # noqa: F811
     """(base url, router, decode, loop): router + keyed HTTP server on a private event loop."""
-    from services.config import DeployConfig
-    from services.http.server import HttpService, HttpSettings, key_digest
-    from services.tokenizer_router import TokenizerRouter
+    from services.http.server import key_digest
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def build():
-        cfg = DeployConfig(store=gpt_oss_store, namespace="anthropic-inproc")
-        dec = GatedDecode(eos=set())
-        router = TokenizerRouter(cfg.model_dump_json(), decode_handle=Handle(dec))
-        dec.eos = set(router.tokenizer.eos_token_ids)
-        http = HttpService(HttpSettings(host="127.0.0.1", port=0, model_name=MODEL,
-                                        api_key_sha256=key_digest(KEY)).model_dump_json(),
-                           router=Handle(router), decode=Handle(dec), autostart=False)
-        host, port = await http.start()
-        return router, dec, http, f"http://{host}:{port}"
-
-    router, dec, http, url = asyncio.run_coroutine_threadsafe(build(), loop).result(120)
-    yield url, router, dec, loop
-    asyncio.run_coroutine_threadsafe(http.close(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with in_process_server(gpt_oss_store, "anthropic-inproc", GatedDecode, model_name=MODEL,
+                           api_key_sha256=key_digest(KEY)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
