@@ -105,6 +105,7 @@ class Engine:
         self._prompt_tokens = 0
         self._generated_tokens = 0
         self._drafted = self._accepted = 0
+        self._grammars = None  # engine.agent.grammar.GrammarBackend, built on first use
 
     @classmethod
     def for_requests(cls, model: CausalLM, tokenizer=None, tokens: int = 2048, seqs: int = 1,
@@ -140,7 +141,10 @@ class Engine:
         if wants and spec is None:
             raise RequestValidationError("speculative=true: this engine has no drafter (start it with "
                                          "a speculative mode, e.g. `--speculative ngram`)")
+        matcher = self._grammar_matcher(sampling.grammar) if sampling.grammar is not None else None
+        wants = wants and matcher is None  # a constrained request is masked row by row: no drafts
         seq = Sequence(str(request_id), self._next_seq_id, list(prompt_ids), sampling)
+        seq.grammar = matcher
         if wants:
             seq.spec = SeqSpeculation(spec, self.model, self.kv, seq.seq_id, seq.sampler,
                                       sampling.num_speculative_tokens)
@@ -152,6 +156,17 @@ class Engine:
         self.scheduler.add(seq)
         self._next_seq_id += 1
         self._prompt_tokens += len(seq.prompt_ids)
+
+    def _grammar_matcher(self, constraint):
+        """A fresh matcher for ``constraint`` (compiled once per distinct grammar)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise RequestValidationError("structured output needs the model's tokenizer; this "
+                                             "engine has none")
+            from engine.agent.grammar import GrammarBackend
+
+            self._grammars = GrammarBackend(self.tokenizer, self.model.config.vocab_size, sorted(self.eos_ids))
+        return self._grammars.matcher(constraint)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a request with reason "abort" and free its KV blocks; None if unknown."""
@@ -185,6 +200,7 @@ class Engine:
         t_forward = time.perf_counter() - t0
         b1, s1, _ = cache_counters(cache)
         self.scheduler.commit(plan)
+        self._mask(plan, logits)
         now = time.perf_counter()
         outputs, r = [], 0
         for seq, n, ctx in plan:
@@ -195,6 +211,9 @@ class Engine:
             if seq.num_uncomputed_tokens + len(drafts) > 0:
                 continue  # a prefill chunk that does not end the prompt: nothing to sample
             tokens_out, accepted = accept_tokens(rows_here, drafts, spec.qs if spec else None, seq.sampler)
+            if seq.grammar is not None:
+                for t in tokens_out:
+                    seq.grammar.accept_token(t)
             if drafts:
                 # the K/V of rejected drafts is stale: resume after the last accepted one
                 seq.num_computed_tokens = ctx + n - len(drafts) + accepted
@@ -205,6 +224,23 @@ class Engine:
                 spec.observe(accepted, t_forward, s1 - s0, b1 - b0)
             outputs.append(self._update(seq, tokens_out, rows_here, now))
         return outputs
+
+    @staticmethod
+    def _mask(plan: StepPlan, logits: torch.Tensor) -> None:
+        """Grammar masks on the rows of constrained sequences that sample this step, in one
+        batched call (engine.agent.grammar.apply_masks); no other row is touched. Constrained
+        sequences never draft, so each has one row, its last."""
+        rows, matchers, r = [], [], 0
+        for seq, _, _ in plan:
+            d = len(seq.spec.drafts) if seq.spec is not None else 0
+            if seq.grammar is not None and seq.num_uncomputed_tokens == 0:
+                rows.append(r)
+                matchers.append(seq.grammar)
+            r += 1 + d
+        if rows:
+            from engine.agent.grammar import apply_masks
+
+            apply_masks(logits, rows, matchers)
 
     def _draft(self, plan: StepPlan) -> StepPlan:
         """Give each speculating decode row its drafts: the entry grows from 1 token to 1 + k,

@@ -44,6 +44,7 @@ class Sequence:
     stop_matcher: object | None = None  # engine.tokenizer.StopStringMatcher
     text: str = ""  # text emitted so far
     spec: object | None = None  # engine.speculative.SeqSpeculation when this request speculates
+    grammar: object | None = None  # its xgrammar GrammarMatcher when constrained (engine.agent.grammar)
     # latency bookkeeping (time.perf_counter seconds)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)

@@ -77,11 +77,15 @@ STOP_GRACE_S = 10.0  # what a stop of `serve` lets requests in flight run for (-
 @click.option("--stop-grace", type=click.FloatRange(0, 3600), default=STOP_GRACE_S, show_default=True,
               help="Local cluster: seconds a stop (SIGTERM, SIGINT, SIGHUP) lets requests in flight "
               "finish before aborting them and stopping the actors and the cluster.")
+@click.option("--tool-call-parser", default=None,
+              type=click.Choice(["hermes", "qwen3_coder", "deepseek_v3", "harmony"]),
+              help="The model's tool-call syntax; default: read from its chat template "
+              "(docs/agents.md).")
 def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budget, policy,
           admission, prefetch_depth, queue_size, request_timeout, dtype, dashboard, num_cpus,
           object_store_memory, compute_threads, io_threads, http_address=None, api_key=None,
           served_model_name=None, max_waiting=None, speculative=None, max_draft=8,
-          stop_grace=None):
+          stop_grace=None, tool_call_parser=None):
     """Deploy the pipeline (router, decode, N loaders) for STORE."""
     from pydantic import ValidationError
 
@@ -104,7 +108,8 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
                                include_dashboard=dashboard, num_cpus=num_cpus,
                                object_store_memory=object_store_memory, compute_threads=compute_threads,
                                io_threads=io_threads, max_waiting=max_waiting,
-                               speculative=speculative, max_draft=max_draft)
+                               speculative=speculative, max_draft=max_draft,
+                               tool_call_parser=tool_call_parser)
         except ValidationError as e:
             _fail("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
         http = http_settings(http_address, api_key, served_model_name or cfg.store.name, namespace) \

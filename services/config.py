@@ -109,6 +109,9 @@ class DeployConfig(BaseModel):
         "target on its device-resident experts) or draft:PATH (a smaller model sharing the "
         "tokenizer, a path on the decode node); unset: off. Requests speculate by default when "
         "set and may opt out (speculative=false); greedy output is identical either way.")
+    tool_call_parser: Literal["hermes", "qwen3_coder", "deepseek_v3", "harmony"] | None = Field(
+        None, description="The model's tool-call syntax (engine.agent.syntax); unset: read from "
+        "the chat template (a template that shows none gets the Hermes <tool_call> JSON form).")
     max_draft: int = Field(8, ge=1, le=16, description="Most draft tokens one step verifies "
                            "per request (the adaptive controller picks up to this many).")
     max_num_seqs: int = Field(16, ge=1, le=4096, description="Sequences the decode engine runs "

@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Callable
 import torch
 
 from engine.errors import MoestreamError
+from engine.agent.grammar import Constraint
 from engine.layers.sampler import SamplingConfig
 from protocol import HealthReply, SamplingParams, Usage, encode
 from protocol.messages import DEFAULT_MAX_TOKENS
@@ -49,7 +50,8 @@ def sampling_config(p: SamplingParams | dict) -> SamplingConfig:
                           presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                           seed=p.seed, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
                           logprobs=p.logprobs, speculative=p.speculative,
-                          num_speculative_tokens=p.num_speculative_tokens)
+                          num_speculative_tokens=p.num_speculative_tokens,
+                          grammar=None if p.grammar is None else Constraint(p.grammar.kind, p.grammar.text))
 
 
 def speculative_config(mode: str | None, max_draft: int, sm, dtype: torch.dtype, device: str):

@@ -28,26 +28,40 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
+from engine.agent.deltas import Collected, Delta, collect
+from engine.agent.grammar import response_format_grammar
+from engine.agent.syntax import detect_syntax
 from engine.errors import RequestValidationError
 from protocol import (
     ErrorCode,
     ErrorReply,
     GenerateRequest,
     GenerateResult,
+    GrammarSpec,
     HealthReply,
     ProtocolError,
     TokenChunk,
+    ToolCall,
+    ToolCallDelta,
     decode,
     encode,
 )
 from protocol.codec import DEFAULT_MAX_FRAME_BYTES
 from protocol.messages import DEFAULT_MAX_TOKENS, MAX_STOP_TOKEN_IDS
 from services.step_mux import Outbox, StepSubscription
-from services.text_stage import HarmonyTextStage, TextStage
+from services.chat_agent import ChatPlan
+from services.text_stage import TextStage
 
 log = logging.getLogger(__name__)
 
 TERMINAL = (GenerateResult, ErrorReply)
+
+
+def call_deltas(deltas: list[Delta]) -> list[ToolCallDelta] | None:
+    """engine.agent tool-call deltas -> the wire's (None when there are none)."""
+    out = [ToolCallDelta(index=d.index, id=d.id, name=d.name) if d.kind == "tool_call"
+           else ToolCallDelta(index=d.index, arguments=d.text) for d in deltas]
+    return out or None
 POLL_IDLE_S = 60.0  # a step stream read by long poll and not read for this long: its reader is gone
 
 
@@ -78,6 +92,11 @@ class TokenizerRouter:
         self.harmony = harmony_tokens_for(arch, tokenizer)
         if self.harmony is not None:
             self.eos_ids |= self.harmony.stop_ids
+        # the model's tool-call and reasoning syntax (engine.agent.syntax), from its template
+        template = getattr(getattr(tokenizer, "hf", None), "chat_template", None)
+        self.syntax = detect_syntax(template if isinstance(template, str) else None,
+                                    harmony=self.harmony is not None,
+                                    override=self.config.tool_call_parser)
         if decode_handle is None:
             from services.handles import decode as decode_actor
 
@@ -210,7 +229,7 @@ class TokenizerRouter:
         deadline = time.monotonic() + self.config.request_timeout_s
         try:
             try:
-                prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+                prompt_ids, plan = await asyncio.to_thread(self._prompt_ids, req)
                 engine_stop_ids = self._engine_stop_ids(req)
             except Exception as e:
                 finished = True
@@ -219,16 +238,20 @@ class TokenizerRouter:
                 return
             # the engine computes tokens; text and stop strings are made here (text_stage)
             stop_ids = set(req.sampling.stop_token_ids) | self.eos_ids
-            if self.harmony is not None and req.messages is not None:
-                stage = HarmonyTextStage(self.tokenizer, self.harmony, req.sampling.stop, stop_ids)
+            if plan is not None:  # a chat: reasoning and tool calls parsed (services/chat_agent)
+                stage = plan.stage(req.sampling.stop, stop_ids)
             else:
                 stage = TextStage(self.tokenizer, prompt_ids, req.sampling.stop, stop_ids)
             got_ids: list[int] = []
             got_text: list[str] = []
-            got_reasoning: list[str] | None = [] if isinstance(stage, HarmonyTextStage) else None
+            reasons = plan is not None and (self.harmony is not None or plan.syntax.reasoning is not None)
+            got_reasoning: list[str] | None = [] if reasons else None
+            got_calls = Collected()
             stop_sent = errored = False
+            grammar = plan.grammar if plan is not None else self._prompt_grammar(req)
             sampling = {**req.sampling.model_dump(), "stop": [],
-                        "stop_token_ids": engine_stop_ids}
+                        "stop_token_ids": engine_stop_ids,
+                        "grammar": grammar.model_dump() if grammar is not None else None}
             if sampling["max_tokens"] is None:  # the default never runs past the context
                 room = self.context - len(prompt_ids) if self.context is not None else DEFAULT_MAX_TOKENS
                 sampling["max_tokens"] = max(1, min(DEFAULT_MAX_TOKENS, room))
@@ -260,7 +283,7 @@ class TokenizerRouter:
                 if isinstance(msg, TERMINAL):
                     finished = True
                 if isinstance(msg, TokenChunk):
-                    chunk = self._text_chunk(msg, stage, got_ids, got_text, got_reasoning)
+                    chunk = self._text_chunk(msg, stage, got_ids, got_text, got_reasoning, got_calls)
                     if stage.by_string and not stop_sent:
                         stop_sent = True
                         self.decode.abort.remote(rid)  # a stop string: no more tokens for it
@@ -268,12 +291,16 @@ class TokenizerRouter:
                         yield chunk
                 elif isinstance(msg, GenerateResult):
                     tail, tail_r = stage.finish_parts()
+                    tail_calls = stage.take_calls()
+                    collect(tail_calls, got_calls)
                     reasoning = None if got_reasoning is None else "".join(got_reasoning) + tail_r
-                    if (tail or tail_r) and req.stream:
+                    if (tail or tail_r or tail_calls) and req.stream:
                         yield TokenChunk(request_id=rid, token_ids=[], text=tail,
-                                         reasoning=tail_r if got_reasoning is not None else None)
+                                         reasoning=tail_r if got_reasoning is not None else None,
+                                         tool_calls=call_deltas(tail_calls))
                     self.counts["completed"] += 1
-                    yield self._text_result(msg, stage, got_ids, "".join(got_text) + tail, reasoning)
+                    yield self._text_result(msg, stage, got_ids, "".join(got_text) + tail, reasoning,
+                                            got_calls)
                     return
                 else:  # ErrorReply; streamed: a GenerateResult("error") may follow, then the end
                     errored = True
@@ -313,15 +340,20 @@ class TokenizerRouter:
 
     @staticmethod
     def _text_chunk(msg: TokenChunk, stage: TextStage, got_ids: list[int],
-                    got_text: list[str], got_reasoning: list[str] | None = None) -> TokenChunk | None:
+                    got_text: list[str], got_reasoning: list[str] | None = None,
+                    got_calls: Collected | None = None) -> TokenChunk | None:
         """The engine's chunk with its text, cut after a stop string or stop token (None: the
-        client gets none of it). ``got_reasoning`` (harmony models' chats): reasoning apart."""
+        client gets none of it). ``got_reasoning`` (models with reasoning): reasoning apart;
+        ``got_calls``: the tool calls parsed so far."""
         n, text, reasoning = stage.feed_parts(msg.token_ids)
-        if n == 0 and not text and not reasoning:
+        calls = stage.take_calls()
+        if n == 0 and not text and not reasoning and not calls:
             return None
         got_ids += msg.token_ids[:n]
         got_text.append(text)
-        cut = {"token_ids": msg.token_ids[:n], "text": text}
+        cut = {"token_ids": msg.token_ids[:n], "text": text, "tool_calls": call_deltas(calls)}
+        if got_calls is not None:
+            collect(calls, got_calls)
         if got_reasoning is not None:
             got_reasoning.append(reasoning)
             cut["reasoning"] = reasoning
@@ -333,13 +365,15 @@ class TokenizerRouter:
 
     @staticmethod
     def _text_result(msg: GenerateResult, stage: TextStage, got_ids: list[int], text: str,
-                     reasoning: str | None = None) -> GenerateResult:
+                     reasoning: str | None = None, calls: Collected | None = None) -> GenerateResult:
         """The engine's result with the client's text and tokens: a stop string the router found
         makes it "stop" (the engine saw an abort); usage counts the tokens the client received."""
         reason = "stop" if stage.by_string else msg.finish_reason
         usage = msg.usage.model_copy(update={"completion_tokens": len(got_ids)})
+        tool_calls = [ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                      for c in calls.tool_calls] if calls is not None and calls.tool_calls else None
         return msg.model_copy(update={"text": text, "token_ids": list(got_ids), "reasoning": reasoning,
-                                      "finish_reason": reason, "usage": usage,
+                                      "finish_reason": reason, "usage": usage, "tool_calls": tool_calls,
                                       "stop_sequence": stage.matched()})
 
     def _full(self) -> str | None:
@@ -376,7 +410,8 @@ class TokenizerRouter:
         if not isinstance(req, GenerateRequest):
             return req
         try:
-            return len(await asyncio.to_thread(self._prompt_ids, req))
+            prompt_ids, _ = await asyncio.to_thread(self._prompt_ids, req)
+            return len(prompt_ids)
         except Exception as e:
             return encode(ErrorReply.from_exception(e, req.request_id))
 
@@ -386,19 +421,26 @@ class TokenizerRouter:
             return [f"<{int(t)}>" for t in token_ids]
         return [self.tokenizer.decode([int(t)], skip_special_tokens=False) for t in token_ids]
 
-    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+    def _prompt_grammar(self, req: GenerateRequest) -> GrammarSpec | None:
+        """A prompt (not a chat) with a response_format: its grammar."""
+        rf = req.response_format
+        g = None if rf is None else response_format_grammar(rf.type, rf.schema_text)
+        return None if g is None else GrammarSpec(kind=g.kind, text=g.text)
+
+    def _prompt_ids(self, req: GenerateRequest) -> tuple[list[int], ChatPlan | None]:
+        """The prompt's ids; for a chat also its plan (template, grammar, parsing stage)."""
         if req.sampling.n != 1:
             raise RequestValidationError(f"n={req.sampling.n} is not supported by this "
                                          f"deployment; allowed: 1")
         if req.prompt_token_ids is not None:
-            return list(req.prompt_token_ids)
+            return list(req.prompt_token_ids), None
         if self.tokenizer is None:
             raise RequestValidationError("this model's store has no tokenizer; send "
                                          "prompt_token_ids instead of text")
         if req.messages is not None:
-            extra = {} if req.reasoning_effort is None else {"reasoning_effort": req.reasoning_effort}
-            return self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages], **extra)
-        return self.tokenizer.encode(req.prompt)
+            plan = ChatPlan.build(self.tokenizer, self.syntax, self.harmony, req)
+            return plan.prompt_ids, plan
+        return self.tokenizer.encode(req.prompt), None
 
     # ---- health and figures ------------------------------------------------------------------
     async def check_health(self) -> None:

@@ -9,8 +9,8 @@ are xgrammar structural tags (JSON).
 Masks (xgrammar, chosen over llguidance and outlines-core by measured mask time per token on a
 248k-token vocabulary: docs/agents.md): ``GrammarBackend`` compiles a spec once per distinct text
 (LRU) against the model's vocabulary; each constrained sequence holds a ``GrammarMatcher``.
-``apply_masks(logits [R, V], rows, matchers)`` fills one bitmask [len(rows), ceil(V/32)] int32
-and applies it to exactly those rows in one call; rows not listed are not read or written.
+``apply_masks(logits [R, V], rows, matchers)`` fills one bitmask [R, ceil(V/32)] int32 at those
+rows and applies it to exactly them in one call; rows not listed are not read or written.
 ``apply_masks_reference`` does the same one token at a time (the test oracle).
 """
 
@@ -111,7 +111,9 @@ def _format_of(spec: Constraint) -> dict:
 
 def after_open_reasoning(spec: Constraint, close_tag: str = "</think>") -> Constraint:
     """The prompt opened the reasoning: any text up to ``close_tag``, then ``spec``."""
-    think = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": close_tag}
+    # models write a blank line or two after the tag: allowed before the constrained part
+    think = {"type": "tag", "begin": "", "content": {"type": "any_text"},
+             "end": [close_tag + "\n\n", close_tag + "\n", close_tag]}
     fmt = {"type": "sequence", "elements": [think, _format_of(spec)]}
     return Constraint(kind="structural_tag", text=json.dumps({"type": "structural_tag", "format": fmt}))
 
@@ -171,9 +173,11 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[An
     import xgrammar as xgr
 
     vocab = logits.shape[-1]
-    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
-    for i, m in enumerate(matchers):
-        m.fill_next_token_bitmask(bitmask, i)
+    # one bitmask row per logits row (xgrammar indexes both by the same row number); only the
+    # listed rows are filled and applied
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab)
+    for r, m in zip(rows, matchers):
+        m.fill_next_token_bitmask(bitmask, r)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=list(rows))
 
 

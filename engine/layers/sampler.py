@@ -49,6 +49,9 @@ class SamplingConfig:
     # draft tokens per step caps the engine's own maximum. Neither changes the distribution.
     speculative: bool | None = None
     num_speculative_tokens: int | None = None
+    # structured output (engine.agent.grammar.Constraint): the engine masks this request's
+    # logits to what the grammar allows next; None: unconstrained
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         def bad(field_name: str, value: object, allowed: str) -> RequestValidationError:
@@ -82,6 +85,9 @@ class SamplingConfig:
         if self.num_speculative_tokens is not None and not (
                 is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 64):
             raise bad("num_speculative_tokens", self.num_speculative_tokens, "an integer in 1..64 or None")
+        if self.grammar is not None and not (isinstance(getattr(self.grammar, "kind", None), str)
+                                             and isinstance(getattr(self.grammar, "text", None), str)):
+            raise bad("grammar", self.grammar, "None or an engine.agent.grammar.Constraint")
         if not (isinstance(self.stop, (tuple, list)) and all(isinstance(x, str) for x in self.stop)):
             raise bad("stop", self.stop, "a tuple of strings")
         if not (isinstance(self.stop_token_ids, (tuple, list))

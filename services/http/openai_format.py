@@ -5,10 +5,15 @@ Streaming (both endpoints): one id for every chunk; chat's first chunk carries
 the last choice chunk; with ``stream_options.include_usage`` every chunk has ``"usage": null``
 and one more chunk with ``"choices": []`` carries the usage; then ``data: [DONE]``.
 
-Reasoning (models whose output has reasoning channels: gpt-oss's harmony format): chat answers
-carry the analysis channel as ``message.reasoning_content`` (streaming: ``delta.reasoning_content``,
-in chunks of their own or beside ``content``), vLLM's field name; ``content`` is the answer
-only. Other models' answers have no such field.
+Reasoning (gpt-oss's analysis channel, ``<think>...</think>`` of Qwen3/DeepSeek): chat answers
+carry it as ``message.reasoning_content`` (streaming: ``delta.reasoning_content``, in chunks of
+their own or beside ``content``), vLLM's field name; ``content`` is the answer only. Models
+without reasoning have no such field.
+
+Tool calls: ``message.tool_calls`` [{"id", "type": "function", "function": {"name",
+"arguments"}}] with ``finish_reason`` "tool_calls" (``content`` null when the answer is only
+calls); streamed as ``delta.tool_calls`` [{"index", "id", "type", "function": {"name",
+"arguments": ""}}] when a call starts, then [{"index", "function": {"arguments": piece}}].
 
 Usage: ``prompt_tokens``, ``completion_tokens`` (the tokens the client was sent),
 ``total_tokens``; when the request ran speculative decoding, also
@@ -21,7 +26,7 @@ import json
 import time
 from typing import Any
 
-from protocol import GenerateResult, TokenChunk, Usage
+from protocol import GenerateResult, TokenChunk, ToolCallDelta, Usage
 
 FINISH = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
 
@@ -32,6 +37,14 @@ def sse(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def call_delta(d: ToolCallDelta) -> dict[str, Any]:
+    """One streamed tool-call piece in OpenAI's shape."""
+    if d.name is not None:
+        return {"index": d.index, "id": d.id, "type": "function",
+                "function": {"name": d.name, "arguments": d.arguments}}
+    return {"index": d.index, "function": {"arguments": d.arguments}}
 
 
 def usage_block(u: Usage | None, completion_tokens: int | None = None) -> dict[str, Any]:
@@ -107,18 +120,22 @@ class Formatter:
 
     def chunk(self, text: str = "", *, role: bool = False, finish: str | None = None,
               logprobs: dict[str, Any] | None = None, final: bool = False,
-              reasoning: str | None = None) -> bytes:
+              reasoning: str | None = None, tool_calls: list[ToolCallDelta] | None = None) -> bytes:
         out = self._head(self.chunk_object)
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta = {"role": "assistant", "content": ""}
+            elif tool_calls and not text and not reasoning:
+                delta = {"tool_calls": [call_delta(d) for d in tool_calls]}
             elif reasoning and not text:
                 delta = {"reasoning_content": reasoning}
             elif text or not final:
                 delta = {"content": text}
                 if reasoning:
                     delta["reasoning_content"] = reasoning
+            if tool_calls and "tool_calls" not in delta:
+                delta["tool_calls"] = [call_delta(d) for d in tool_calls]
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -138,8 +155,16 @@ class Formatter:
         reason = FINISH[result.finish_reason]
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
-            if result.reasoning is not None:  # a model with reasoning channels
+            if result.reasoning is not None:  # a model with reasoning
                 message["reasoning_content"] = result.reasoning
+            if result.tool_calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function",
+                                          "function": {"name": c.name, "arguments": c.arguments}}
+                                         for c in result.tool_calls]
+                if not result.text.strip():
+                    message["content"] = None
+                if reason == "stop":
+                    reason = "tool_calls"
             choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": reason}

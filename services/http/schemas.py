@@ -2,10 +2,12 @@
 
 Bodies are validated strictly (no "5" for 5, no true for 1, unknown fields refused), so a typo
 is a 400 naming the field rather than a silently ignored option. Fields OpenAI defines but this
-server cannot honour yet (``n > 1``, tools, images, ``logit_bias``, ``echo``, ...) are refused
+server cannot honour yet (``n > 1``, images, ``logit_bias``, ``echo``, ...) are refused
 with a 400 naming them; fields that change nothing here (``user``, ``metadata``, ``store``, ...)
 are accepted. Our extras ride as extra body fields: ``top_k``, ``min_p``,
-``repetition_penalty``, ``speculative``, ``num_speculative_tokens``.
+``repetition_penalty``, ``speculative``, ``num_speculative_tokens``, ``enable_thinking`` (also
+read from vLLM's ``chat_template_kwargs``). Tools, ``tool_choice``, tool messages and
+``response_format`` (json_object, json_schema) are translated here (services/http/tools_in.py).
 
     req = parse_body(ChatCompletionRequest, raw_bytes)   # OpenAIError(400) naming the field
     greq = req.to_generate(request_id)                     # protocol.GenerateRequest
@@ -241,15 +243,17 @@ class ChatCompletionRequest(_Sampling):
     service_tier: str | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # to the chat template
     modalities: list[str] | None = None
+    enable_thinking: bool | None = None  # to the chat template (Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's; enable_thinking is read from it
 
     def _messages(self) -> list[ChatMessage]:
+        from services.http.tools_in import chat_message  # it imports this module
+
         out = []
         for i, m in enumerate(self.messages):
             where = f"messages[{i}]"
-            if m.role in ("tool", "function"):
-                raise _unsupported(f"{where}.role", f"role {m.role!r} (tool results)")
-            if m.tool_calls:
-                raise _unsupported(f"{where}.tool_calls", "tool_calls")
+            if m.role == "function":
+                raise _unsupported(f"{where}.role", "role 'function' (deprecated; send role 'tool')")
             if m.function_call is not None:
                 raise _unsupported(f"{where}.function_call", "function_call")
             if isinstance(m.content, list):
@@ -272,21 +276,15 @@ class ChatCompletionRequest(_Sampling):
                 raise OpenAIError(400, f"{where}.content: longer than {MAX_PROMPT_CHARS} characters",
                                   param=f"{where}.content", code="invalid_value")
             role = "system" if m.role == "developer" else m.role
-            out.append(ChatMessage(role=role, content=content))
+            out.append(chat_message(where, role, content, m))
         return out
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         self._check_common()
-        if self.tools:
-            raise _unsupported("tools", "tools (function calling)")
         if self.functions:
-            raise _unsupported("functions", "functions (function calling)")
-        if self.tool_choice not in (None, "none"):
-            raise _unsupported("tool_choice", "tool_choice")
+            raise _unsupported("functions", "functions (deprecated; send tools)")
         if self.function_call not in (None, "none"):
-            raise _unsupported("function_call", "function_call")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise _unsupported("response_format", f"response_format {self.response_format.get('type')!r}")
+            raise _unsupported("function_call", "function_call (deprecated; send tool_choice)")
         if self.modalities not in (None, ["text"]):
             raise _unsupported("modalities", f"modalities {self.modalities}")
         if self.top_logprobs and not self.logprobs:
@@ -295,8 +293,25 @@ class ChatCompletionRequest(_Sampling):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         sampling = self._sampling(self.max_completion_tokens or self.max_tokens,
                                   None, logprobs)
-        return GenerateRequest(request_id=request_id, messages=self._messages(), sampling=sampling,
-                               stream=bool(self.stream), reasoning_effort=self.reasoning_effort)
+        from services.http.tools_in import response_format, tool_choice, tool_specs
+
+        tools = tool_specs(self.tools)
+        choice, name = tool_choice(self.tool_choice, tools)
+        thinking = self.enable_thinking
+        kwargs = self.chat_template_kwargs or {}
+        if thinking is None and "enable_thinking" in kwargs:
+            thinking = kwargs["enable_thinking"]
+            if not isinstance(thinking, bool):
+                raise OpenAIError(400, "chat_template_kwargs.enable_thinking: must be true or false",
+                                  param="chat_template_kwargs.enable_thinking", code="invalid_value")
+        try:
+            return GenerateRequest(request_id=request_id, messages=self._messages(), sampling=sampling,
+                                   stream=bool(self.stream), reasoning_effort=self.reasoning_effort,
+                                   enable_thinking=thinking, tools=tools, tool_choice=choice,
+                                   tool_name=name, parallel_tool_calls=self.parallel_tool_calls is not False,
+                                   response_format=response_format(self.response_format))
+        except ValidationError as e:
+            raise invalid(e) from None
 
 
 class CompletionRequest(_Sampling):

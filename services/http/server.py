@@ -421,7 +421,7 @@ class HttpService(AnthropicEndpoints):
         await resp.prepare(request)
         state: dict[str, Any] = {"last": None}
         texts: dict[int, str] = {}
-        sent, offset, errored = 0, 0, False
+        sent, offset, errored, called = 0, 0, False, False
         try:
             if kind == "chat":
                 await resp.write(fmt.chunk(role=True))
@@ -443,13 +443,17 @@ class HttpService(AnthropicEndpoints):
                             completion_logprobs(msg, texts, offset)
                     sent += len(msg.token_ids)
                     offset += len(msg.text)
-                    if msg.text or lp is not None or msg.reasoning:
-                        await resp.write(fmt.chunk(msg.text, logprobs=lp, reasoning=msg.reasoning))
+                    called = called or bool(msg.tool_calls)
+                    if msg.text or lp is not None or msg.reasoning or msg.tool_calls:
+                        await resp.write(fmt.chunk(msg.text, logprobs=lp, reasoning=msg.reasoning,
+                                                   tool_calls=msg.tool_calls))
                 elif isinstance(msg, ErrorReply):
                     errored = True
                     await resp.write(sse(self._refusal(msg).body()))
                 elif isinstance(msg, GenerateResult):
-                    await resp.write(fmt.chunk(final=True, finish=FINISH[msg.finish_reason]))
+                    finish = FINISH[msg.finish_reason]
+                    await resp.write(fmt.chunk(final=True, finish="tool_calls" if called and finish == "stop"
+                                               else finish))
                     if fmt.include_usage:
                         await resp.write(fmt.usage_chunk(usage_block(msg.usage, sent)))
                     self._bill(msg, sent)
