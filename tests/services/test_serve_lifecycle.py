@@ -98,14 +98,40 @@ def test_ctrl_c_of_the_terminal_stops_everything(serve):
     assert "RAY_ADDRESS" not in exports and "no Ray cluster" in note
 
 
-def test_sigterm_to_the_group_stops_everything(serve):
-    """What systemd's KillMode=control-group and `kill -TERM -PGID` do: SIGTERM to serve and
-    every process of its group at once. Before the fix the local cluster's GCS and raylet died
-    with it, serve waited 60 s for the dead GCS, exited 1 and left processes running."""
-    serve.start()
+def test_sigterm_to_the_group_finishes_the_request_in_flight_and_stops_everything(serve):
+    """What `kill -TERM -PGID` (and a terminal's hangup) do: SIGTERM to serve and every process
+    of its group at once. Before the fix the local cluster's GCS and raylet died with it, serve
+    waited 60 s for the dead GCS, exited 1 and left processes running. A streamed request in
+    flight when the signal comes finishes within the grace period."""
+    import json
+    import re
+    import threading
+    import urllib.request
+
+    serve.start("--http", "127.0.0.1:0", "--stop-grace", "20")
     pids = serve.pids()
     assert len(shm_of(serve.namespace)) == 2
+    base = re.search(r"http://127\.0\.0\.1:\d+/v1", serve.log()).group(0)
+    req = urllib.request.Request(f"{base}/completions", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": serve.store.name, "prompt": [5, 6, 7, 8],
+                                                  "max_tokens": 64, "temperature": 0, "stream": True}).encode())
+    lines: list[str] = []
+    first = threading.Event()
+
+    def read():
+        with urllib.request.urlopen(req, timeout=STOP_LIMIT_S + 60) as r:
+            for raw in r:
+                lines.append(raw.decode().strip())
+                first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(120), serve.log()  # streaming: the request is in flight
     _stopped_cleanly(serve, pids, signal.SIGTERM, group=True)
+    reader.join(30)
+    events = [json.loads(x[len("data: "):]) for x in lines if x.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]" and "error" not in events[-1], lines[-3:]
+    assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")  # finished, not aborted
 
 
 def test_sigkill_of_everything_then_start_again_leaves_one_deployment_of_segments(serve, store_path):
