@@ -53,15 +53,12 @@ CHAT_TEMPLATE = (
 
 def make_agent_tokenizer(out: Path, vocab_size: int = 400) -> int:
     """Train and save_pretrained the tokenizer into ``out``; returns its size (ids < it)."""
-    from tokenizers import AddedToken, Tokenizer as TkTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    tk = TkTokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator(CORPUS * 4, trainer)
+    from tests.services.harmony_tiny import byte_level_bpe
+
+    tk = byte_level_bpe(CORPUS, SPECIALS, vocab_size)
     tk.add_tokens([AddedToken(m, special=False, normalized=False) for m in MARKERS])
     fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE

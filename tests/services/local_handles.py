@@ -39,3 +39,43 @@ class Handle:
                 return _Gen(r) if inspect.isasyncgen(r) else asyncio.ensure_future(r)
 
         return _M
+
+
+class InProcessServer:
+    """The real router and HTTP server on a private event loop, in front of a fake decode actor
+    ``dec`` (its ``eos`` set to the router's end-of-sequence ids): ``with InProcessServer(store,
+    namespace, model, dec) as (url, router): ...``; ``settings``: more HttpSettings (a key);
+    ``loop``: the event loop they run on."""
+
+    def __init__(self, store, namespace: str, model: str, dec, **settings) -> None:
+        self.store, self.namespace, self.model, self.dec = store, namespace, model, dec
+        self.settings = settings
+
+    def __enter__(self):
+        import threading
+
+        from services.config import DeployConfig
+        from services.http.server import HttpService, HttpSettings
+        from services.tokenizer_router import TokenizerRouter
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def build():
+            cfg = DeployConfig(store=self.store, namespace=self.namespace)
+            router = TokenizerRouter(cfg.model_dump_json(), decode_handle=Handle(self.dec))
+            self.dec.eos = set(router.tokenizer.eos_token_ids)
+            http = HttpService(HttpSettings(host="127.0.0.1", port=0, model_name=self.model,
+                                            **self.settings).model_dump_json(),
+                               router=Handle(router), decode=Handle(self.dec), autostart=False)
+            host, port = await http.start()
+            return router, http, f"http://{host}:{port}"
+
+        router, self.http, url = asyncio.run_coroutine_threadsafe(build(), self.loop).result(120)
+        return url, router
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.http.close(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import jsonschema
 import pytest
 
+from tests.services.local_handles import InProcessServer
 from tests.services.test_harmony_api import ScriptedDecode
 
 openai = pytest.importorskip("openai")
@@ -44,30 +44,9 @@ def agent_store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(agent_store):
     """(base url, router, scripted decode): router + HTTP server on a private event loop."""
-    from services.config import DeployConfig
-    from services.http.server import HttpService, HttpSettings
-    from services.tokenizer_router import TokenizerRouter
-    from tests.services.local_handles import Handle
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def build():
-        cfg = DeployConfig(store=agent_store, namespace="agents-inproc")
-        dec = ScriptedDecode(eos=set())
-        router = TokenizerRouter(cfg.model_dump_json(), decode_handle=Handle(dec))
-        dec.eos = set(router.tokenizer.eos_token_ids)
-        http = HttpService(HttpSettings(host="127.0.0.1", port=0, model_name=MODEL).model_dump_json(),
-                           router=Handle(router), decode=Handle(dec), autostart=False)
-        host, port = await http.start()
-        return router, dec, http, f"http://{host}:{port}"
-
-    router, dec, http, url = asyncio.run_coroutine_threadsafe(build(), loop).result(120)
-    yield url, router, dec
-    asyncio.run_coroutine_threadsafe(http.close(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    dec = ScriptedDecode(eos=set())
+    with InProcessServer(agent_store, "agents-inproc", MODEL, dec) as (url, router):
+        yield url, router, dec
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +77,21 @@ def streamed(client, **kw):
     return content, reasoning, calls, finish
 
 
+def whole(client, **kw):
+    """One chat, not streamed -> the shape of :func:`streamed`."""
+    r = client.chat.completions.create(model=MODEL, **kw)
+    m = r.choices[0].message
+    calls = {i: [c.id, c.function.name, c.function.arguments] for i, c in enumerate(m.tool_calls or ())}
+    return m.content, m.model_extra.get("reasoning_content"), calls, r.choices[0].finish_reason
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_call_round_trip(served, client, stream):
     _, router, dec = served
     dec.script = script(router, "The user wants the weather.</think>\n\n" + CALL + END)
-    if stream:
-        content, reasoning, calls, finish = streamed(client, messages=ASK, tools=TOOLS, max_tokens=200)
-        (call_id, name, args), = calls.values()
-    else:
-        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200)
-        m, finish = r.choices[0].message, r.choices[0].finish_reason
-        content, reasoning = m.content, m.model_extra["reasoning_content"]
-        (call,) = m.tool_calls
-        call_id, name, args = call.id, call.function.name, call.function.arguments
+    chat = streamed if stream else whole
+    content, reasoning, calls, finish = chat(client, messages=ASK, tools=TOOLS, max_tokens=200)
+    (call_id, name, args), = calls.values()
     assert (finish, name, json.loads(args)) == ("tool_calls", "get_weather", {"city": "Paris"})
     assert not content and reasoning == "The user wants the weather."
     prompt = dec.calls[-1][0]
@@ -121,12 +102,7 @@ def test_tool_call_round_trip(served, client, stream):
                       "tool_calls": [{"id": call_id, "type": "function",
                                       "function": {"name": name, "arguments": args}}]},
                      {"role": "tool", "tool_call_id": call_id, "content": '{"temperature": 21}'}]
-    if stream:
-        content, reasoning, calls, finish = streamed(client, messages=history, tools=TOOLS, max_tokens=200)
-    else:
-        r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=200)
-        m, finish = r.choices[0].message, r.choices[0].finish_reason
-        content, reasoning, calls = m.content, m.model_extra["reasoning_content"], m.tool_calls or {}
+    content, reasoning, calls, finish = chat(client, messages=history, tools=TOOLS, max_tokens=200)
     assert (content, reasoning, calls, finish) == ("Sunny and 21 degrees in Paris.", "It is sunny.", {}, "stop")
     text = router.tokenizer.decode(dec.calls[-1][0])
     assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in text
@@ -138,12 +114,8 @@ def test_a_malformed_call_comes_back_as_text(served, client, stream):
     _, router, dec = served
     bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>'
     dec.script = script(router, "Hmm.</think>\n\n" + bad + END)
-    if stream:
-        content, reasoning, calls, finish = streamed(client, messages=ASK, tools=TOOLS, max_tokens=200)
-    else:
-        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200)
-        m, finish = r.choices[0].message, r.choices[0].finish_reason
-        content, reasoning, calls = m.content, m.model_extra["reasoning_content"], m.tool_calls or {}
+    chat = streamed if stream else whole
+    content, reasoning, calls, finish = chat(client, messages=ASK, tools=TOOLS, max_tokens=200)
     assert (content, reasoning, calls, finish) == (bad, "Hmm.", {}, "stop")
 
 
@@ -245,14 +217,8 @@ def test_forced_tool_call_round_trip_on_the_engine(real, stream):
     kw = dict(messages=ASK, tools=TOOLS, max_tokens=80, temperature=1.0, seed=7,
               extra_body={"enable_thinking": False})
     choice = {"type": "function", "function": {"name": "get_weather"}} if stream else "required"
-    if stream:
-        content, _, calls, finish = streamed(real, tool_choice=choice, **kw)
-        (call_id, name, args), = calls.values()
-    else:
-        r = real.chat.completions.create(model=MODEL, tool_choice=choice, **kw)
-        m, finish = r.choices[0].message, r.choices[0].finish_reason
-        content, (call,) = m.content, m.tool_calls
-        call_id, name, args = call.id, call.function.name, call.function.arguments
+    content, _, calls, finish = (streamed if stream else whole)(real, tool_choice=choice, **kw)
+    (call_id, name, args), = calls.values()
     assert (finish, name, content or "") == ("tool_calls", "get_weather", "")
     jsonschema.validate(json.loads(args), WEATHER)
     history = ASK + [{"role": "assistant", "content": None,

@@ -19,7 +19,8 @@ import jsonschema
 import pytest
 
 from tests.services.test_agents_api import ASK, CALL, END, MODEL, WEATHER, agent_store, real, script  # noqa: F401
-from tests.services.test_harmony_api import ScriptedDecode, in_process_server
+from tests.services.local_handles import InProcessServer
+from tests.services.test_harmony_api import ScriptedDecode
 
 anthropic = pytest.importorskip("anthropic")
 TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER}]
@@ -27,8 +28,10 @@ TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_sche
 
 @pytest.fixture(scope="module")
 def served(agent_store):  # noqa: F811
-    with in_process_server(agent_store, "anthropic-agents", ScriptedDecode, model_name=MODEL) as s:
-        yield s
+    dec = ScriptedDecode(eos=set())
+    server = InProcessServer(agent_store, "anthropic-agents", MODEL, dec)
+    with server as (url, router):
+        yield url, router, dec, server.loop
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,9 @@ import urllib.request
 
 import pytest
 
-from tests.services.local_handles import Handle
 from tests.services.test_harmony import ANALYSIS, FINAL, SCRIPT
-from tests.services.test_harmony_api import (ScriptedDecode, _script, gpt_oss_store,  # noqa: F401 (fixture)
-                                             in_process_server)
+from tests.services.local_handles import InProcessServer
+from tests.services.test_harmony_api import ScriptedDecode, _script, gpt_oss_store  # noqa: F401 (fixture)
 
 anthropic = pytest.importorskip("anthropic")
 MODEL = "tiny-gpt-oss"
@@ -49,9 +48,10 @@ def served(gpt_oss_store):  # noqa: F811
     """(base url, router, decode, loop): router + keyed HTTP server on a private event loop."""
     from services.http.server import key_digest
 
-    with in_process_server(gpt_oss_store, "anthropic-inproc", GatedDecode, model_name=MODEL,
-                           api_key_sha256=key_digest(KEY)) as s:
-        yield s
+    dec = GatedDecode(eos=set())
+    server = InProcessServer(gpt_oss_store, "anthropic-inproc", MODEL, dec, api_key_sha256=key_digest(KEY))
+    with server as (url, router):
+        yield url, router, dec, server.loop
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,6 @@ in-process engine's greedy tokens parsed by the reference parser."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +19,7 @@ import pytest
 from engine.harmony import HarmonyTokens, split_reference
 from protocol import Usage
 from services.decode_stream import Finished, StepStreams
-from tests.services.local_handles import Handle
+from tests.services.local_handles import InProcessServer
 from tests.services.test_harmony import ANALYSIS, FINAL, SCRIPT
 
 openai = pytest.importorskip("openai")
@@ -97,42 +95,12 @@ class ScriptedDecode:
         return None
 
 
-@contextlib.contextmanager
-def in_process_server(store, namespace: str, make_decode, **settings):
-    """(base url, router, decode, loop): the real router and HTTP server (HttpSettings
-    ``settings``) over the decode actor ``make_decode(eos)`` makes, on a private event loop."""
-    from services.config import DeployConfig
-    from services.http.server import HttpService, HttpSettings
-    from services.tokenizer_router import TokenizerRouter
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def build():
-        cfg = DeployConfig(store=store, namespace=namespace)
-        dec = make_decode(set())
-        router = TokenizerRouter(cfg.model_dump_json(), decode_handle=Handle(dec))
-        dec.eos = set(router.tokenizer.eos_token_ids)
-        http = HttpService(HttpSettings(host="127.0.0.1", port=0, **settings).model_dump_json(),
-                           router=Handle(router), decode=Handle(dec), autostart=False)
-        host, port = await http.start()
-        return router, dec, http, f"http://{host}:{port}"
-
-    router, dec, http, url = asyncio.run_coroutine_threadsafe(build(), loop).result(120)
-    try:
-        yield url, router, dec, loop
-    finally:
-        asyncio.run_coroutine_threadsafe(http.close(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def served(gpt_oss_store):
     """(base url, tokenizer, scripted decode): router + HTTP server on a private event loop."""
-    with in_process_server(gpt_oss_store, "harmony-inproc", ScriptedDecode, model_name=MODEL) as s:
-        yield s[:3]
+    dec = ScriptedDecode(eos=set())
+    with InProcessServer(gpt_oss_store, "harmony-inproc", MODEL, dec) as (url, router):
+        yield url, router, dec
 
 
 @pytest.fixture(scope="module")
