@@ -123,6 +123,15 @@ def test_thinking_disabled_reaches_the_template(served, client):
     assert router.tokenizer.decode(dec.calls[-1][0]).endswith("<think>\n")
 
 
+def test_stop_sequence_in_the_answer(served, client):
+    _, router, dec, _ = served
+    dec.script = script(router, "Paris is in France.</think>\n\nParis, then more." + END)
+    r = client.messages.create(model=MODEL, max_tokens=50, messages=ASK, stop_sequences=["then"])
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in r.content] == [
+        ("thinking", "Paris is in France."), ("text", "Paris, ")]
+    assert (r.stop_reason, r.stop_sequence) == ("stop_sequence", "then")
+
+
 def test_tool_choice_reaches_the_sampler_and_count_tokens_counts_the_tools(served, client):
     _, router, dec, _ = served
     dec.script = script(router, CALL + END)
