@@ -359,9 +359,8 @@ def env_cmd():
         click.echo("# no Ray cluster of this account is running (neither a `moestream serve` nor "
                    "deploy/start-head.sh): RAY_ADDRESS is not set", err=True)
     else:
-        click.echo(f"# the cluster of {cluster['by']}: GCS {cluster['gcs']}"
-                   f"{', Jobs API ' + cluster['jobs'] if cluster['jobs'] else ', no Jobs API (serve --dashboard starts it)'}",
-                   err=True)
+        jobs = f"Jobs API {cluster['jobs']}" if cluster["jobs"] else "no Jobs API (serve --dashboard starts it)"
+        click.echo(f"# the cluster of {cluster['by']}: GCS {cluster['gcs']}, {jobs}", err=True)
 
 
 COMMANDS.append(env_cmd)
