@@ -121,8 +121,9 @@ def test_sigterm_to_the_group_finishes_the_request_in_flight_and_stops_everythin
     def read():
         with urllib.request.urlopen(req, timeout=STOP_LIMIT_S + 60) as r:
             for raw in r:
-                lines.append(raw.decode().strip())
-                first.set()
+                if raw.strip():  # SSE: "data: ..." lines, each followed by a blank one
+                    lines.append(raw.decode().strip())
+                    first.set()
 
     reader = threading.Thread(target=read)
     reader.start()
