@@ -21,7 +21,8 @@ Translation (Anthropic -> chat messages):
   * ``output_config.effort`` -> the template's ``reasoning_effort`` (low / medium / high);
     ``output_config.format`` (a JSON schema) -> the answer constrained to it, as OpenAI's
     ``response_format: json_schema``;
-  * ``temperature`` / ``top_p`` / ``top_k`` (older clients send them) are the sampler's.
+  * ``temperature`` / ``top_p`` / ``top_k`` (older clients send them) are the sampler's;
+    ``seed`` (an extra body field, as on the OpenAI endpoints) makes sampling repeat.
 
 Validation is strict (unknown fields refused, no "5" for 5), as on the OpenAI endpoints.
 """
@@ -274,6 +275,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=1_000_000)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)  # our extra (extra_body), as on OpenAI's
     metadata: MetadataIn | None = None
     service_tier: str | None = None
 
@@ -282,10 +284,10 @@ class MessagesRequest(CountTokensRequest):
         for i, s in enumerate(kw["stop"]):
             if not 1 <= len(s) <= 256:
                 raise _bad(f"stop_sequences[{i}]", "a stop sequence must have 1..256 characters")
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "seed"):
             v = getattr(self, name)
             if v is not None:
-                kw[name] = float(v) if name != "top_k" else v
+                kw[name] = float(v) if name in ("temperature", "top_p") else v
         try:
             sampling = SamplingParams(**kw)
             return GenerateRequest(request_id=request_id, sampling=sampling, stream=bool(self.stream),

@@ -183,9 +183,12 @@ def test_stop_sequences_and_max_tokens(served, client):
                                 messages=[{"role": "user", "content": QUESTION}]) as s:
         got = s.get_final_message()
     assert (got.stop_reason, got.stop_sequence, got.content[0].text) == ("stop_sequence", "four", "one two three ")
-    r = client.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": QUESTION}])
+    r = client.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": QUESTION}],
+                               extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 11})
     assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 5
-    assert dec.calls[-1][1]["max_tokens"] == 5
+    sampling = dec.calls[-1][1]
+    assert (sampling["max_tokens"], sampling["temperature"], sampling["top_p"], sampling["top_k"],
+            sampling["seed"]) == (5, 0.5, 0.9, 7, 11)
 
 
 def test_keys_by_x_api_key_and_bearer_and_errors_in_anthropic_shape(served):
