@@ -72,8 +72,10 @@ def response_format_grammar(kind: str, schema_text: str | None = None) -> Constr
 def _call_tag(syntax: str, name: str, params: dict) -> dict:
     """One call of ``name`` in the model's syntax, its arguments following ``params``."""
     if syntax == "hermes":
+        # at most one whitespace character in a row: the arguments cannot run on as blank space
         return {"type": "tag", "begin": '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ',
-                "content": {"type": "json_schema", "json_schema": params}, "end": "}\n</tool_call>"}
+                "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1},
+                "end": "}\n</tool_call>"}
     if syntax == "qwen3_coder":
         return {"type": "tag", "begin": f"<tool_call>\n<function={name}>\n",
                 "content": {"type": "json_schema", "json_schema": params, "style": "qwen_xml"},
@@ -120,6 +122,23 @@ def after_open_reasoning(spec: Constraint, close_tag: str = "</think>") -> Const
 
 # ---- compile and match (xgrammar) --------------------------------------------------------------
 
+# xgrammar 0.2.9 writes the characters of a length-bounded JSON string (maxLength/minLength) as
+# [^"\\\r\n], which admits raw control characters (U+0000-U+001F) that JSON forbids unescaped:
+# a sampled answer then fails json.loads. Its unbounded strings exclude them; bounded ones are
+# rewritten to do the same (escapes stay unavailable there, as before).
+_LOOSE_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_CHARS = '[^\\0-\\x1f\\"\\\\]'
+
+
+def json_strings_without_controls(grammar):
+    """``grammar`` (an xgrammar Grammar) with length-bounded JSON strings that exclude control
+    characters (see above); unchanged when it has none."""
+    text = str(grammar)
+    if _LOOSE_CHARS not in text:
+        return grammar
+    return type(grammar).from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
+
+
 class GrammarBackend:
     """Compiles specs for one vocabulary. ``tokenizer``: engine.tokenizer.Tokenizer;
     ``vocab_size``: the model's logits width (>= the tokenizer's; padded ids are never allowed);
@@ -143,15 +162,17 @@ class GrammarBackend:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+        G = self._xgr.Grammar
         try:
             if spec.kind == "json_object":
-                compiled = self.compiler.compile_builtin_json_grammar()
+                grammar = G.builtin_json_grammar()
             elif spec.kind == "json_schema":
-                compiled = self.compiler.compile_json_schema(spec.text, any_whitespace=False)
+                grammar = G.from_json_schema(spec.text, any_whitespace=False)
             elif spec.kind == "structural_tag":
-                compiled = self.compiler.compile_structural_tag(spec.text)
+                grammar = G.from_structural_tag(spec.text)
             else:
-                compiled = self.compiler.compile_grammar(spec.text)
+                grammar = G.from_ebnf(spec.text)
+            compiled = self.compiler.compile_grammar(json_strings_without_controls(grammar))
         except Exception as e:  # xgrammar: bad schema / grammar / tag
             raise RequestValidationError(f"cannot build the output grammar ({spec.kind}): "
                                          f"{type(e).__name__}: {str(e)[:300]}") from None

@@ -36,7 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from protocol import ChatMessage, GenerateRequest, SamplingParams
 from protocol.messages import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS
-from services.http.schemas import OpenAIError, VISUAL_PART_TYPES, invalid
+from services.http.errors import OpenAIError, invalid
+from services.http.schemas import VISUAL_PART_TYPES
 
 # Anthropic's error "type" by HTTP status (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -23,54 +23,13 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from protocol import ChatMessage, GenerateRequest, SamplingParams
+from services.http.errors import OpenAIError, invalid
+from services.http.tools_in import chat_message, response_format, tool_choice, tool_specs
 from protocol.messages import MAX_CHAT_MESSAGES, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_PROMPT_CHARS
 
 # chat without max_tokens: OpenAI generates until the context ends; here the wire default (256),
 # lowered by the router to what the context leaves after the prompt
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class OpenAIError(Exception):
-    """An HTTP error answered as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled",
-             500: "server_error", 502: "server_error", 503: "service_unavailable",
-             504: "timeout"}
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.code}}
-
-
-def _loc(loc: tuple) -> str:
-    """pydantic's ('messages', 0, 'content') -> 'messages[0].content'."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in ("str", "list[str]", "list[int]", "int", "function-after[...]") or "[" in str(part):
-            continue  # union member names pydantic adds to the location
-        else:
-            out += ("." if out else "") + str(part)
-    return out
-
-
-def invalid(e: ValidationError) -> OpenAIError:
-    """The first validation error as a 400 naming its field."""
-    err = e.errors(include_url=False)[0]
-    param = _loc(err["loc"]) or None
-    msg = err["msg"]
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field; this server does not accept it"
-    return OpenAIError(400, f"{param}: {msg}" if param else msg, param=param,
-                       code="invalid_value" if err["type"] != "missing" else "missing_required_parameter")
 
 
 # Deepest array/object nesting a request body may have. Python's json (and pydantic's parser)
@@ -95,6 +54,8 @@ def json_depth(raw: bytes) -> int:
 
 
 def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    """Every endpoint's body: a JSON object, nested at most MAX_JSON_DEPTH deep, valid for
+    ``model``; else an OpenAIError(400) naming the problem."""
     if not raw:
         raise OpenAIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     depth = json_depth(raw)
@@ -247,8 +208,6 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's; enable_thinking is read from it
 
     def _messages(self) -> list[ChatMessage]:
-        from services.http.tools_in import chat_message  # it imports this module
-
         out = []
         for i, m in enumerate(self.messages):
             where = f"messages[{i}]"
@@ -293,8 +252,6 @@ class ChatCompletionRequest(_Sampling):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         sampling = self._sampling(self.max_completion_tokens or self.max_tokens,
                                   None, logprobs)
-        from services.http.tools_in import response_format, tool_choice, tool_specs
-
         tools = tool_specs(self.tools)
         choice, name = tool_choice(self.tool_choice, tools)
         thinking = self.enable_thinking

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from protocol import ChatMessage, ResponseFormat, ToolCall, ToolSpec
-from services.http.schemas import OpenAIError, invalid
+from services.http.errors import OpenAIError, invalid
 
 
 def _bad(param: str, what: str) -> OpenAIError:

@@ -392,7 +392,7 @@ def test_chat_without_max_tokens_fits_the_context(client, reference):
 
 @pytest.mark.parametrize("kind,extra,param", [
     ("chat", {"n": 2}, "n"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("chat", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
      "messages[0].content[0]"),

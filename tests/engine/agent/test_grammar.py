@@ -128,3 +128,16 @@ def test_a_prompt_that_opened_think_may_reason_first(backend, sm):
     for t in backend_tokens(backend, "thinking"):
         assert m.accept_token(t)
     assert not m.accept_token(sorted(sm.tokenizer.eos_token_ids)[0])  # no end before the answer
+
+
+def test_bounded_json_strings_refuse_raw_control_characters(backend, sm):
+    """xgrammar 0.2.9 lets a maxLength string hold raw U+0000-U+001F (invalid JSON); the backend
+    rewrites those rules, in a plain schema and inside a tool-call structural tag alike."""
+    backend._tok = sm.tokenizer
+    bell = sm.tokenizer.encode("\x07", add_special_tokens=False)
+    for c, head in ((response_format_grammar("json_schema", json.dumps(SCHEMA)), '{"city": "P'),
+                    (forced_calls_grammar("hermes", TOOLS, "get_weather"),
+                     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "P')):
+        m = _advanced(backend, c, head)
+        assert all(m.fork().accept_token(t) is False for t in bell[:1]), c.kind
+        assert m.accept_token(backend_tokens(backend, "a")[0])
