@@ -23,7 +23,8 @@ from pydantic import ValidationError
 from protocol import ErrorReply, GenerateRequest, GenerateResult, SamplingParams, TokenChunk, decode, encode
 from services.http.anthropic_format import MessageFormatter
 from services.http.anthropic_schemas import CountTokensRequest, MessagesRequest, error_body
-from services.http.schemas import OpenAIError, invalid, parse_body
+from services.http.errors import OpenAIError, invalid
+from services.http.schemas import parse_body
 
 ANTHROPIC_PREFIX = "/v1/messages"
 
