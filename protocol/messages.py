@@ -544,6 +544,10 @@ class GenerateResult(WireMessage):
         description="stop: end-of-sequence or a stop string/token; length: max_tokens or the "
         "context reached; abort: cancelled; error: see the ErrorReply sent with it."
     )
+    stop_sequence: str | None = Field(
+        None, max_length=MAX_STOP_CHARS, description="The stop string that ended the text "
+        "(finish_reason stop); None when none did (end-of-sequence, a stop token, a limit)."
+    )
     usage: Usage = Field(description="Token counts and speeds.")
 
 

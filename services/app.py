@@ -15,8 +15,10 @@ node-local shared memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +54,36 @@ def init_ray(config: DeployConfig | None = None, *, address: str | None = None,
                                                  num_cpus=None, object_store_memory=512 << 20)
     import os
 
-    ray.init(namespace=ns, num_cpus=cfg.num_cpus or os.cpu_count(),
-             object_store_memory=cfg.object_store_memory, include_dashboard=cfg.include_dashboard,
-             dashboard_host=cfg.host, _node_ip_address=cfg.host, log_to_driver=False)
+    with cluster_in_own_session():
+        ray.init(namespace=ns, num_cpus=cfg.num_cpus or os.cpu_count(),
+                 object_store_memory=cfg.object_store_memory, include_dashboard=cfg.include_dashboard,
+                 dashboard_host=cfg.host, _node_ip_address=cfg.host, log_to_driver=False)
     return True
+
+
+@contextlib.contextmanager
+def cluster_in_own_session():
+    """Start the local cluster's processes (GCS, raylet, dashboard, monitors; the raylet's
+    workers follow it) in a session and process group of their own. A SIGTERM to this
+    process's group (systemd's KillMode=control-group stops by cgroup, ``kill -TERM -PGID``,
+    a terminal's hangup) then reaches this process only, which stops the cluster in order
+    (services/cli_serve.stop_on_signal); before, it also killed the GCS and the raylet, and the
+    shutdown waited 60 s for the dead GCS. Ray starts them all through
+    ``ray._private.services.ConsolePopen``, which is swapped for the duration."""
+    from ray._private import services as ray_services
+
+    base = ray_services.ConsolePopen
+
+    class OwnSession(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            kwargs["start_new_session"] = True
+            super().__init__(*args, **kwargs)
+
+    ray_services.ConsolePopen = OwnSession
+    try:
+        yield
+    finally:
+        ray_services.ConsolePopen = base
 
 
 def _node_for_decode(num_gpus: int) -> str | None:
@@ -158,6 +186,23 @@ class App:
                 "cluster": {k: v for k, v in ray.cluster_resources().items()
                             if not k.startswith("node:")},
                 "actors": actors}
+
+    def drain(self, grace_s: float) -> int:
+        """Wait up to ``grace_s`` for the requests in flight to finish (the router's active set
+        empties); returns how many are still in flight then (shutdown aborts them), -1 when the
+        router cannot be asked."""
+        ray = _ray()
+        deadline = time.monotonic() + grace_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                active = ray.get(self.router.stats.remote(), timeout=max(0.5, min(2.0, left)))["active"]
+            except Exception as e:
+                log.warning("drain: the router does not answer: %s", e)
+                return -1
+            if not active or left <= 0:
+                return len(active)
+            time.sleep(0.1)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop every actor of the deployment and unlink the loaders' shared memory; a local

@@ -24,6 +24,8 @@ from services.cli_checks import (check_budget, check_utf8, device_memory, fail a
                                  one_line_errors)
 from services.handles import NAMESPACE
 
+STOP_GRACE_S = 10.0  # what a stop of `serve` lets requests in flight run for (--stop-grace)
+
 
 @click.command()
 @click.argument("store", type=click.Path(exists=True, file_okay=False))
@@ -77,6 +79,9 @@ from services.handles import NAMESPACE
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="Reuse the KV blocks (and, on hybrid models, state snapshots) of prompt "
               "prefixes across requests; --no-prefix-cache prefills every prompt in full.")
+@click.option("--stop-grace", type=click.FloatRange(0, 3600), default=STOP_GRACE_S, show_default=True,
+              help="Local cluster: seconds a stop (SIGTERM, SIGINT, SIGHUP) lets requests in flight "
+              "finish before aborting them and stopping the actors and the cluster.")
 @click.option("--tool-call-parser", default=None,
               type=click.Choice(["hermes", "qwen3_coder", "deepseek_v3", "harmony"]),
               help="The model's tool-call syntax; default: read from its chat template "
@@ -85,7 +90,7 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
           admission, prefetch_depth, queue_size, request_timeout, dtype, dashboard, num_cpus,
           object_store_memory, compute_threads, io_threads, http_address=None, api_key=None,
           served_model_name=None, max_waiting=None, speculative=None, max_draft=8, prefix_cache=True,
-          tool_call_parser=None):
+          stop_grace=None, tool_call_parser=None):
     """Deploy the pipeline (router, decode, N loaders) for STORE."""
     from pydantic import ValidationError
 
@@ -131,17 +136,29 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
                    err=True)
     click.echo(json.dumps(status_now, indent=2, default=str))
     if app.owns_cluster:  # the cluster dies with this process: serve until interrupted
+        import ray
+
+        from services.ray_env import forget_serve, record_serve
+
+        jobs = ray._private.worker.global_worker.node.webui_url if dashboard else None
+        record = record_serve(ray.get_runtime_context().gcs_address,
+                              f"http://{jobs}" if jobs else None, namespace)
         click.echo("serving on a local cluster; Ctrl-C stops it", err=True)
-        stop_on_signal(app)
+        try:
+            stop_on_signal(app, grace_s=STOP_GRACE_S if stop_grace is None else stop_grace)
+        finally:
+            forget_serve(record)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def stop_on_signal(app, poll_s: float = 0.5) -> float:
-    """Serve until SIGTERM, SIGINT (Ctrl-C) or SIGHUP, then stop every actor, free the shared
-    memory and the local cluster; further signals are ignored until that is done (it takes a
-    few seconds: tests/deploy/test_serve_lifecycle.py). Returns the seconds shutdown took."""
+def stop_on_signal(app, poll_s: float = 0.5, grace_s: float = STOP_GRACE_S) -> float:
+    """Serve until SIGTERM, SIGINT (Ctrl-C) or SIGHUP, to this process or its whole group (the
+    local cluster runs in a session of its own: services/app.cluster_in_own_session), then let
+    the requests in flight finish for up to ``grace_s``, abort the rest, stop every actor, free
+    the shared memory and the local cluster; further signals are ignored until that is done
+    (tests/services/test_serve_lifecycle.py). Returns the seconds the stop took."""
     import time
 
     stop = threading.Event()
@@ -152,6 +169,10 @@ def stop_on_signal(app, poll_s: float = 0.5) -> float:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     t0 = time.monotonic()
+    left = app.drain(grace_s)
+    if left > 0:
+        click.echo(f"stopping: {left} request(s) still in flight after {grace_s:g} s: aborted",
+                   err=True)
     app.shutdown()
     took = time.monotonic() - t0
     click.echo(f"stopped: actors, shared memory and the local cluster in {took:.1f} s", err=True)
@@ -331,11 +352,20 @@ COMMANDS: list[Callable] = [serve, scale, status, shutdown]
 
 @click.command("env")
 def env_cmd():
-    """Print the environment Ray's own CLI needs for this account's cluster (token auth, temp
-    dir, loopback, addresses): eval "$(moestream env)"; then `ray job submit ...` works."""
-    from services.ray_env import cli_env, shell_exports
+    """Print the environment Ray's own CLI needs for this account's running cluster (token auth,
+    temp dir, loopback, its addresses): eval "$(moestream env)"; then `ray job submit ...` works.
+    The cluster is the one a plain `moestream serve` started, else deploy/start-head.sh's; with
+    none running no address is printed (and a note says so on stderr)."""
+    from services.ray_env import cli_env, running_cluster, shell_exports
 
-    click.echo(shell_exports(cli_env()), nl=False)
+    cluster = running_cluster()
+    click.echo(shell_exports(cli_env(cluster)), nl=False)
+    if cluster is None:
+        click.echo("# no Ray cluster of this account is running (neither a `moestream serve` nor "
+                   "deploy/start-head.sh): RAY_ADDRESS is not set", err=True)
+    else:
+        jobs = f"Jobs API {cluster['jobs']}" if cluster["jobs"] else "no Jobs API (serve --dashboard starts it)"
+        click.echo(f"# the cluster of {cluster['by']}: GCS {cluster['gcs']}, {jobs}", err=True)
 
 
 COMMANDS.append(env_cmd)

@@ -3,6 +3,10 @@ by ``moestream env``, for Ray's own CLI (``ray job submit``, ``ray status``).
 
     eval "$(moestream env)"      # then: ray job submit -- moestream generate --address auto "Hi"
 
+``moestream env`` points Ray's CLI at the cluster that is running: the one a plain ``moestream
+serve`` started (recorded in the temp dir while it runs), else the one ``ray start`` /
+deploy/start-head.sh started; with none running it says so and sets no address.
+
 What it sets (never overriding what the caller already set):
   * ``RAY_AUTH_MODE=token`` when a token exists (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
     ``~/.ray/auth_token``): a token cluster refuses clients without it, and the Ray client then
@@ -30,7 +34,6 @@ from engine.errors import ConfigError
 
 SINGLE_NODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 JOBS_API = "http://127.0.0.1:8265"
-GCS = "127.0.0.1:6379"
 
 
 def token_path() -> Path:
@@ -82,13 +85,93 @@ def client_env() -> dict[str, str]:
     return env
 
 
-def cli_env() -> dict[str, str]:
-    """``client_env`` plus where Ray's CLI finds the cluster and the Jobs API."""
+def cli_env(cluster: dict[str, str | None] | None = None) -> dict[str, str]:
+    """``client_env`` plus where Ray's CLI finds ``cluster`` (``running_cluster()``: its GCS and
+    Jobs API; None: no address is set). What the caller set wins."""
     env = {k: os.environ.get(k, v) for k, v in client_env().items()}
     env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "token")
-    env["RAY_ADDRESS"] = os.environ.get("RAY_ADDRESS", GCS)
-    env["RAY_API_SERVER_ADDRESS"] = os.environ.get("RAY_API_SERVER_ADDRESS", JOBS_API)
+    for var, key in (("RAY_ADDRESS", "gcs"), ("RAY_API_SERVER_ADDRESS", "jobs")):
+        value = os.environ.get(var) or (cluster or {}).get(key)
+        if value:
+            env[var] = value
     return env
+
+
+# ---- which cluster is running -----------------------------------------------------------------
+# `moestream serve` without --address starts a cluster of its own on a free GCS port that Ray
+# records nowhere (`ray start` writes $RAY_TMPDIR/ray/ray_current_cluster; ray.init does not), so
+# serve records it here while it runs; `moestream env` prints the cluster that answers.
+SERVE_RECORD = "moestream-serve.json"
+
+
+def serve_record_path() -> Path:
+    return Path(account_temp_dir(create=False)) / SERVE_RECORD
+
+
+def record_serve(gcs: str, jobs: str | None, namespace: str) -> Path:
+    """Write this process's local cluster (mode 0600, replaced atomically); returns the path."""
+    import json
+
+    path = serve_record_path()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"gcs": gcs, "jobs": jobs, "namespace": namespace, "pid": os.getpid()}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def forget_serve(path: Path) -> None:
+    """Remove the record if it is still this process's (a later serve may have replaced it)."""
+    import json
+
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def listening(address: str, timeout_s: float = 0.5) -> bool:
+    """Whether HOST:PORT (or http://HOST:PORT) accepts a TCP connection."""
+    import socket
+
+    host, _, port = address.removeprefix("http://").rstrip("/").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _alive(pid: object) -> bool:
+    try:
+        os.kill(int(pid), 0)  # type: ignore[arg-type]
+        return True
+    except (OSError, TypeError, ValueError):
+        return False
+
+
+def running_cluster() -> dict[str, str | None] | None:
+    """The cluster of this account that is running: the one a `moestream serve` (without
+    --address) started, else the one `ray start` (deploy/start-head.sh) recorded; each only when
+    its GCS accepts connections. {"gcs", "jobs" (Jobs API URL or None), "by"}; None: none is."""
+    import json
+
+    try:
+        rec = json.loads(serve_record_path().read_text())
+        if _alive(rec.get("pid")) and listening(rec["gcs"]):
+            return {"gcs": rec["gcs"], "jobs": rec.get("jobs"),
+                    "by": f"moestream serve (pid {rec['pid']}, namespace {rec.get('namespace')})"}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:  # where `ray start` records its GCS (Ray uses $RAY_TMPDIR/ray)
+        gcs = (Path(account_temp_dir(create=False)) / "ray" / "ray_current_cluster").read_text().strip()
+    except OSError:
+        return None
+    if gcs and listening(gcs):
+        return {"gcs": gcs, "jobs": JOBS_API if listening(JOBS_API) else None, "by": "ray start"}
+    return None
 
 
 def apply_client_env(create_token: bool = False) -> dict[str, str]:

@@ -62,6 +62,10 @@ class TextStage:
             return text
         return text + self.stops.flush()
 
+    def matched(self) -> str | None:
+        """The stop string that ended the text (None: none did)."""
+        return self.stops.matched if self.by_string else None
+
     # ---- the text in parts (answer, reasoning): one part for plain models ---------------------
     def feed_parts(self, token_ids: Sequence[int]) -> tuple[int, str, str]:
         """As :meth:`feed`, with the reasoning text apart: (tokens, answer text, reasoning text)."""
@@ -179,6 +183,11 @@ class HarmonyTextStage(TextStage):
             return parts["content"], parts["reasoning"]
         return (parts["content"] + self.matchers["content"].flush(),
                 parts["reasoning"] + self.matchers["reasoning"].flush())
+
+    def matched(self) -> str | None:
+        if not self.by_string:
+            return None
+        return next((m.matched for m in self.matchers.values() if m.matched), None)
 
     def feed(self, token_ids: Sequence[int]) -> tuple[int, str]:
         """The answer only (use :meth:`feed_parts` for the reasoning)."""

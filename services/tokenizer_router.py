@@ -373,7 +373,8 @@ class TokenizerRouter:
         tool_calls = [ToolCall(id=c.id, name=c.name, arguments=c.arguments)
                       for c in calls.tool_calls] if calls is not None and calls.tool_calls else None
         return msg.model_copy(update={"text": text, "token_ids": list(got_ids), "reasoning": reasoning,
-                                      "finish_reason": reason, "usage": usage, "tool_calls": tool_calls})
+                                      "finish_reason": reason, "usage": usage, "tool_calls": tool_calls,
+                                      "stop_sequence": stage.matched()})
 
     def _full(self) -> str | None:
         """Why a new request cannot be admitted now (None: it can)."""
@@ -400,6 +401,19 @@ class TokenizerRouter:
                 raise ValueError(f"max_waiting={max_waiting!r}; allowed: None or >= 0")
             self.max_waiting = max_waiting
         return old
+
+    async def count_tokens(self, frames: list) -> int | list[bytes]:
+        """How many tokens the prompt of the GenerateRequest in ``frames`` renders to (chat
+        template, tools and all: what a request would prefill); the ErrorReply's frames when it
+        cannot be rendered. Nothing is generated (Anthropic's /v1/messages/count_tokens)."""
+        req = self._request(frames)
+        if not isinstance(req, GenerateRequest):
+            return req
+        try:
+            prompt_ids, _ = await asyncio.to_thread(self._prompt_ids, req)
+            return len(prompt_ids)
+        except Exception as e:
+            return encode(ErrorReply.from_exception(e, req.request_id))
 
     async def token_strings(self, token_ids: list[int]) -> list[str]:
         """The text of each token on its own (special tokens included), for logprobs."""

@@ -5,8 +5,11 @@
     GET  /v1/models[/{id}]       the one served model
     POST /v1/chat/completions    chat; SSE when "stream": true
     POST /v1/completions         text or token-id prompt; SSE when "stream": true
+    POST /v1/messages            Anthropic's Messages API (services/http/anthropic_api.py)
+    POST /v1/messages/count_tokens
 
-Every endpoint but /health needs ``Authorization: Bearer KEY`` when a key is configured; only
+Every endpoint but /health needs ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) when a
+key is configured; errors on /v1/messages* come in Anthropic's shape, elsewhere in OpenAI's; only
 the key's sha256 reaches the actor, and digests are compared with ``hmac.compare_digest``.
 A request is wire frames to ``router.submit`` into this actor's one step stream from the router
 (``router.steps``: one StepFrame per engine step for all its requests, services/step_mux.py);
@@ -23,6 +26,7 @@ restart by Ray serves again on the same address.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import hmac
@@ -31,6 +35,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -38,6 +43,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from protocol import ErrorCode, ErrorReply, GenerateRequest, GenerateResult, HealthReply, TokenChunk, decode, encode
 from services import handles
+from services.http.anthropic_api import ANTHROPIC_PREFIX, AnthropicEndpoints
+from services.http.anthropic_schemas import error_body as anthropic_error
 from services.http.metrics import CONTENT_TYPE, Metrics
 from services.http.openai_format import (
     FINISH,
@@ -82,7 +89,16 @@ class HttpSettings(BaseModel):
 BIND_RETRY_S = 30.0  # how long a (re)started server retries a fixed port still in use
 
 
-class HttpService:
+@dataclass
+class _Run:
+    """One submitted request while a handler answers it (HttpService._request)."""
+
+    gen: RequestStream
+    first: Any = None
+    over: bool = False
+
+
+class HttpService(AnthropicEndpoints):
     """Ray actor (async). ``router``/``decode`` default to the named actors of the namespace."""
 
     def __init__(self, settings_json: str, *, router=None, decode=None, autostart: bool = True) -> None:
@@ -134,6 +150,8 @@ class HttpService:
                 app.router.add_get("/v1/models/{model_id:.+}", self.h_model)
                 app.router.add_post("/v1/chat/completions", self.h_chat)
                 app.router.add_post("/v1/completions", self.h_completions)
+                app.router.add_post("/v1/messages", self.h_messages)
+                app.router.add_post("/v1/messages/count_tokens", self.h_count_tokens)
                 self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
                 await self.runner.setup()
                 site = await self._listen()
@@ -198,35 +216,42 @@ class HttpService:
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
         endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
         try:
-            if request.path != "/health":
-                self._authorize(request)
-            resp = await handler(request)
-        except OpenAIError as e:
-            resp = web.json_response(e.body(), status=e.status, headers=e.headers)
-        except web.HTTPException as e:  # 404 / 405 from routing, in OpenAI's shape
-            err = OpenAIError(e.status, f"{request.method} {request.path}: {e.reason}",
-                              code="not_found" if e.status == 404 else "method_not_allowed")
-            resp = web.json_response(err.body(), status=e.status)
+            try:
+                if request.path != "/health":
+                    self._authorize(request)
+                resp = await handler(request)
+            except web.HTTPException as e:  # 404 / 405 from routing
+                raise OpenAIError(e.status, f"{request.method} {request.path}: {e.reason}",
+                                  code="not_found" if e.status == 404 else "method_not_allowed") from None
+            except (asyncio.CancelledError, ConnectionResetError, OpenAIError):
+                raise
+            except Exception as e:
+                log.exception("unhandled error on %s", request.path)
+                raise OpenAIError(500, f"internal error: {type(e).__name__}: {e}"[:2000],
+                                  code="internal") from None
+        except OpenAIError as e:  # in the shape of the API the path belongs to
+            body = anthropic_error(e) if request.path.startswith(ANTHROPIC_PREFIX) else e.body()
+            resp = web.json_response(body, status=e.status, headers=e.headers)
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.requests.labels(endpoint, "499").inc()
             raise
-        except Exception as e:
-            log.exception("unhandled error on %s", request.path)
-            err = OpenAIError(500, f"internal error: {type(e).__name__}: {e}"[:2000], code="internal")
-            resp = web.json_response(err.body(), status=500)
         self.metrics.requests.labels(endpoint, str(resp.status)).inc()
         return resp
 
     def _authorize(self, request: web.Request) -> None:
+        """``Authorization: Bearer KEY`` or (Anthropic's clients) ``x-api-key: KEY``."""
         if self._digest is None:
             return
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if "x-api-key" in request.headers:
+            scheme, token = "bearer", request.headers["x-api-key"]
         given = hashlib.sha256(token.strip().encode("utf-8")).digest()
         # compare_digest on every request whatever the scheme, so timing says nothing
         ok = hmac.compare_digest(given, self._digest)
         if not ok or scheme.lower() != "bearer":
-            raise OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
-                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY' "
+                              "(or 'x-api-key: KEY')", code="invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})
 
     # ---- simple endpoints --------------------------------------------------------------------
     async def h_health(self, request: web.Request) -> web.Response:
@@ -333,29 +358,38 @@ class HttpService:
         if want_lp and not stream:  # logprobs ride on the token chunks: stream them internally
             greq = greq.model_copy(update={"stream": True})
         fmt = Formatter(kind, rid, self.settings.model_name, body.include_usage)
-        gen = await self._open(greq)
-        over = False
+        async with self._request(greq) as run:
+            if stream:
+                resp, run.over = await self._stream(request, run.gen, run.first, fmt, kind, t0)
+            else:
+                resp, run.over = await self._collect(run.gen, run.first, fmt, kind, t0)
+            return resp
+
+    @contextlib.asynccontextmanager
+    async def _request(self, greq: GenerateRequest):
+        """Submit ``greq`` and wait for its first message; yields the run (``gen``: its stream,
+        ``first``: that message). A refusal before any token raises its HTTP error. The body
+        sets ``run.over`` once the request has ended; left False (the client went away, the
+        handler was cancelled) the request is cancelled at the router, which aborts it in the
+        engine and frees its KV blocks."""
+        run = _Run(await self._open(greq))
         self.metrics.in_flight.inc()
         try:
-            msg = await self._next(gen)
-            if msg is None:
-                over = True
+            run.first = await self._next(run.gen)
+            if run.first is None:
+                run.over = True
                 raise OpenAIError(503, "the pipeline ended the request without an answer",
                                   code=ErrorCode.ENGINE_DEAD.value)
-            if isinstance(msg, ErrorReply):
-                over = True
-                raise self._refusal(msg)
-            if stream:
-                resp, over = await self._stream(request, gen, msg, fmt, kind, t0)
-            else:
-                resp, over = await self._collect(gen, msg, fmt, kind, t0)
-            return resp
+            if isinstance(run.first, ErrorReply):
+                run.over = True
+                raise self._refusal(run.first)
+            yield run
         finally:
-            gen.close()
+            run.gen.close()
             self.metrics.in_flight.dec()
-            if not over:  # the client went away: abort in the engine, free its KV blocks
+            if not run.over:
                 self.metrics.aborted.inc()
-                self.router.cancel.remote(rid)
+                self.router.cancel.remote(greq.request_id)
 
     async def _texts(self, chunk: TokenChunk, cache: dict[int, str]) -> dict[int, str]:
         ids = list(chunk.token_ids)

@@ -106,13 +106,15 @@ class Serve:
         return Path(f"{self.tmp}/token").read_text().strip()
 
     def start(self, *extra: str, timeout_s: float = 300.0) -> "Serve":
-        exe = Path(sys.executable).parent / "moestream"
         self.err_path = Path(self.tmp) / "serve.err"
+        # this checkout's code (the console script imports whichever checkout was installed)
+        env = {**self.env, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), self.env.get("PYTHONPATH"))))}
         self.proc = subprocess.Popen(
-            [str(exe), "serve", str(self.store), "--namespace", self.namespace, "--loaders", "2",
-             "--num-cpus", "2", "--object-store-memory", "100MiB", *extra],
+            [sys.executable, "-m", "services.cli", "serve", str(self.store), "--namespace",
+             self.namespace, "--loaders", "2", "--num-cpus", "2", "--object-store-memory", "100MiB",
+             *extra],
             stdout=open(Path(self.tmp) / "serve.out", "w"), stderr=open(self.err_path, "w"),
-            env=self.env, start_new_session=True, cwd=self.tmp)
+            env=env, start_new_session=True, cwd=self.tmp)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if "Ctrl-C stops it" in self.err_path.read_text():

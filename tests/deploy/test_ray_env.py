@@ -47,13 +47,71 @@ def test_caller_settings_win_and_env_command_prints_exports(clean_env, monkeypat
     assert applied["RAY_AUTH_MODE"] == "disabled"
     assert applied["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
     monkeypatch.delenv("RAY_AUTH_MODE")
+    lines, note = _env_command()
+    assert lines["RAY_AUTH_MODE"] == "token"
+    assert lines["RAY_TMPDIR"] == str(clean_env / "raytmp")
+    # no cluster runs: no address (before, 127.0.0.1:6379 whatever was running) and a note
+    assert "RAY_ADDRESS" not in lines and "RAY_API_SERVER_ADDRESS" not in lines
+    assert "no Ray cluster of this account is running" in note
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")  # the caller's own setting still wins
+    assert _env_command()[0]["RAY_ADDRESS"] == "10.0.0.5:6379"
+
+
+def _env_command() -> tuple[dict[str, str], str]:
     from services.cli_serve import env_cmd
 
-    out = CliRunner().invoke(env_cmd, []).output
-    lines = dict(line.removeprefix("export ").split("=", 1) for line in out.splitlines())
-    assert lines["RAY_AUTH_MODE"] == "token"
-    assert lines["RAY_API_SERVER_ADDRESS"] == "http://127.0.0.1:8265"
-    assert lines["RAY_TMPDIR"] == str(clean_env / "raytmp")
+    res = CliRunner().invoke(env_cmd, [])
+    assert res.exit_code == 0, res.output
+    return dict(line.removeprefix("export ").split("=", 1) for line in res.stdout.splitlines()), res.stderr
+
+
+@pytest.fixture()
+def listener():
+    """A TCP socket on loopback that accepts: a stand-in for a live GCS / Jobs API port."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    yield f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+
+
+def test_env_prints_the_cluster_that_is_running(clean_env, listener):
+    """A plain `moestream serve` records its own cluster (any free GCS port) while it runs; that
+    one wins over a `ray start` record; a record whose process or port is gone counts as none."""
+    import json
+
+    tmp = ray_env.account_temp_dir()
+    assert ray_env.running_cluster() is None
+    # `ray start` (deploy/start-head.sh) writes Ray's own record: found when its GCS answers
+    from ray._common.utils import get_ray_address_file
+
+    ray_file = get_ray_address_file(None)
+    assert ray_file == os.path.join(tmp, "ray", "ray_current_cluster")  # where we look
+    os.makedirs(os.path.dirname(ray_file), exist_ok=True)
+    with open(ray_file, "w") as f:
+        f.write(listener)
+    assert ray_env.running_cluster()["gcs"] == listener
+    assert _env_command()[0]["RAY_ADDRESS"] == listener
+    # serve's record wins while its process lives and its GCS answers
+    path = ray_env.record_serve("127.0.0.1:1", None, "ns")  # port 1: nothing listens
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ray_env.running_cluster()["gcs"] == listener  # dead port: the ray start one
+    path = ray_env.record_serve(listener, f"http://{listener}", "ns")
+    found = ray_env.running_cluster()
+    assert found["gcs"] == listener and found["jobs"] == f"http://{listener}" and "serve" in found["by"]
+    lines, note = _env_command()
+    assert lines["RAY_ADDRESS"] == listener and lines["RAY_API_SERVER_ADDRESS"] == f"http://{listener}"
+    assert "moestream serve" in note
+    rec = json.loads(path.read_text())
+    path.write_text(json.dumps({**rec, "pid": 2**22 + 1}))  # a process that is gone
+    assert ray_env.running_cluster()["by"] == "ray start"
+    path.write_text(json.dumps(rec))
+    ray_env.forget_serve(path)
+    assert not path.exists()
+    os.unlink(ray_file)
+    assert ray_env.running_cluster() is None
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="a directory of another account needs root (chown)")

@@ -44,10 +44,12 @@ class Handle:
 class InProcessServer:
     """The real router and HTTP server on a private event loop, in front of a fake decode actor
     ``dec`` (its ``eos`` set to the router's end-of-sequence ids): ``with InProcessServer(store,
-    namespace, model, dec) as (url, router): ...``"""
+    namespace, model, dec) as (url, router): ...``; ``settings``: more HttpSettings (a key);
+    ``loop``: the event loop they run on."""
 
-    def __init__(self, store, namespace: str, model: str, dec) -> None:
+    def __init__(self, store, namespace: str, model: str, dec, **settings) -> None:
         self.store, self.namespace, self.model, self.dec = store, namespace, model, dec
+        self.settings = settings
 
     def __enter__(self):
         import threading
@@ -64,7 +66,8 @@ class InProcessServer:
             cfg = DeployConfig(store=self.store, namespace=self.namespace)
             router = TokenizerRouter(cfg.model_dump_json(), decode_handle=Handle(self.dec))
             self.dec.eos = set(router.tokenizer.eos_token_ids)
-            http = HttpService(HttpSettings(host="127.0.0.1", port=0, model_name=self.model).model_dump_json(),
+            http = HttpService(HttpSettings(host="127.0.0.1", port=0, model_name=self.model,
+                                            **self.settings).model_dump_json(),
                                router=Handle(router), decode=Handle(self.dec), autostart=False)
             host, port = await http.start()
             return router, http, f"http://{host}:{port}"

@@ -59,12 +59,80 @@ def test_sockets_loopback_or_token_and_sigterm_stops_everything(serve):
     _stopped_cleanly(serve, pids, signal.SIGTERM, group=False)
 
 
+def _env_command(s: Serve) -> tuple[dict[str, str], str]:
+    """`moestream env` in a second terminal of the same account: (exports, note)."""
+    from tests.deploy.helpers import ROOT
+
+    p = subprocess.run([sys.executable, "-m", "services.cli", "env"], capture_output=True, text=True,
+                       env={**s.env, "PYTHONPATH": str(ROOT)}, timeout=120, cwd=s.tmp)
+    assert p.returncode == 0, p.stderr
+    return dict(line.removeprefix("export ").split("=", 1) for line in p.stdout.splitlines()), p.stderr
+
+
+def _gcs_address(pids: list[int]) -> str:
+    """The GCS of this deployment, from the command lines of its processes (the raylet and the
+    agents are started with ``--gcs-address=HOST:PORT``; the GCS itself with port 0)."""
+    found = set()
+    for pid in pids:
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        found |= {a.split("=", 1)[1] for a in args if a.startswith(("--gcs-address=", "--gcs_address="))}
+    assert len(found) == 1, found
+    return found.pop()
+
+
 def test_ctrl_c_of_the_terminal_stops_everything(serve):
     serve.start()
     pids = serve.pids()
     assert len(shm_of(serve.namespace)) == 2
+    # a second terminal finds this cluster: `moestream env` prints its GCS (issue 28; before,
+    # the address deploy/start-head.sh's cluster would have, 127.0.0.1:6379)
+    exports, note = _env_command(serve)
+    assert exports["RAY_ADDRESS"] == _gcs_address(pids), (exports, note)
+    assert f"namespace {serve.namespace}" in note
     # a terminal's Ctrl-C: SIGINT to the whole foreground group (gcs_server, raylet, ... too)
     _stopped_cleanly(serve, pids, signal.SIGINT, group=True)
+    exports, note = _env_command(serve)  # stopped: none is running, and it says so
+    assert "RAY_ADDRESS" not in exports and "no Ray cluster" in note
+
+
+def test_sigterm_to_the_group_finishes_the_request_in_flight_and_stops_everything(serve):
+    """What `kill -TERM -PGID` (and a terminal's hangup) do: SIGTERM to serve and every process
+    of its group at once. Before the fix the local cluster's GCS and raylet died with it, serve
+    waited 60 s for the dead GCS, exited 1 and left processes running. A streamed request in
+    flight when the signal comes finishes within the grace period."""
+    import json
+    import re
+    import threading
+    import urllib.request
+
+    serve.start("--http", "127.0.0.1:0", "--stop-grace", "20")
+    pids = serve.pids()
+    assert len(shm_of(serve.namespace)) == 2
+    base = re.search(r"http://127\.0\.0\.1:\d+/v1", serve.log()).group(0)
+    req = urllib.request.Request(f"{base}/completions", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": serve.store.name, "prompt": [5, 6, 7, 8],
+                                                  "max_tokens": 64, "temperature": 0, "stream": True}).encode())
+    lines: list[str] = []
+    first = threading.Event()
+
+    def read():
+        with urllib.request.urlopen(req, timeout=STOP_LIMIT_S + 60) as r:
+            for raw in r:
+                if raw.strip():  # SSE: "data: ..." lines, each followed by a blank one
+                    lines.append(raw.decode().strip())
+                    first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(120), serve.log()  # streaming: the request is in flight
+    _stopped_cleanly(serve, pids, signal.SIGTERM, group=True)
+    reader.join(30)
+    events = [json.loads(x[len("data: "):]) for x in lines if x.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]" and "error" not in events[-1], lines[-3:]
+    assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")  # finished, not aborted
 
 
 def test_sigkill_of_everything_then_start_again_leaves_one_deployment_of_segments(serve, store_path):
