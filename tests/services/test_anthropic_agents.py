@@ -161,7 +161,8 @@ def test_forced_tool_use_round_trip_on_the_engine(real, stream):  # noqa: F811
     base = str(real.base_url).rstrip("/").removesuffix("/v1")
     client = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=300)
     r = ask(client, stream, max_tokens=80, tools=TOOLS, messages=ASK, thinking={"type": "disabled"},
-            tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 1.0, "seed": 7})
+            tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+            extra_body={"temperature": 1.0, "seed": 7})
     uses = [b for b in r.content if b.type == "tool_use"]
     assert r.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather", r.content
     jsonschema.validate(uses[0].input, WEATHER)
