@@ -74,6 +74,8 @@ def main() -> None:
 @click.option("--min-p", type=float, default=0.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--ignore-eos", is_flag=True, default=False,
+              help="Keep generating past the end-of-sequence token, up to --max-tokens (for benchmarks).")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16 compute.")
 @click.option("--dense", type=click.Choice(["fp32", "bf16", "int8"]), default="bf16", show_default=True,
               help="Format of the dense (attention, shared-expert, LM-head) weights: bf16 halves and "
@@ -93,7 +95,8 @@ def main() -> None:
                    "--no-prefix-cache turns it off.")
 def generate(prompt, model_path, store_path, device_budget, ram_budget, ple_budget, policy, admission, prefetch_depth,
              miss_compute, address, namespace, as_json, chat, max_tokens, temperature, top_k, top_p,
-             min_p, seed, stop, dtype, dense, head_format, device_name, speculative, prefix_cache=True):
+             min_p, seed, stop, dtype, dense, head_format, device_name, speculative, prefix_cache=True,
+             ignore_eos=False):
     """Generate text from PROMPT, streaming it, then print one line of figures."""
     from engine.assets import smollm2_gguf
     from engine.layers.sampler import SamplingConfig
@@ -107,13 +110,18 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, ple_budg
     if address is not None:
         from services.cli_serve import generate_remote
 
+        if ignore_eos:  # the deployment's router always stops at the model's end of sequence
+            raise click.UsageError("--ignore-eos runs in this process only (--model or --store), "
+                                   "not against a deployment (--address)")
+
         sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k,
                     "top_p": top_p, "min_p": min_p, "seed": seed, "stop": list(stop)}
         generate_remote(address, prompt, chat=chat, namespace=namespace, sampling=sampling,
                         as_json=as_json)
         return
     sampling = SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, min_p=min_p, seed=seed, stop=tuple(stop))
+                              top_p=top_p, min_p=min_p, seed=seed, stop=tuple(stop),
+                              ignore_eos=ignore_eos)
     loaded = None
     device = _device(device_name)
     draft = _draft_path(speculative)  # checked before any model is loaded

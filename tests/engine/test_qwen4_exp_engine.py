@@ -7,6 +7,7 @@ residency (alone and batched), and `generate --model` printing transformers' gre
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.loading import open_model_files
 from engine.models.load import build_model
@@ -52,3 +53,39 @@ def test_generate_cli_matches_transformers(tmp_path, case):
     d = tmp_path / "hf"
     ref = make_qwen4_exp(d, seed=3, vocab=32000, case=case, **SHAPE)
     assert check_generate_cli(ref, d) >= 9
+
+
+def test_generate_cli_prints_32_greedy_tokens_of_transformers(tmp_path):
+    """`generate --model` prints the text of transformers' 32 greedy tokens (PLE on 2 layers,
+    3-grams, hc 2, a 31-token prompt past the indexer budget of 8: selection drops blocks); neither
+    side may stop early (--ignore-eos, eos_token_id=None)."""
+    from click.testing import CliRunner
+
+    from engine.loading import load_model
+    from services.cli import main
+    from tests.engine.models.hf_tiny import add_mixtral_tokenizer
+
+    d = tmp_path / "hf"
+    ref = make_qwen4_exp(d, seed=3, vocab=32000, case="ple2_ng3_hc2", **SHAPE)
+    add_mixtral_tokenizer(d)
+    _, tok, _ = load_model(d)
+    text = "Hello there, tell me about recurrent state " * 3
+    ids = tok.encode(text)
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=32, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(ids):].tolist()
+    assert len(hf) == 32
+    r = CliRunner().invoke(main, ["generate", "--model", str(d), "--dense", "fp32", "--max-tokens", "32",
+                                  "--ignore-eos", text])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.rstrip("\n") == tok.decode(hf)
+
+
+def test_ignore_eos_against_a_deployment_is_a_usage_error():
+    from click.testing import CliRunner
+
+    from services.cli import main
+
+    r = CliRunner().invoke(main, ["generate", "--address", "auto", "--ignore-eos", "hi"])
+    assert r.exit_code == 2 and "--ignore-eos runs in this process only" in r.output
