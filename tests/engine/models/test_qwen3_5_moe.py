@@ -132,7 +132,9 @@ def test_block_fp8_checkpoint_loads_as_its_dequantized_values(tmp_path):
     prompt = _prompt(a.config.vocab_size, 70)
     la, lb = (build_model(f.config, f.source)(prompt, BatchLayout.single(0, 70, 0), _kv(f.config), all_logits=True)
               for f in (a, b))
-    torch.testing.assert_close(la, lb, atol=0, rtol=0)
+    # the weights are bitwise equal (above); the logits to float rounding (the two builds' tensors
+    # differ in storage: a matmul may split its sums differently on them)
+    torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-4)
 
 
 def test_split_projections_fuse_into_qwen3_next_grouping():
