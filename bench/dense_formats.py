@@ -9,7 +9,7 @@ head. Held-out English text (pydoc of ``str`` and ``dict``) is fed one token at 
 does; each row prints its perplexity, the ratio to fp32's, the mean KL(fp32 || row) per token, top-1
 agreement with fp32, the dense bytes a decoded token reads, and greedy decode tok/s (median of
 ``--rounds`` alternating rounds, every expert resident). The last line names the fastest pair
-within the quality bound (perplexity <= 1.02x fp32's and mean KL <= 0.02 nats/token): the pair
+within the quality bound (perplexity <= 1.02x fp32's and mean KL <= 0.03 nats/token): the pair
 that `moestream generate`, `serve` and `load_from_store` use by default.
 """
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 PAIRS = (("fp32", "fp32"), ("bf16", "bf16"), ("int8", "bf16"), ("int8", "int8"), ("bf16", "int4"),
          ("int8", "int4"))
-PPL_BOUND, KL_BOUND = 1.02, 0.02
+PPL_BOUND, KL_BOUND = 1.02, 0.03
 
 
 def demo_store() -> Path | None:

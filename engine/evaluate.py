@@ -77,7 +77,8 @@ def open_model(path_or_store, dtype: torch.dtype = torch.float32) -> Loaded:
     if path.is_dir() and (path / "manifest.json").is_file():
         from engine.experts.runtime import load_from_store
 
-        sm = load_from_store(path, dtype=dtype)
+        # fp32 dense: eval measures what the store's expert formats cost, nothing else
+        sm = load_from_store(path, dtype=dtype, dense="fp32")
         return Loaded(sm.model, sm.tokenizer, str(path), sm)
     from engine.loading import load_model
 

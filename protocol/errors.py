@@ -74,6 +74,7 @@ EXCEPTION_CODES: Mapping[str, ErrorCode] = {
     "CapacityError": ErrorCode.CAPACITY,
     "CacheCapacityError": ErrorCode.CAPACITY,
     "DeviceBudgetError": ErrorCode.CAPACITY,  # the --vram-budget cap: out of device memory
+    "HostMemoryError": ErrorCode.CAPACITY,  # the process's memory (cgroup limit) cannot hold the run
     "ChecksumError": ErrorCode.EXPERT_LOAD,
     "ExpertLoadError": ErrorCode.EXPERT_LOAD,
     "ModelFormatError": ErrorCode.INTERNAL,  # the deployment's model files are broken

@@ -11,7 +11,7 @@ from engine.experts.cache import CacheConfig, ExpertCache
 from engine.experts.tiers import ExpertSource, HostTier
 from engine.models.base import CausalLM
 from engine.models.load import build_model
-from engine.quant.linear import quantize_dense
+from engine.quant.linear import DEFAULT_DENSE, quantize_dense
 
 
 @dataclass
@@ -51,10 +51,11 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
                     policy: str = "sweep", prefetch_depth: int | None = None, miss_compute: str = "transfer",
                     pinned=frozenset(), dtype: torch.dtype = torch.float32,
                     source: ExpertSource | None = None, device: str = "cpu",
-                    dense: str = "fp32", io_threads: int = 8, head: str | None = None,
+                    dense: str = DEFAULT_DENSE, io_threads: int = 8, head: str | None = None,
                     admission: bool = False, ple_budget: int | None = None) -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
-    format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8), ``head``
+    format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8; default
+    DEFAULT_DENSE, int8, the fastest within the quality bound of bench/dense_formats.py), ``head``
     the LM head's (None: as ``dense``; int4 too). ``ple_budget``: bytes of the PLE row cache
     (engine.store.ple_disk; None: DEFAULT_PLE_BUDGET) of a store with PLE row files. ``device``:
     where the dense model and the expert slots live ("cuda" on a GPU: experts then run on the
