@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from engine.errors import ConfigError
 from engine.executor import executor_for
+from engine.layers.embedding import compute_dtype
 
 DEFAULT_WINDOW = 256
 DEFAULT_MAX_WINDOWS = 16
@@ -94,7 +95,7 @@ def window_logits(model, ids: Sequence[int]) -> torch.Tensor:
 
     cfg = model.config
     kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                           dtype=model.model.embed_tokens.weight.dtype)
+                           dtype=compute_dtype(model))
     return executor_for(model)(torch.tensor(list(ids), dtype=torch.long), BatchLayout.single(0, len(ids), 0), kv,
                                all_logits=True).to("cpu", torch.float32)
 

@@ -35,6 +35,7 @@ from engine.executor import executor_for
 from engine.generate import GenerationStats, Request, validate_prompt
 from engine.kv.base import BatchLayout
 from engine.kv.paged import KVMetrics, PagedKVCache
+from engine.layers.embedding import compute_dtype
 from engine.layers.sampler import SamplingConfig, top_logprobs
 from engine.models.base import CausalLM
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerStats, StepPlan
@@ -130,7 +131,7 @@ class Engine:
         from engine.kv.state import kv_cache_from_budget, slot_bytes
 
         cfg = model.config
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = compute_dtype(model)
         budget = seqs * (-(-tokens // block_size) + 1) * PagedKVCache.block_bytes(cfg, block_size, dtype)
         if cfg.linear_attn is not None:  # recurrent state gets at most half of a hybrid budget
             budget = 2 * (budget + seqs * slot_bytes(cfg))

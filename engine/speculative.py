@@ -60,6 +60,7 @@ from engine.errors import ConfigError
 from engine.executor import executor_for
 from engine.kv.base import BatchLayout, ContiguousKVCache, KVCache
 from engine.kv.state import StateSnapshot, restore_state, snapshot_state
+from engine.layers.embedding import compute_dtype
 from engine.layers.sampler import SamplerState, SamplingConfig, distribution, sample
 from engine.models.base import CausalLM
 
@@ -203,7 +204,7 @@ class DraftModelDrafter:
         self.sample_drafts = sample_drafts  # False: argmax drafts even when sampling
         cfg = draft_model.config
         self.kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=draft_model.model.embed_tokens.weight.dtype)
+                                    dtype=compute_dtype(draft_model))
         self.fed: list[int] = []
         self._snaps: dict[int, StateSnapshot] = {}  # position -> the draft's recurrent state there
 

@@ -154,8 +154,9 @@ class NativeStep:
         """The native step of ``model`` if it can run that way now, else None (torch layers)."""
         if not options().fused_step:
             return None
-        emb = model.model.embed_tokens.weight
-        if emb.device.type != "cpu" or emb.dtype != torch.float32:
+        from engine.layers.embedding import compute_dtype
+
+        if model.model.embed_tokens.weight.device.type != "cpu" or compute_dtype(model) != torch.float32:
             return None
         if model.config.head_dim % 2 or not _native_linears(model):
             return None

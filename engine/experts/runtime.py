@@ -9,6 +9,7 @@ import torch
 from engine.errors import TokenizerNotFoundError
 from engine.experts.cache import CacheConfig, ExpertCache
 from engine.experts.tiers import ExpertSource, HostTier
+from engine.layers.embedding import StoredEmbedding
 from engine.models.base import CausalLM
 from engine.models.load import build_model
 from engine.quant.linear import DEFAULT_DENSE, quantize_dense
@@ -86,11 +87,15 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     # the weights quantize_dense replaces stay as the store holds them (mapped file pages) until
     # it converts them one by one: the model never exists in full precision (issue 27)
     stored = quantized_names(dense_source, dense, head)
-    model = build_model(cfg, dense_source, dtype=dtype, provider=cache, as_stored=stored.__contains__)
+    embed = stored_embedding_name(dense_source, cfg, dense, head, dtype)
+    model = build_model(cfg, dense_source, dtype=dtype, provider=cache,
+                        as_stored=lambda n: n in stored or n == embed)
     model = quantize_dense(model, dense, head=head)
     for name, p in model.named_parameters():  # any the quantizer left (none today): as dtype
         if name in stored and p.dtype != dtype:
             p.data = p.data.to(dtype)
+    if embed is not None:  # rows read from the mapped file, converted as looked up
+        model.model.embed_tokens = StoredEmbedding(model.model.embed_tokens.weight.detach(), dtype)
     ple = _attach_ple(model, store, cache, ple_budget) if store.manifest.ple_tables else None
     model.to(device)  # the dense weights run where the expert slots live
     _return_freed_heap()
@@ -127,6 +132,18 @@ def _return_freed_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
+
+
+def stored_embedding_name(source, cfg, dense: str, head: str | None, dtype: torch.dtype) -> str | None:
+    """The embedding table's name when it stays as the store holds it (engine.layers.embedding):
+    whenever the dense linears are not fp32 (the exact reference keeps a float copy) and the table
+    is stored in another dtype than ``dtype``; not when a tied LM head stays fp32 (it would share
+    the stored table)."""
+    name = "model.embed_tokens.weight"
+    if dense == "fp32" or name not in source or (cfg.tie_word_embeddings and (head or dense) == "fp32"):
+        return None
+    stored = source.get(name).dtype
+    return name if stored != dtype and stored.is_floating_point else None
 
 
 def quantized_names(source, dense: str, head: str | None = None) -> frozenset[str]:
@@ -169,8 +186,9 @@ def dense_resident_bytes(store, *, dense: str, head: str | None = None,
                          dtype: torch.dtype = torch.float32) -> int:
     """Bytes the dense (non-expert) weights of ``store`` (an open ExpertStore) take where the
     model runs: the 2-D weights quantize_dense swaps in ``dense`` format (fp32: left in
-    ``dtype``), the LM head in ``head`` (None: as ``dense``), embeddings, routers, norms and
-    other vectors in ``dtype``. Read from the tensor headers, nothing loaded."""
+    ``dtype``), the LM head in ``head`` (None: as ``dense``), routers, norms and other vectors in
+    ``dtype``, the embedding table in ``dtype`` unless it stays file pages of the store
+    (:func:`stored_embedding_name`). Read from the tensor headers, nothing loaded."""
     import math
 
     from engine.loading.source import parse_expert_name
@@ -185,16 +203,19 @@ def dense_resident_bytes(store, *, dense: str, head: str | None = None,
     src = store.dense_source(verify=False)
     try:
         shapes = {n: src.info(n).shape for n in src.names() if parse_expert_name(n) is None}
+        embed = stored_embedding_name(src, store.config, dense, head, dtype)
     finally:
         src.close()
+    table = next((s for n, s in shapes.items() if "embed_tokens" in n), ())
+    if embed is not None:  # file pages read row by row (reclaimable), not memory of ours
+        shapes.pop(embed)
     total = 0.0
     for name, shape in shapes.items():
         kept = len(shape) != 2 or "embed_tokens" in name or name.endswith("mlp.gate.weight")
         fmt = (head or dense) if name == "lm_head.weight" else dense
         total += math.prod(shape) * (as_dtype if kept else per_param(fmt))
     if "lm_head.weight" not in shapes and store.config.tie_word_embeddings and (head or dense) != "fp32":
-        embed = next((s for n, s in shapes.items() if "embed_tokens" in n), ())
-        total += math.prod(embed) * per_param(head or dense)  # a quantized head is its own copy
+        total += math.prod(table) * per_param(head or dense)  # a quantized head is its own copy
     return int(total)
 
 

@@ -33,6 +33,7 @@ from engine.config import ModelConfig
 from engine.errors import ConfigError, ModelFormatError, quote
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.layers.centred_norm import CentredRMSNorm
+from engine.layers.embedding import compute_dtype
 from engine.layers.moe import DenseExpert, ResidentExperts
 from engine.models.qwen3_next.model import HybridLayer
 
@@ -102,7 +103,7 @@ def load_mtp_head(target: nn.Module, source, dtype: torch.dtype | None = None) -
     layers = {int(m.group(1)) for n in names if (m := _LAYER_RE.match(n))}
     if layers != {0}:
         raise ModelFormatError(where, f"MTP layers {sorted(layers)}; exactly one (mtp.layers.0) is supported")
-    dtype = dtype or target.model.embed_tokens.weight.dtype
+    dtype = dtype or compute_dtype(target)
     with torch.device("meta"):
         head = MTPHead(cfg, target)
     state, experts = {}, {}
