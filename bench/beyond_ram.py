@@ -98,7 +98,8 @@ def measure_disk(paths: list[Path], seconds: float = 2.0) -> dict[str, float]:
 
 # ---- the moestream child ------------------------------------------------------------------------
 
-def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_threads: int) -> dict:
+def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_threads: int,
+                    prefetch_depth: int = 0) -> dict:
     """One run in this (limited) process: budgets auto from its cgroup, load, greedy; the
     io counters around the decode, and the simulator's prediction for its device slots."""
     import resource
@@ -123,8 +124,8 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
     except HostMemoryError as e:
         st.close()
         return {"refused": str(e)}
-    sm = load_from_store(st, device_budget=b.device, ram_budget=b.ram, dense="int8", prefetch_depth=0,
-                         io_threads=io_threads)
+    sm = load_from_store(st, device_budget=b.device, ram_budget=b.ram, dense="int8",
+                         prefetch_depth=prefetch_depth, io_threads=io_threads)
     slot = sm.cache.slot_bytes
     ordinal = {l: i for i, l in enumerate(cfg.moe_layers)}
     pos = {"t": 0}
@@ -173,7 +174,8 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
 def run_moestream(store: Path, limit: int, args) -> dict:
     with LimitedGroup(limit) as g:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(store), "--prompt", str(args.prompt),
-               "--new", str(args.new), "--threads", str(args.threads), "--io-threads", str(args.io_threads)]
+               "--new", str(args.new), "--threads", str(args.threads), "--io-threads", str(args.io_threads),
+               "--prefetch", str(args.prefetch)]
         t0 = time.perf_counter()
         try:
             r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, preexec_fn=g.enter,
@@ -255,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--io-threads", type=int, default=8, help="moestream's expert reads in flight (queue depth)")
+    ap.add_argument("--prefetch", type=int, default=0,
+                    help="moestream's prefetch depth: sparse layers ahead whose predicted experts are "
+                    "read while this layer computes (0: off, the CPU default)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a run may take before it counts as stalled")
     ap.add_argument("--dir", default=None, help="where the model files go (kept, and reused when they match); "
                                                 "default: a temporary directory removed at the end")
@@ -263,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     if args.child:
-        print(json.dumps(moestream_child(args.child, args.prompt, args.new, args.threads, args.io_threads)))
+        print(json.dumps(moestream_child(args.child, args.prompt, args.new, args.threads, args.io_threads,
+                                         args.prefetch)))
         return
 
     shape = ISSUE_SHAPE if args.shape == "issue" else qwen3_30b_like(args.size * 1e9)

@@ -7,10 +7,12 @@ The same int4 expert store is loaded with each pair of formats for the dense lin
 shared expert, router inputs) and the LM head: fp32 (the exact reference), bf16, int8, int8 with a bf16 head, and an int4
 head. Held-out English text (pydoc of ``str`` and ``dict``) is fed one token at a time, as decoding
 does; each row prints its perplexity, the ratio to fp32's, the mean KL(fp32 || row) per token, top-1
-agreement with fp32, the dense bytes a decoded token reads, and greedy decode tok/s (median of
-``--rounds`` alternating rounds, every expert resident). The last line names the fastest pair
-within the quality bound (perplexity <= 1.02x fp32's and mean KL <= 0.03 nats/token): the pair
-that `moestream generate`, `serve` and `load_from_store` use by default.
+agreement with fp32, the dense bytes a decoded token reads, greedy decode tok/s (median of
+``--rounds`` alternating rounds, every expert resident), and the greedy answer to a chat question
+(``--question``, through the model's chat template). The last line names the fastest pair within
+the perplexity/KL bound (perplexity <= 1.02x fp32's and mean KL <= 0.03 nats/token) whose answer
+is fp32's: held-out text alone missed that int8 activations break SmolLM2's chat answer
+(docs/quantization.md#the-default-dense-format).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=400, help="held-out tokens fed one at a time")
     ap.add_argument("--new", type=int, default=64, help="greedy tokens per decode round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--question", default="What is the capital of France?")
     args = ap.parse_args()
     store = args.store or demo_store()
     if store is None:
@@ -100,7 +103,17 @@ def main() -> int:
             pass
         return stats.decode_tps
 
+    def answer(sm) -> str:
+        tok = sm.tokenizer
+        ids = tok.apply_chat_template([{"role": "user", "content": args.question}]) if tok.has_chat_template \
+            else tok.encode(args.question)
+        out: list[int] = []
+        for o, _ in stream_request(sm.model, ids, SamplingConfig(max_tokens=12, temperature=0.0), tokenizer=tok):
+            out += o.new_token_ids
+        return tok.decode(out).strip().replace("\n", " ").replace("|", "/")
+
     logp = {pair: teacher_forced(sm) for pair, sm in models.items()}
+    answers = {pair: answer(sm) for pair, sm in models.items()}
     for sm in models.values():
         decode_tps(sm)  # warm-up: every expert resident
     speeds: dict[tuple, list[float]] = {pair: [] for pair in PAIRS}
@@ -114,20 +127,22 @@ def main() -> int:
     ref = logp[PAIRS[0]]
     print(f"store {store}: {len(target)} held-out tokens fed one at a time; decode {args.new} greedy tokens, "
           f"median of {args.rounds} alternating rounds, {torch.get_num_threads()} threads")
-    print("| dense | head | perplexity | vs fp32 | KL vs fp32 (nats/token) | top-1 agreement | dense MiB/token | decode tok/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"question: {args.question!r}")
+    print("| dense | head | perplexity | vs fp32 | KL vs fp32 (nats/token) | top-1 agreement | dense MiB/token | "
+          "decode tok/s | greedy answer |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for pair in PAIRS:
         lp = logp[pair]
         p, kl = ppl(lp), float((ref.exp() * (ref - lp)).sum(-1).mean())
         agree = float((ref.argmax(-1) == lp.argmax(-1)).float().mean())
         tps = statistics.median(speeds[pair])
-        rows.append((pair, p / ppl(ref), kl, tps))
+        rows.append((pair, p / ppl(ref), kl, tps, answers[pair] == answers[PAIRS[0]]))
         print(f"| {pair[0]} | {pair[1]} | {p:.3f} | {p / ppl(ref):.4f}x | {kl:.4f} | {agree:.1%} | "
-              f"{dense_bytes(models[pair].model) / 2**20:.1f} | {tps:.1f} |")
-    within = [r for r in rows if r[1] <= PPL_BOUND and r[2] <= KL_BOUND]
+              f"{dense_bytes(models[pair].model) / 2**20:.1f} | {tps:.1f} | {answers[pair]} |")
+    within = [r for r in rows if r[1] <= PPL_BOUND and r[2] <= KL_BOUND and r[4]]
     best = max(within, key=lambda r: r[3])
-    print(f"fastest within perplexity <= {PPL_BOUND}x and KL <= {KL_BOUND}: dense {best[0][0]}, head {best[0][1]} "
+    print(f"fastest within perplexity <= {PPL_BOUND}x, KL <= {KL_BOUND} and fp32's answer: dense {best[0][0]}, head {best[0][1]} "
           f"({best[3]:.1f} tok/s)")
     for sm in models.values():
         sm.close()

@@ -77,7 +77,7 @@ def main() -> None:
 @click.option("--ignore-eos", is_flag=True, default=False,
               help="Keep generating past the end-of-sequence token, up to --max-tokens (for benchmarks).")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16 compute.")
-@click.option("--dense", type=click.Choice(["fp32", "bf16", "int8"]), default="int8", show_default=True,
+@click.option("--dense", type=click.Choice(["fp32", "bf16", "int8"]), default="bf16", show_default=True,
               help="Format of the dense (attention, shared-expert, LM-head) weights: bf16 halves and "
                    "int8 quarters the bytes each decoded token reads; fp32 is the exact reference "
                    "(docs/quantization.md).")

@@ -82,7 +82,7 @@ STOP_GRACE_S = 10.0  # what a stop of `serve` lets requests in flight run for (-
 @click.option("--stop-grace", type=click.FloatRange(0, 3600), default=STOP_GRACE_S, show_default=True,
               help="Local cluster: seconds a stop (SIGTERM, SIGINT, SIGHUP) lets requests in flight "
               "finish before aborting them and stopping the actors and the cluster.")
-@click.option("--dense", "dense_format", type=click.Choice(["fp32", "bf16", "int8"]), default="int8",
+@click.option("--dense", "dense_format", type=click.Choice(["fp32", "bf16", "int8"]), default="bf16",
               show_default=True, help="Format of the dense (attention, shared-expert, LM-head) linears on "
               "the decode actor (docs/quantization.md#the-default-dense-format).")
 @click.option("--head", "head_format", type=click.Choice(["fp32", "bf16", "int8", "int4"]), default=None,
@@ -95,7 +95,7 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
           admission, prefetch_depth, queue_size, request_timeout, dtype, dashboard, num_cpus,
           object_store_memory, compute_threads, io_threads, http_address=None, api_key=None,
           served_model_name=None, max_waiting=None, speculative=None, max_draft=8, prefix_cache=True,
-          stop_grace=None, dense_format="int8", head_format=None, tool_call_parser=None):
+          stop_grace=None, dense_format="bf16", head_format=None, tool_call_parser=None):
     """Deploy the pipeline (router, decode, N loaders) for STORE."""
     from pydantic import ValidationError
 

@@ -88,9 +88,9 @@ class DeployConfig(BaseModel):
     ram_policy: Literal["lru", "lfu", "lfu-pure"] = Field(
         "lru", description="Eviction policy of each loader's RAM tier.")
     dense_format: Literal["fp32", "bf16", "int8"] = Field(
-        "int8", description="Format of the dense (non-expert) linears on the decode actor: bf16 "
+        "bf16", description="Format of the dense (non-expert) linears on the decode actor: bf16 "
         "halves and int8 quarters the bytes each decoded token reads (fp32 keeps them as stored); "
-        "int8, the default, is the fastest within bench/dense_formats.py's quality bound.")
+        "docs/quantization.md#the-default-dense-format says why bf16 is the default.")
     head_format: Literal["fp32", "bf16", "int8", "int4"] | None = Field(
         None, description="Format of the LM head alone (unset: as dense_format); int4 reads 45% "
         "fewer head bytes per token than int8.")

@@ -56,7 +56,7 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
                     admission: bool = False, ple_budget: int | None = None) -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
     format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8; default
-    DEFAULT_DENSE, int8, the fastest within the quality bound of bench/dense_formats.py), ``head``
+    DEFAULT_DENSE, bf16: docs/quantization.md#the-default-dense-format), ``head``
     the LM head's (None: as ``dense``; int4 too). ``ple_budget``: bytes of the PLE row cache
     (engine.store.ple_disk; None: DEFAULT_PLE_BUDGET) of a store with PLE row files. ``device``:
     where the dense model and the expert slots live ("cuda" on a GPU: experts then run on the

@@ -1,6 +1,7 @@
 """One default dense format everywhere a user can start a model: the CLI's generate, serve and demo,
-a deployment's config and the Python API all give int8 dense linears (engine.quant.linear.
-DEFAULT_DENSE, chosen by bench/dense_formats.py), and the flag takes the others."""
+a deployment's config and the Python API (which gave fp32, 0.23x llama.cpp, before) all give bf16
+dense linears (engine.quant.linear.DEFAULT_DENSE: docs/quantization.md#the-default-dense-format),
+and the flag takes the others."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_every_entry_point_defaults_to_the_same_dense_format():
     from services.config import DeployConfig
     from services.demo import demo
 
-    assert DEFAULT_DENSE == "int8"
+    assert DEFAULT_DENSE == "bf16"
     assert _option_default(generate, "dense") == DEFAULT_DENSE
     assert _option_default(serve, "dense_format") == DEFAULT_DENSE
     assert _option_default(demo, "dense") == DEFAULT_DENSE
@@ -43,7 +44,7 @@ def store(tmp_path_factory):
     return d / "store"
 
 
-@pytest.mark.parametrize("dense,want", [(None, "int8"), ("bf16", "bf16"), ("fp32", None)])
+@pytest.mark.parametrize("dense,want", [(None, "bf16"), ("int8", "int8"), ("fp32", None)])
 def test_load_from_store_converts_the_dense_linears(store, dense, want):
     kw = {} if dense is None else {"dense": dense}
     with load_from_store(store, prefetch_depth=0, **kw) as sm:
