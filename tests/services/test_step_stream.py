@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -390,6 +391,13 @@ def test_a_polled_subscriber_left_unread_is_dropped_and_its_request_aborted(loca
     from protocol import GenerateRequest, encode
 
     loop, dec, router = local_pipeline.loop, local_pipeline.dec, local_pipeline.router
+    step = dec.engine.step
+
+    def slow_step():  # >= 2.5 s for the 250 tokens: the request is still running when swept,
+        time.sleep(0.01)  # however fast the machine (it finished first once with the int8 default)
+        return step()
+
+    monkeypatch.setattr(dec.engine, "step", slow_step)
 
     async def run():
         req = GenerateRequest(request_id="gone", prompt_token_ids=[4, 8, 15, 16],
