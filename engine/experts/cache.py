@@ -204,7 +204,7 @@ class ExpertCache(ExpertProvider):
         total = self.num_slots + self.num_staging
         self.slots = torch.empty(total, self.slot_bytes, dtype=torch.uint8, device=self.device)
         # which key each slot holds, pins, loads in flight, the policy: under self.lock
-        self.table = SlotTable(self.num_slots, policy)
+        self.table = SlotTable(self.num_slots, policy, keys=store.num_experts_total)
         # staging: free staging slots (pop() hands out the first) and the declined misses held
         self.staging_free: list[int] = list(range(total - 1, self.num_slots - 1, -1))
         self.staged: dict[Key, _Staged] = {}

@@ -83,7 +83,8 @@ class HostTier(ExpertSource):
         skip = (-raw.data_ptr()) % ALIGN
         self.buf = raw[skip: skip + self.num_slots * self.slot_bytes].view(self.num_slots, self.slot_bytes)
         self.verify = verify
-        self.table = SlotTable(self.num_slots, make_policy(policy))  # under self.lock
+        # under self.lock
+        self.table = SlotTable(self.num_slots, make_policy(policy), keys=store.num_experts_total)
         self.lock = threading.Lock()
         self.slot_freed = threading.Condition(self.lock)  # a pin dropped to zero
         self.ram = TierCounters()

@@ -66,3 +66,38 @@ def test_placed_keys_sit_outside_the_policy():
     t.tick()
     assert t.reserve((0, 2)) == (1, (0, 1))  # the policy never saw (3, 3), so never picks it
     assert t.slot_of == {(3, 3): 0, (0, 2): 1}
+
+
+class CountingPolicy:
+    """An LRU that counts the calls the table makes to it."""
+
+    def __init__(self) -> None:
+        self.inner, self.calls = make_policy("lru"), 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if callable(attr):
+            def counted(*a, **kw):
+                self.calls += 1
+                return attr(*a, **kw)
+            return counted
+        return attr
+
+
+def test_a_table_with_a_slot_for_every_key_never_consults_its_policy():
+    keys = [(layer, e) for layer in range(2) for e in range(4)]
+    full, short = CountingPolicy(), CountingPolicy()
+    tables = {"full": SlotTable(8, full, keys=8), "short": SlotTable(6, short, keys=8)}
+    for table in tables.values():
+        for rnd in range(3):
+            table.tick()
+            for k in keys:
+                if table.resident(k):
+                    table.hit(k)
+                else:
+                    assert table.reserve(k) is not None
+                    table.loaded(k)
+    # every key fits: one reserve each, never a victim, and no bookkeeping for one
+    assert full.calls == 0 and len(tables["full"].slot_of) == 8 and not tables["full"].free_slots
+    # fewer slots than keys: the policy sees every insert and hit and picks the victims
+    assert short.calls > 0 and len(tables["short"].slot_of) == 6
