@@ -11,7 +11,7 @@ import pytest
 
 from services.demo import DemoConfig, run_demo
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # whole processes end to end: `pytest -m slow`
 
 
 def test_demo_builds_serves_and_reuses_its_cache(ray_cluster, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 from tests.deploy.helpers import Serve, alive, audit, http_status, shm_of
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # whole processes end to end: `pytest -m slow`
 
 STOP_LIMIT_S = 30.0  # what docs/serving.md promises for SIGTERM / Ctrl-C of `moestream serve`
 

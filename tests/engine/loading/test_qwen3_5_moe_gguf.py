@@ -27,6 +27,8 @@ from tests.engine.loading.converted import (all_logits, assert_generate_equal, a
                                             llama_cpp_scores, rewrite_gguf)
 from tests.engine.models.qwen3_5_moe_tiny import add_mtp, make_qwen3_5_moe
 
+pytestmark = pytest.mark.slow  # llama.cpp's own converter end to end: `pytest -m slow`
+
 # grouped: 2 key heads, 4 value heads (the converter re-orders value heads), untied, attention
 # every 4th layer; tied_r1: as many key as value heads, tied head, attention every 2nd layer.
 SHAPES = {

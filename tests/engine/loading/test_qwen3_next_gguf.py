@@ -24,6 +24,8 @@ from tests.engine.loading.converted import (all_logits, assert_generate_equal, a
                                             assert_same_model, llama_cpp_scores)
 from tests.engine.models.qwen3_next_tiny import make_qwen3_next
 
+pytestmark = pytest.mark.slow  # llama.cpp's own converter end to end: `pytest -m slow`
+
 SHAPES = {
     "interval4": dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, num_experts=8,
                       num_experts_per_tok=2, linear_key_head_dim=16, linear_value_head_dim=16,

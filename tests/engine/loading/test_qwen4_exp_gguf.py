@@ -36,6 +36,8 @@ from tests.engine.loading.converted import (all_logits, assert_generate_equal, a
                                             rewrite_gguf)
 from tests.engine.models.qwen4_exp_tiny import make_qwen4_exp
 
+pytestmark = pytest.mark.slow  # llama.cpp's own converter end to end: `pytest -m slow`
+
 # llama.cpp-compatible tiny shapes (module doc). qsa_r4: 1 PLE layer (layer 2), hc 2, ngram 3,
 # budget 8 of blocks of 4; r1_ple: hc 4, ngram 2, budget 6 of single tokens, 8 index heads: with
 # the default 2, a block score (a sum of ReLUs) is often exactly 0, and a tie of zeros at the
