@@ -234,13 +234,21 @@ class SweepPolicy(EvictionPolicy):
                                    lambda e: e[2] not in self._tracked or self._version.get(e[2]) != e[1],
                                    _Either(protected, recent) if recent else protected, resident)
         if recent:  # the layer's latest picks rank by max(estimate, reuse rate): look at each
-            p_best = self.probability(best) if best is not None else math.inf
+            r_best = self.rank_in_layer(best) if best is not None else None
             for key in recent:
                 if key in self._tracked and key not in protected and key in resident:
-                    p = self.probability(key)
-                    if p < p_best:
-                        best, p_best = key, p
+                    r = self.rank_in_layer(key)
+                    if r_best is None or r < r_best:
+                        best, r_best = key, r
         return best
+
+    def rank_in_layer(self, key: Key) -> tuple[float, float, int]:
+        """A tracked key's order among its layer's candidates, least likely first: (probability,
+        score S, seq of its last push). The heap orders the layer's keys outside its latest picks
+        by (S, seq), the same order (the probability grows with S); the seq breaks exact ties:
+        the key used least recently goes first. One order, so a device copy of this policy
+        (engine.experts.device_policy) makes the same choices."""
+        return self.probability(key), self._score[key], self._version[key]
 
     def _pick(self, resident: Collection[Key], protected: Collection[Key], now):
         # Other layers' keys: on a regular sweep the absolute record index of a layer's next
@@ -269,10 +277,12 @@ class SweepPolicy(EvictionPolicy):
             key = self._candidate(layer, resident, protected)
             if key is not None:
                 self._push_layer(layer, key)
-        if self._current is not None:
+        if self._current is not None:  # ties between layers go to the lower layer
             key = self._candidate(self._current, resident, protected)
-            if key is not None and self._absolute_next_use(key) > best_t:
-                best = key
+            if key is not None:
+                t = self._absolute_next_use(key)
+                if t > best_t or (t == best_t and self._current < self._layer_of(best)):
+                    best = key
         if best is None:  # slow path: a layer whose candidates were all protected when looked at
             for layer in self._layers:
                 key = self._candidate(layer, resident, protected)
@@ -280,20 +290,27 @@ class SweepPolicy(EvictionPolicy):
                     best, best_t = key, self._absolute_next_use(key)
         return best
 
+    def victim_rank(self, key: Key) -> tuple:
+        """The total order victims are chosen in, smallest first: the farthest absolute expected
+        next use, then the lower layer, then :meth:`rank_in_layer`. Exact ties of the estimate are
+        common (keys used at the same visits, the latest picks at the reuse rate), so the order
+        is spelled out rather than left to heap and set iteration order."""
+        return (-self._absolute_next_use(key), self._layer_of(key)) + self.rank_in_layer(key)
+
     def reference_victim(self, resident: Collection[Key], protected: Collection[Key] = frozenset()) -> Key | None:
         """The rule by brute force (the reference of :meth:`victim`): the tracked, resident,
-        unprotected key with the largest expected next use; ties to the earliest tracked."""
-        best, best_t = None, -math.inf
-        for key in self._tracked:
-            if key in protected or key not in resident:
-                continue
-            t = self.expected_next_use(key)
-            if t > best_t:
-                best, best_t = key, t
-        return best
+        unprotected key first in :meth:`victim_rank`."""
+        keys = [k for k in self._tracked if k not in protected and k in resident]
+        return min(keys, key=self.victim_rank) if keys else None
 
     def _absolute_next_use(self, key: Key) -> float:
-        return self._visits_started + self.expected_next_use(key)
+        """Records from the start of the stream to the next expected use of ``key``: the layer's
+        next visit (an integer, the same whenever it is computed during a regular sweep) plus the
+        expected extra sweeps, added in one rounding."""
+        p = self.probability(key)
+        if p <= 0.0:
+            return math.inf
+        return (self._visits_started + self.distance(self._layer_of(key))) + (1.0 / p - 1.0) * len(self._layers)
 
     def _push_layer(self, layer, key: Key) -> None:
         heapq.heappush(self._vheap, (-self._absolute_next_use(key), layer, key, self._version[key],

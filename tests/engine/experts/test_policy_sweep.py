@@ -84,7 +84,7 @@ def test_fast_victim_matches_the_reference_on_random_streams():
                         want = p.reference_victim(resident, protected)
                         got = p.victim(resident, protected)
                         assert got is not None and got not in protected
-                        assert p.expected_next_use(got) == pytest.approx(p.expected_next_use(want))
+                        assert got == want  # one total order (victim_rank): ties included
                         resident.discard(got)
                         p.on_remove(got)
                     resident.add(key)
