@@ -26,12 +26,21 @@
 5. With ``--e2e``: ``bench/expert_cache.py --device cuda`` on an 8-layer random Qwen3-MoE store
    (tok/s, hit rates and bytes per token at 25% and 100% device budgets; builds the store first).
 
+``--headline --dry-run`` needs no GPU (about a minute here): it lists every figure the GPU run
+measures and prints the host synchronisations per decoded token that the CPU seam
+(engine.cuda_graphs.syncs) counts for the per-layer path and for one graph per step with the
+device expert cache, on the demo model's routing (bench/step_syncs.py); it exits 1 if the
+one-graph path synchronised at all.
+
 ``--headline`` instead runs the headline check (issue 15) and nothing else: first correctness,
 a tiny synthetic MoE (engine.experts.synthetic_store) decoded through the expert cache on the
 GPU against the same model on the CPU (fp32 dense, int4 experts: the logits must agree); then
 ``bench/headline.py --shape full --device cuda --vram-budget 24GiB --layers N`` (default 12 of
 the 48 layers, scaled per layer and labelled so; ``--layers 48`` for the whole 65 GB if the host
-can pin it), and one table of the measured figures beside the cost model's predictions.
+can pin it), and one table of the measured figures beside the cost model's predictions. Between
+the two, the decode step paths of bench/step_syncs.py on the GPU (eager / per-layer CUDA graphs /
+one CUDA graph per step with the device cache, 32 tokens each): host syncs, graph and cache
+launches, misses, ms per token and per layer.
 It needs no checkpoint, no disk space and no package beyond torch and triton (no pydantic,
 transformers or ray): carry nothing but the working tree, e.g. one ``run`` of
 ``PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --headline`` (``--headline-layers 24`` for
@@ -315,10 +324,49 @@ def headline_correctness(device: torch.device) -> bool:
     return ok
 
 
+HEADLINE_FIGURES = """On a GPU, --headline measures (nothing of it exists yet: no GPU has run it):
+  decode step paths (bench/step_syncs.py: the demo trace's shape, 30 sparse layers, 12 experts
+  top-6, a third of the experts in device slots, all of them in pinned RAM), per decoded token:
+    - host synchronisations, by reason            eager / per-layer graphs / one graph per step
+    - graph launches and device-cache kernel launches
+    - ms per token and per layer (the per-layer overhead: the layers' arithmetic is negligible)
+    - the one-graph step's tokens equal to eager's (tests/engine/test_step_graph.py on CUDA)
+  headline (bench/headline.py --shape full --vram-budget 24GiB --layers N):
+    - decode tok/s, measured and predicted by the cost model on this device
+    - expert hit rate, live and simulated; expert MB per token from RAM
+    - host-to-device GB/s (achieved and copy test); stall fraction
+    - kernel launches per token; device GiB of dense / KV / state / slots / peak
+    - the cost model's full-shape predictions with the measured per-layer overhead"""
+
+
+def step_table(device: str, tokens: int, paths=None) -> list[dict]:
+    """The decode step paths of bench/step_syncs.py, measured on ``device``, as a table."""
+    import step_syncs
+
+    rows = [step_syncs.measure(p, tokens, device) for p in (paths or step_syncs.PATHS)]
+    print(step_syncs.table(rows))
+    return rows
+
+
+def headline_dry_run(args) -> int:
+    """No GPU needed: the list of figures a GPU run measures, and the host synchronisations per
+    decoded token the CPU seam counts for the per-layer path and the one-graph path."""
+    print(HEADLINE_FIGURES)
+    print("\nCPU seam (Triton's interpreter; times are the interpreter's and mean nothing), "
+          f"{args.dry_run_tokens} decoded tokens of the demo trace:")
+    rows = step_table("cpu", args.dry_run_tokens, ("per-layer graphs", "one graph per step"))
+    one = next(r for r in rows if r["path"] == "one graph per step")
+    print(f"host syncs per decoded token: per-layer path {rows[0]['syncs']:.1f}, one graph per step "
+          f"{one['syncs']:.1f} (every miss in the RAM tier: {one['misses']:.1f} misses per token)")
+    return 0 if one["syncs"] == 0 else 1
+
+
 def headline_check(args) -> int:
     import json
     import tempfile
 
+    if args.dry_run:
+        return headline_dry_run(args)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         print("no CUDA device: run with --headline --smoke for the CPU check of the same logic", file=sys.stderr)
@@ -328,8 +376,13 @@ def headline_check(args) -> int:
     if not headline_correctness(device):
         print("FAILURES above: not timing a step that computes wrong numbers")
         return 1
+    print("\nDECODE STEP PATHS (per decoded token)")
+    steps = step_table(device.type, 32 if cuda else 2)
+    one = next(r for r in steps if r["path"] == "one graph per step")
     out = Path(tempfile.mkdtemp()) / "headline.json"
     cmd = [sys.executable, "bench/headline.py", "--device", device.type, "--json", str(out)]
+    if cuda:  # the cost model with the one-graph step's measured per-layer overhead
+        cmd += ["--step-overhead-ms", f"{one['ms_per_layer']:.4f}"]
     cmd += (["--shape", "full", "--vram-budget", "24GiB", "--layers", str(args.headline_layers)] if cuda
             else ["--shape", "tiny"])
     t = time.perf_counter()
@@ -372,6 +425,9 @@ def main() -> int:
     ap.add_argument("--e2e", action="store_true", help="also run bench/expert_cache.py on the device")
     ap.add_argument("--headline", action="store_true", help="only the headline check (see above)")
     ap.add_argument("--headline-layers", type=int, default=12, help="layers of the full shape to run")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="with --headline: no GPU; list the figures and count host syncs on the CPU seam")
+    ap.add_argument("--dry-run-tokens", type=int, default=3, help="decoded tokens of the --dry-run count")
     args = ap.parse_args()
     if args.headline:
         return headline_check(args)

@@ -208,6 +208,12 @@ def full_shape_predictions(args, overhead_s: float | None, out: list) -> None:
                          locality=args.locality, seed=args.seed)
     hit = simulated_hit_rate(tr, split.num_slots, args.predict_tokens // 4, args.policy)
     targets = [TARGETS["rtx4090"], TARGETS["rtx4090-graphs"], TARGETS["h200-24g"]]
+    step = getattr(args, "step_overhead_ms", None)
+    if step is not None:  # one graph per decode step, its per-layer overhead measured (bench/step_syncs.py)
+        r = TARGETS["rtx4090-graphs"]
+        targets.append(Target("RTX 4090 + PCIe 4.0 x16, one graph per step", r.device_bw, r.link_bw, r.vram,
+                              step / 1e3, r.overlap, note="per-layer overhead of the one-graph step, measured",
+                              page_read_s=r.page_read_s))
     if overhead_s is not None:
         h = TARGETS["h200-24g"]
         targets.append(Target(h.name + ", overhead measured here", h.device_bw, h.link_bw, h.vram,
@@ -262,6 +268,9 @@ def main(argv=None) -> int:
                     help="also run through the Ray pipeline's expert loader actors (on --disk DIR, else a temp dir)")
     ap.add_argument("--loaders", type=int, default=2, help="loader actors of the --ray run")
     ap.add_argument("--dry-run", action="store_true", help="plan and predictions only; build nothing")
+    ap.add_argument("--step-overhead-ms", type=float, default=None,
+                    help="per-layer overhead of the one-graph decode step (bench/step_syncs.py's ms / layer "
+                         "on a GPU): adds a prediction row with it")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
     try:

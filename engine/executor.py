@@ -9,8 +9,10 @@ Per step, in order:
              modules (the architecture names its class: ``model.native_step_type()``), rebuilt
              after a runtime-option change or ``model.modules_changed()``; it returns None for a
              step it cannot run (a KV cache without block tables: FP8), which falls through
-    graphs   the torch layers with per-layer CUDA graphs (engine.cuda_graphs) where they are on
-             (``enable`` / ``disable`` on the model, else the ``cuda_graphs`` option on CUDA)
+    graphs   one graph for the whole step where it can (engine.cuda_graphs.step_graph: pure decode,
+             the device expert cache), else the torch layers with per-layer CUDA graphs
+             (engine.cuda_graphs) where they are on (``enable`` / ``disable`` on the model, else
+             the ``cuda_graphs`` option on CUDA)
     torch    the model's own layers: the reference (``model.forward`` is exactly this path)
 
 around all three: torch's intra-op threads sized to the step (engine.threads) and the model's
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from engine.cuda_graphs import graph_layer, prepare as prepare_graphs
+from engine.cuda_graphs.step_graph import run_step
 from engine.kv.base import BatchLayout, KVCache
 from engine.models.base import CausalLM
 from engine.options import generation
@@ -64,6 +67,9 @@ class Executor:
             out = native.forward(model, tokens, layout, kv, state, all_logits, rows) if native is not None else None
             if out is None:
                 graphs = prepare_graphs(model, device)
+                if graphs is not None:
+                    out = run_step(model, graphs, tokens, layout, kv, state, all_logits, rows)
+            if out is None:
                 out = model.run_layers(tokens, layout, kv, state, all_logits, rows,
                                        graph_layer if graphs is not None else None)
             return out

@@ -150,12 +150,14 @@ def _layers(model) -> list[torch.nn.Module]:
 
 
 def enable(model, factory: Callable[[object], Graph] | None = None,
-           buckets: tuple[int, ...] | None = None, attention: bool = True) -> GraphSet:
+           buckets: tuple[int, ...] | None = None, attention: bool = True, whole_step: bool = False) -> GraphSet:
     """Run ``model``'s feed-forward halves (and, with ``attention``, the attention halves of pure
     decode steps) through per-layer graphs from ``factory`` (default :class:`CudaGraph`) for
     ``buckets`` (default :func:`decode_buckets`), on any device (the tests pass
-    :class:`RecordedGraph` on the CPU). Replaces graphs captured before."""
-    gs = GraphSet(factory or CudaGraph, tuple(sorted(buckets or decode_buckets())), attention)
+    :class:`RecordedGraph` on the CPU). ``whole_step``: a pure decode step whose every layer can
+    runs as one graph (engine.cuda_graphs.step_graph: needs the device expert cache). Replaces
+    graphs captured before."""
+    gs = GraphSet(factory or CudaGraph, tuple(sorted(buckets or decode_buckets())), attention, whole_step)
     for layer in _layers(model):
         layer.__dict__["_layer_graphs"] = LayerGraphs(layer, gs)
     model.__dict__["_graph_set"] = gs

@@ -110,9 +110,12 @@ class GraphSet:
     """A model's per-layer graphs: the factory, the buckets, the shared pool and counters."""
 
     def __init__(self, factory: Callable[[object], Graph], buckets: tuple[int, ...],
-                 attention: bool = True) -> None:
+                 attention: bool = True, whole_step: bool = False) -> None:
         self.factory, self.buckets = factory, buckets
         self.attention = attention  # graph the attention halves of pure decode steps too
+        # one graph per pure decode step where every layer can (engine.cuda_graphs.step_graph)
+        self.whole_step = whole_step and attention
+        self.steps: dict = {}  # step_graph entries per (bucket, dtype, table width)
         self._pool: object = None
         self.counters = GraphCounters()
         self.auto, self.generation = False, -1  # made by prepare() from the option (and when)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from engine.cuda_graphs.core import bucket_for, layer_label
+from engine.cuda_graphs.syncs import host_sync
 
 if TYPE_CHECKING:
     from engine.cuda_graphs.core import Graph, GraphSet
@@ -103,7 +104,7 @@ class FeedForwardGraphs:
 
         def route() -> None:
             h = norm(e.x)
-            r = mlp.gate(h)
+            r = mlp.route(h)  # the router, or a declared capturable override (step_graph)
             e.h.copy_(h)
             e.weights.copy_(r.weights)
             e.ids.copy_(r.ids)
@@ -141,8 +142,14 @@ class FeedForwardGraphs:
         h, ids = e.h[:rows], e.ids[:rows]
         for observe in mlp.observers:
             observe(mlp.layer, ids)
+        if device_cache_fits(provider, e.ids.shape[0], e.ids.shape[1]):  # the fetch stage on the device
+            if not self.owner.replay(e, "experts", self.device_experts_fn(mlp, e, layout), layer_label(self.layer)):
+                routing = Routing(e.weights[:rows].clone(), ids.clone())
+                return x + mlp.experts_and_shared(h.clone(), routing, provider)
+            return e.out[:rows]
         # every bucket row's experts (padding copies row 0: the same ones), so no replayed read
         # of the slot map can name a slot this acquire did not pin
+        host_sync("routed ids")
         uniq = torch.unique(e.ids).tolist()
         limit = provider.max_experts_per_acquire
         if limit is not None and len(uniq) > limit:  # acquired in chunks: the eager combine
@@ -172,6 +179,35 @@ class FeedForwardGraphs:
         finally:
             provider.release(mlp.layer, uniq)
         return e.out[:rows]
+
+
+    def device_experts_fn(self, mlp, e: _Entry, layout) -> Callable[[], None]:
+        """The experts half with the device cache (engine.experts.device_cache): slots assigned
+        and misses copied on the device, the grouped kernels, then the next layer's prefetch;
+        no host synchronisation, so it runs inside a graph."""
+        from engine.quant.triton_moe import grouped_moe
+
+        provider, layer = mlp.provider, mlp.layer
+        slot_row, pool = provider.slot_map[layer], provider.slots
+
+        def combine() -> None:
+            provider.device_acquire(layer, e.ids)
+            pair = slot_row[e.ids].reshape(-1)
+            y = grouped_moe(e.h, e.weights, pair, pool, layout).to(e.x.dtype)
+            if mlp.shared_expert is not None:
+                y = y + mlp.shared(e.h)
+            e.out.copy_(e.x + y)
+            provider.device_prefetch(layer, e.h)
+
+        return combine
+
+
+def device_cache_fits(provider, rows: int, top_k: int) -> bool:
+    """The provider is a device expert cache whose slots hold every distinct expert a step of
+    ``rows`` rows can route to (else that step acquires in chunks on the host)."""
+    if getattr(provider, "device_acquire", None) is None:
+        return False
+    return min(provider.dpolicy.num_experts, rows * top_k) <= provider.num_slots
 
 
 class _Acquired:

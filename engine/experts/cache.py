@@ -38,6 +38,7 @@ from typing import Any, Mapping
 
 import torch
 
+from engine.cuda_graphs.syncs import host_sync
 from engine.errors import CacheCapacityError, ConfigError
 from engine.experts.policy import PinnedPolicy, can_decline, make_policy
 from engine.experts.slots import Key, SlotTable
@@ -484,6 +485,7 @@ class ExpertCache(ExpertProvider):
             if w is None:
                 continue
             logits = hidden.to(w.dtype) @ w.T  # [T, E]
+            host_sync("predicted ids")
             picks = torch.topk(logits, top_k, dim=-1).indices.unique().tolist()
             self.predicted[nxt] = set(picks)
             with self.lock:
@@ -537,8 +539,10 @@ class ExpertCache(ExpertProvider):
                 if fence is not None:  # the slot's previous expert may still be read by queued kernels
                     self.copy_stream.wait_event(fence)
                 self.source.read_into(key, self.slots[slot])
+            host_sync("miss copy")
             self.copy_stream.synchronize()
         else:
+            host_sync("miss copy")  # where a GPU waits for the copy stream (above)
             self.source.read_into(key, self.slots[slot])
         copied = time.perf_counter() - t0
         self.views[slot] = self._slot_view(key, slot)

@@ -146,7 +146,7 @@ def _layer_ranks(seen, lrank, L, BLOCK_L: constexpr):
 def _assign_kernel(ids, n_ids, layer, li, slot_map, layers, slot_key, free, st, fst,
                    stamp, score, used_at, seq_a, last, prev, tracked, version, mark, visit, seen, lrank,
                    miss_slot, miss_key, hits, misses, E, S, L,
-                   POLICY: constexpr, PREFETCH: constexpr, RECENCY: constexpr,
+                   POLICY: constexpr, PREFETCH: constexpr, RECENCY: constexpr, PIN: constexpr,
                    BLOCK_E: constexpr, BLOCK_N: constexpr, BLOCK_S: constexpr, BLOCK_L: constexpr):
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -163,10 +163,13 @@ def _assign_kernel(ids, n_ids, layer, li, slot_map, layers, slot_key, free, st, 
     n_miss = tl.sum(miss.to(tl.int32))
     epoch = tl.load(st + _CLOCK) + 1
     tl.store(st + _CLOCK, epoch)
-    if PREFETCH:
+    if not PIN:  # (tests only: shows that a victim still in use is caught)
+        protect_from = epoch * 0 + (1 << 62)
+    elif PREFETCH:
         protect_from = epoch - 1  # the acquire of the running layer, then this prediction
     else:
         protect_from = epoch
+    if not PREFETCH:
         tl.store(hits + li, tl.load(hits + li) + tl.sum(hit.to(tl.int64)))
         tl.store(misses + li, tl.load(misses + li) + n_miss.to(tl.int64))
     kb = li * E
@@ -367,6 +370,7 @@ class DevicePolicy:
         self.miss_slot = z(num_experts, torch.int32, -1)  # at most E distinct misses per launch
         self.miss_key = z(num_experts, torch.int32, -1)
         self.launches = 0  # kernel launches (the step's counting)
+        self.pin = True  # a launch protects its own experts from its evictions (False: tests of the tests)
 
     def assign(self, layer: int, ids: torch.Tensor, prefetch: bool = False) -> None:
         """One launch: pin ``ids`` (routed experts of ``layer``, [N] any integer dtype on this
@@ -382,7 +386,7 @@ class DevicePolicy:
             self.fstate, self.stamp, self.score, self.used_at, self.seq, self.last, self.prev, self.tracked,
             self.version, self.mark, self.visit, self.seen, self.lrank, self.miss_slot, self.miss_key,
             self.hits, self.misses, E, S, L,
-            POLICY=POLICIES[self.policy], PREFETCH=prefetch, RECENCY=self.recency,
+            POLICY=POLICIES[self.policy], PREFETCH=prefetch, RECENCY=self.recency, PIN=self.pin,
             BLOCK_E=_pow2(E), BLOCK_N=BLOCK_N, BLOCK_S=_pow2(S), BLOCK_L=_pow2(L))
         self.launches += 1
 

@@ -26,6 +26,7 @@ class StoreModel:
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
+
         if self.ple is not None:
             self.ple.close()
         self.store.close()
@@ -53,7 +54,8 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
                     pinned=frozenset(), dtype: torch.dtype = torch.float32,
                     source: ExpertSource | None = None, device: str = "cpu",
                     dense: str = DEFAULT_DENSE, io_threads: int = 8, head: str | None = None,
-                    admission: bool = False, ple_budget: int | None = None) -> StoreModel:
+                    admission: bool = False, ple_budget: int | None = None,
+                    device_cache: bool = False) -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
     format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8; default
     DEFAULT_DENSE, bf16: docs/quantization.md#the-default-dense-format), ``head``
@@ -65,7 +67,10 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     store's directory, or an open ExpertStore, which the StoreModel then owns (closes).
     ``io_threads``: a layer's expert misses read from the store at once (each one O_DIRECT
     read of one aligned extent; 8: the queue depth at which NVMe and virtual disks give their
-    bandwidth, bench/beyond_ram.py's disk measure: 4 KiB QD16 ~6x QD1)."""
+    bandwidth, bench/beyond_ram.py's disk measure: 4 KiB QD16 ~6x QD1). ``device_cache``: the
+    cache's bookkeeping and miss copies on the device (engine.experts.device_cache: no host
+    synchronisation in a decode step; needs a RAM budget that holds every expert, all read at
+    load)."""
     if prefetch_depth is None:
         prefetch_depth = default_prefetch_depth(device)
     from engine.store.reader import ExpertStore
@@ -83,7 +88,12 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
                                 miss_compute=miss_compute, pinned=frozenset(pinned), io_threads=io_threads,
                                 admission=admission)
         routers = {l: dense_source.get(f"model.layers.{l}.mlp.gate.weight").float() for l in cfg.moe_layers}
-        cache = ExpertCache(store, source, cache_cfg, routers=routers, device=device)
+        if device_cache:
+            from engine.experts.device_cache import DeviceExpertCache
+
+            cache = DeviceExpertCache(store, source, cache_cfg, routers=routers, device=device)
+        else:
+            cache = ExpertCache(store, source, cache_cfg, routers=routers, device=device)
     # the weights quantize_dense replaces stay as the store holds them (mapped file pages) until
     # it converts them one by one: the model never exists in full precision (issue 27)
     stored = quantized_names(dense_source, dense, head)

@@ -193,6 +193,12 @@ class RAMExpertSource(ExpertSource):
     def likely_in_ram(self, key) -> bool:
         return True
 
+    def bank(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every blob in one block, for the device cache's copy kernel: (block [experts, slot
+        bytes], the row of each (layer, expert) [layers, E])."""
+        s = self.store.shape
+        return self.buf, torch.arange(s.layers * s.experts, dtype=torch.int32).view(s.layers, s.experts)
+
     def blob(self, key) -> torch.Tensor:
         return self.buf[self.store.index(*key), :self.store.expert_nbytes]
 
@@ -251,9 +257,15 @@ class TraceRouting:
     """Routes every sparse layer from ``trace`` (records token by token, layer by layer): the
     router's matmul and softmax still run (their time counts), their top-k is replaced by the
     trace's experts, weighted by the router's renormalised probabilities of those experts.
-    Token ``t`` of the run (prefill included) takes the trace's token ``t``."""
+    Token ``t`` of the run (prefill included) takes the trace's token ``t``.
 
-    def __init__(self, trace, moe_layers) -> None:
+    ``on_device``: the position in the trace is a device counter advanced by the first sparse
+    layer, so routing reads nothing from the host and can be captured in a graph (one graph per
+    decode step, engine.cuda_graphs.step_graph: its routes are marked ``capturable``); past the
+    trace's end it wraps around instead of raising. A step's rows take consecutive tokens, so
+    use it with one sequence (a graph's padding rows would take tokens of their own)."""
+
+    def __init__(self, trace, moe_layers, on_device: bool = False) -> None:
         self.top_k = trace.top_k
         self.layers = sorted(moe_layers)
         if trace.num_layers != len(self.layers):
@@ -265,6 +277,8 @@ class TraceRouting:
         self.ordinal = {layer: i for i, layer in enumerate(self.layers)}
         self.pos = 0
         self._on_device = self.ids  # the ids where the model runs (moved once, not per layer)
+        self.on_device = on_device
+        self.position: torch.Tensor | None = None  # the device counter (on_device)
 
     def install(self, model) -> None:
         import torch.nn.functional as F
@@ -274,6 +288,21 @@ class TraceRouting:
         def make(block):
             gate, ordinal = block.gate, self.ordinal[block.layer]
             first = ordinal == 0
+
+            def route_on_device(x, allowed=None):
+                t = x.shape[0]
+                if self.position is None or self.position.device != x.device:
+                    self._on_device = self.ids.to(x.device)
+                    self.position = torch.zeros((), dtype=torch.int64, device=x.device)
+                if first:
+                    self.position += t
+                rows = (self.position - t + torch.arange(t, device=x.device)) % self.ids.shape[0]
+                probs = F.softmax(F.linear(x, gate.weight).float(), dim=-1)
+                ids = self._on_device[:, ordinal].index_select(0, rows)
+                w = torch.gather(probs, 1, ids)
+                return Routing(w / w.sum(dim=-1, keepdim=True), ids)
+
+            route_on_device.capturable = True
 
             def route(x, allowed=None):
                 t = x.shape[0]
@@ -288,7 +317,7 @@ class TraceRouting:
                 ids = self._on_device[start:self.pos, ordinal]
                 w = torch.gather(probs, 1, ids)
                 return Routing(w / w.sum(dim=-1, keepdim=True), ids)
-            return route
+            return route_on_device if self.on_device else route
 
         for block in model.moe_blocks:
             block.router_override = make(block)
@@ -313,12 +342,16 @@ class SyntheticModel:
 
 def build_synthetic_model(shape: ModelShape, *, device_budget: int, device: str = "cpu", dense: str = "int8",
                           policy: str = "sweep", seed: int = 0, trace=None,
-                          source: RAMExpertSource | None = None, admission: bool = False) -> SyntheticModel:
+                          source: RAMExpertSource | None = None, admission: bool = False,
+                          device_cache: bool = False, trace_on_device: bool = False) -> SyntheticModel:
     """A runnable model of ``shape``: random dense weights quantized to ``dense``, routed experts
     from a :class:`RAMExpertSource` through the live expert cache with ``device_budget`` bytes
     of slots on ``device``; routing from ``trace`` if given (prefetch is then off: predictions
     of a random router say nothing about replayed routing). ``admission``: the cache's admission
-    control (:class:`~engine.experts.cache.CacheConfig`: top_k staging slots out of the budget)."""
+    control (:class:`~engine.experts.cache.CacheConfig`: top_k staging slots out of the budget).
+    ``device_cache``: the cache's bookkeeping and copies on the device
+    (engine.experts.device_cache; the RAM source is its bank); ``trace_on_device``: the trace's
+    position as a device counter (:class:`TraceRouting`), so a decode step can be one graph."""
     from engine.experts.cache import CacheConfig, ExpertCache
     from engine.models.load import build_model
     from engine.quant.linear import quantize_dense
@@ -328,14 +361,17 @@ def build_synthetic_model(shape: ModelShape, *, device_budget: int, device: str 
     cfg = store.config
     dense_source = store.dense_source()
     routers = {l: dense_source.get(f"model.layers.{l}.mlp.gate.weight") for l in cfg.moe_layers}
-    cache = ExpertCache(store, source, CacheConfig(device_budget=device_budget, policy=policy, admission=admission,
-                                                   prefetch_depth=0 if trace is not None else 1),
-                        routers=routers, device=device)
+    cls = ExpertCache
+    if device_cache:
+        from engine.experts.device_cache import DeviceExpertCache as cls
+    cache = cls(store, source, CacheConfig(device_budget=device_budget, policy=policy, admission=admission,
+                                           prefetch_depth=0 if trace is not None else 1),
+                routers=routers, device=device)
     try:
         model = quantize_dense(build_model(cfg, dense_source, provider=cache), dense)
         model.to(device)
         if trace is not None:
-            TraceRouting(trace, cfg.moe_layers).install(model)
+            TraceRouting(trace, cfg.moe_layers, on_device=trace_on_device).install(model)
     except BaseException:
         cache.close()
         raise

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.cuda_graphs.syncs import host_sync
 from engine.layers.mlp import SwiGLU
 
 
@@ -188,6 +189,7 @@ class SparseMoE(nn.Module):
         from the slot the provider's device slot map names."""
         from engine.quant.triton_moe import grouped_moe
 
+        host_sync("routed ids")
         uniq = torch.unique(routing.ids).tolist()
         result: list[torch.Tensor] = []
 
@@ -217,6 +219,7 @@ class SparseMoE(nn.Module):
         k = routing.ids.shape[1]
         order = torch.argsort(routing.ids.reshape(-1), stable=True)
         uniq, counts = torch.unique_consecutive(routing.ids.reshape(-1)[order], return_counts=True)
+        host_sync("routed ids")
         ids, counts = uniq.tolist(), counts.tolist()
         rows = order // k  # token of each pick, grouped by expert
         xs = x[rows]
