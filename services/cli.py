@@ -61,6 +61,11 @@ def main() -> None:
                    "when the device tier is CPU memory (prefetch then competes with compute).")
 @click.option("--miss-compute", type=click.Choice(["transfer", "cpu", "auto"]), default="transfer",
               show_default=True, help="On a device miss: copy the expert in, or compute it on the CPU.")
+@click.option("--device-cache", is_flag=True, default=False,
+              help="The expert cache's lookups, evictions and miss copies on the device (no host "
+                   "round trip in a decode step; with MOESTREAM_CUDA_GRAPHS=1 MOESTREAM_STEP_GRAPH=1 one "
+                   "CUDA graph per step). Needs --ram-budget to hold every expert (read at load); "
+                   "policies sweep and lru. Opt-in: no GPU has run it yet (docs/gpu.md).")
 @click.option("--address", default=None,
               help="Generate through a running deployment (moestream serve): 'auto' for a driver "
                    "on the cluster, ray://HOST:10001 for the Ray client.")
@@ -95,7 +100,7 @@ def main() -> None:
               help="Prefix caching in the engine (reuse of cached KV blocks across requests); "
                    "--no-prefix-cache turns it off.")
 def generate(prompt, model_path, store_path, device_budget, ram_budget, ple_budget, policy, admission, prefetch_depth,
-             miss_compute, address, namespace, as_json, chat, max_tokens, temperature, top_k, top_p,
+             miss_compute, device_cache, address, namespace, as_json, chat, max_tokens, temperature, top_k, top_p,
              min_p, seed, stop, dtype, dense, head_format, device_name, speculative, prefix_cache=True,
              ignore_eos=False):
     """Generate text from PROMPT, streaming it, then print one line of figures."""
@@ -126,6 +131,8 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, ple_budg
     loaded = None
     device = _device(device_name)
     draft = _draft_path(speculative)  # checked before any model is loaded
+    if device_cache and not store_path:
+        raise click.UsageError("--device-cache is the expert cache of a store: give --store")
     if store_path:
         from engine.experts.cache import check_admission
         from engine.store.reader import ExpertStore
@@ -139,7 +146,8 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, ple_budg
                                              "generate text needs one: re-convert from a checkpoint with a tokenizer")
             check_admission(policy, admission)
             loaded = _open_store(store, device_budget, ram_budget, policy, prefetch_depth,
-                                 miss_compute, _dtype(dtype), dense, device, head_format, admission, ple_budget)
+                                 miss_compute, _dtype(dtype), dense, device, head_format, admission, ple_budget,
+                                 device_cache)
         except BaseException:
             store.close()
             raise
@@ -232,7 +240,7 @@ def _speculative_config(mode, draft, model, loaded, dtype, device="cpu", model_p
 
 
 def _open_store(store, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype, dense,
-                device="cpu", head=None, admission=False, ple_budget="256MiB"):
+                device="cpu", head=None, admission=False, ple_budget="256MiB", device_cache=False):
     """The StoreModel of an open ExpertStore (which it then owns), budgets resolved."""
     from engine.experts.runtime import load_from_store, store_expert_bytes
     from engine.units import parse_bytes
@@ -256,7 +264,7 @@ def _open_store(store, device_budget, ram_budget, policy, prefetch_depth, miss_c
     return load_from_store(
         store, device_budget=dev, ram_budget=ram, policy=policy,
         prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype, dense=dense, device=device,
-        head=head, admission=admission, ple_budget=ple)
+        head=head, admission=admission, ple_budget=ple, device_cache=device_cache)
 
 
 def _cache_line(loaded, tokens: int) -> str:

@@ -47,6 +47,24 @@ def test_convert_then_generate_from_store_matches_checkpoint(tiny_mixtral, tmp_p
     assert bad.exit_code == 2 and "admission" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_generate_with_the_device_cache_gives_the_same_text(tiny_mixtral, tmp_path):
+    """--device-cache: the cache's bookkeeping as device launches (Triton's interpreter here);
+    the same greedy text; a RAM tier that cannot hold every expert is one clear error."""
+    store = tmp_path / "store"
+    assert run("convert", tiny_mixtral, "--out", store, "--quant", "int4", "--no-progress").exit_code == 0
+    host = run("generate", "--store", store, "--device-budget", "25%", "--max-tokens", 8, "Hello there")
+    assert host.exit_code == 0, host.output
+    dev = run("generate", "--store", store, "--device-budget", "25%", "--ram-budget", "100%", "--device-cache",
+              "--max-tokens", 8, "Hello there")
+    assert dev.exit_code == 0, dev.output
+    assert dev.stdout == host.stdout
+    m = re.search(r"expert hit rate ([\d.]+)%", dev.stderr)
+    assert m and 0 < float(m.group(1)) < 100, dev.stderr
+    small = run("generate", "--store", store, "--device-budget", "25%", "--ram-budget", "50%", "--device-cache", "hi")
+    assert small.exit_code != 0 and "every expert in the RAM tier" in small.output
+    assert run("generate", "--device-cache", "hi").exit_code == 2
+
+
 def test_info_reports_parameters_and_bytes_per_token(tiny_mixtral):
     r = run("info", tiny_mixtral)
     assert r.exit_code == 0, r.output

@@ -4,8 +4,11 @@ A decode step on a GPU is launch-bound: a sparse layer's MoE half is ~20 kernel 
 (norm, router, softmax, top-k, renormalisation, slot-map gather, two grouped expert launches,
 the shared expert's linears and gate, adds) of a few microseconds of work each, its attention
 half another ~20. Here the static parts are captured once per (layer, bucket) and replayed as
-graph launches. A whole-step graph is not the goal: it would replay only when every one of a
-step's ~480 expert lookups were resident.
+graph launches. With the host cache a whole-step graph could replay only when every one of a
+step's ~480 expert lookups were resident; with the device expert cache
+(engine.experts.device_cache) the lookups run inside the graph, and a pure decode step is one
+graph (engine.cuda_graphs.step_graph: ``enable(..., whole_step=True)`` or the ``step_graph``
+option).
 
 A sparse layer of a pure decode step (every sequence one new token) on a paged KV cache is two
 graphs, split where the host must see the routing:
@@ -191,7 +194,7 @@ def prepare(model, device: torch.device) -> GraphSet | None:
     if gs is None:
         if device.type != "cuda" or not options().cuda_graphs:
             return None
-        gs = enable(model)
+        gs = enable(model, whole_step=options().step_graph)
         gs.auto, gs.generation = True, generation()
     if gs:
         gs.staged = None  # a new forward: its attention inputs are staged afresh

@@ -115,6 +115,23 @@ class DeviceExpertCache(ExpertCache):
         self.pool_words = self.slots.view(torch.int64)
         self.copy_launches = 0
 
+    @property
+    def metrics(self):
+        """The host metrics, with hits, misses and bytes moved read from the device counters
+        (a host synchronisation: for summaries, not for the step)."""
+        m = self._metrics
+        if hasattr(self, "dpolicy"):
+            hits, misses = self.dpolicy.hits.tolist(), self.dpolicy.misses.tolist()
+            for i, layer in enumerate(self.sparse_layers):
+                lm = m.layer(layer)
+                lm.hits, lm.misses = hits[i], misses[i]
+                lm.bytes_to_device = misses[i] * self.store.expert_nbytes
+        return m
+
+    @metrics.setter
+    def metrics(self, value) -> None:
+        self._metrics = value
+
     # ---- the device path (no host synchronisation) --------------------------------------
     def device_acquire(self, layer: int, ids: torch.Tensor) -> None:
         """Assign slots to ``layer``'s routed ids (a device tensor) and copy the misses in."""
