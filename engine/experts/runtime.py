@@ -26,6 +26,8 @@ class StoreModel:
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
+            if isinstance(self.cache.source, HostTier):  # its pinned block unregistered
+                self.cache.source.close()
 
         if self.ple is not None:
             self.ple.close()

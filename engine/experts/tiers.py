@@ -2,7 +2,8 @@
 
 The device cache (engine.experts.cache) asks an :class:`ExpertSource` for an expert's bytes.
 :class:`HostTier` is the in-process source: a preallocated block of RAM slots (pinned memory when
-CUDA is present, so host->device copies are DMA) with its own eviction policy, filled from the
+CUDA is present, so host->device copies are DMA: registered in bounded chunks by
+engine.experts.pinning, staged copies when that fails) with its own eviction policy, filled from the
 store with digests checked when a blob first enters RAM. The Ray loader actors implement the same
 interface over shared memory (services.expert_loader).
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -22,6 +24,7 @@ from typing import Iterator
 import torch
 
 from engine.errors import CacheCapacityError
+from engine.experts.pinning import PinLimits, Registrar, StagedCopier, pin_buffer
 from engine.experts.policy import make_policy
 from engine.experts.slots import Key, SlotTable
 
@@ -65,10 +68,17 @@ class ExpertSource(ABC):
 
 
 class HostTier(ExpertSource):
-    """RAM slots in front of an ExpertStore. ``budget`` bytes -> budget // slot_bytes slots."""
+    """RAM slots in front of an ExpertStore. ``budget`` bytes -> budget // slot_bytes slots.
+
+    ``pin_memory`` (None: when CUDA is available) registers the slot block in chunks within
+    ``pin_limits`` (engine.experts.pinning; ``registrar`` is a test seam); ``pinning`` is that
+    registration, a PinnedBank (None when not pinning; not named ``bank``: a source's ``bank()``
+    is the device expert cache's, engine.experts.device_cache), ``pinning.pinned`` False when it
+    failed and copies are staged. :meth:`close` unregisters it."""
 
     def __init__(self, store, budget: int, *, policy: str = "lru", verify: bool = True,
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, pin_limits: PinLimits | None = None,
+                 registrar: Registrar | None = None) -> None:
         self.store = store
         self.slot_bytes = align_up(store.expert_nbytes)
         self.num_slots = budget // self.slot_bytes
@@ -79,9 +89,16 @@ class HostTier(ExpertSource):
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         # 4 KiB-aligned slots (slot_bytes is a multiple of 4 KiB): the store reads straight into
         # them with O_DIRECT, so NVMe reads bypass the page cache and are honestly NVMe reads.
-        raw = torch.empty(self.num_slots * self.slot_bytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+        raw = torch.empty(self.num_slots * self.slot_bytes + ALIGN, dtype=torch.uint8)
         skip = (-raw.data_ptr()) % ALIGN
         self.buf = raw[skip: skip + self.num_slots * self.slot_bytes].view(self.num_slots, self.slot_bytes)
+        # chunk boundaries on slot boundaries: no slot's copy spans two registrations
+        self.pinning = pin_buffer(self.buf, pin_limits, registrar, granule=self.slot_bytes) if pin else None
+        self.copier = StagedCopier(self.slot_bytes)  # for an unpinned bank: copies to the GPU
+        # unregister before the block is freed, should the tier be dropped without close()
+        self._unregister = weakref.finalize(self, self.pinning.close) if self.pinning is not None else None
+        if self._unregister is not None:
+            self._unregister.atexit = False  # at exit the process's registrations go with it
         self.verify = verify
         # under self.lock
         self.table = SlotTable(self.num_slots, make_policy(policy), keys=store.num_experts_total)
@@ -92,6 +109,12 @@ class HostTier(ExpertSource):
 
     def counters(self) -> dict[str, TierCounters]:
         return {"ram": self.ram, "nvme": self.nvme}
+
+    def close(self) -> None:
+        """Unregister the pinned slot block. Idempotent; the tier still serves afterwards, its
+        copies to the GPU then staged."""
+        if self._unregister is not None:
+            self._unregister()
 
     def _acquire_slot(self, key: Key) -> tuple[int, Future | None, bool]:
         """Under the lock: (slot, future to wait on or None, whether we must load it). When
@@ -166,7 +189,10 @@ class HostTier(ExpertSource):
             hit = self.table.resident(key)
         with self.host_view(key) as view:
             n = self.store.entry(*key).nbytes
-            out[:n].copy_(view[:n], non_blocking=out.is_cuda)
-            if out.is_cuda:
-                torch.cuda.current_stream().synchronize()  # the RAM slot may be reused after this
+            if self.pinning is not None and not self.pinning.pinned:
+                self.copier.copy(view[:n], out)
+            else:
+                out[:n].copy_(view[:n], non_blocking=out.is_cuda)
+                if out.is_cuda:
+                    torch.cuda.current_stream().synchronize()  # the RAM slot may be reused after this
         return "ram" if hit else "nvme"
