@@ -115,7 +115,7 @@ def run_step(model, gs: GraphSet, tokens: torch.Tensor, layout, kv, state, all_l
     if not gs.replay(entry, "step", body, "step"):
         return None
     model.tap_hidden(entry.hidden[:rows], layout)
-    return entry.logits[:rows]
+    return entry.logits[:rows].clone()  # the static buffer is overwritten by the next replay
 
 
 def _body(model, parts, step, bucket: int, entry: _StepEntry):

@@ -32,6 +32,8 @@ read the slot map (a host synchronisation, counted), so host and device paths sh
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.cuda_graphs.syncs import host_sync
@@ -43,6 +45,7 @@ from engine.quant import triton_kernels as TK
 
 triton, tl, constexpr = TK.triton, TK.tl, TK.constexpr
 COPY_BLOCK = 1024  # 8-byte words per program of the copy kernel
+log = logging.getLogger("engine.experts.device_cache")
 
 
 def _copy_kernel(miss_slot, miss_key, st, bank, bank_row, pool, WORDS, BANK_STRIDE, POOL_STRIDE,
@@ -78,16 +81,33 @@ def host_tier_bank(store, tier) -> tuple[torch.Tensor, torch.Tensor] | None:
 
     if not isinstance(tier, HostTier) or tier.num_slots < store.num_experts_total:
         return None
+    import sys
+    import time
+
+    from tqdm import tqdm
+
     cfg = store.config
     rows = torch.full((cfg.num_layers, cfg.moe.num_experts), -1, dtype=torch.int32)
-    for layer in cfg.moe_layers:
-        for e in range(cfg.moe.num_experts):
-            with tier.host_view((layer, e)):
-                pass
+    keys = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.moe.num_experts)]
+    t0 = time.perf_counter()
+    bar = tqdm(keys, desc="experts into RAM", unit="expert", file=sys.stderr, disable=not sys.stderr.isatty())
+    for key in bar:
+        with tier.host_view(key):
+            pass
+    if bar.disable:  # not a terminal: one summary line
+        log.info("device cache: %d experts read into the RAM tier in %.1f s", len(keys), time.perf_counter() - t0)
     with tier.lock:
         for (layer, e), slot in tier.table.slot_of.items():
             rows[layer, e] = slot
     return tier.buf, rows
+
+
+def _bank_pinned(source) -> bool:
+    """The source's block is pinned (mapped) host memory a GPU kernel can read."""
+    pinning = getattr(source, "pinning", None)  # a HostTier's chunked registration
+    if pinning is not None:
+        return bool(pinning.pinned)
+    return bool(getattr(source, "pinned", False))  # RAMExpertSource: one pinned allocation
 
 
 class DeviceExpertCache(ExpertCache):
@@ -101,6 +121,9 @@ class DeviceExpertCache(ExpertCache):
         if bank is None:
             raise ConfigError("the device expert cache needs every expert in the RAM tier (a bank the "
                               "copy kernel reads); give a RAM budget that holds them all, or use the host cache")
+        if torch.device(device).type == "cuda" and not _bank_pinned(source):
+            raise ConfigError("the device expert cache's copy kernel reads the RAM tier through mapped pinned "
+                              "memory, and pinning it failed (see the warning above): use the host cache")
         super().__init__(store, source, config, routers=routers, device=device)
         self.grouped = True  # the grouped kernels read the slot map the device state writes
         buf, rows = bank

@@ -43,14 +43,14 @@ def float_options():
     configure(prev)
 
 
-def _load(store, slots: int, device_cache: bool, prefetch: int = 0):
+def _load(store, slots: int, device_cache: bool, prefetch: int = 0, device: str = "cpu"):
     from engine.experts.runtime import load_from_store
 
     probe = load_from_store(store, dense="fp32", prefetch_depth=0)
     slot_bytes = probe.cache.slot_bytes
     probe.close()
     sm = load_from_store(store, device_budget=slots * slot_bytes, dense="fp32", prefetch_depth=prefetch,
-                         device_cache=device_cache)
+                         device_cache=device_cache, device=device)
     sm.cache.grouped = True
     return sm
 
@@ -65,13 +65,12 @@ def _generate(model):
     return [r.output_ids for r in out]
 
 
-@pytest.fixture(scope="module")
-def reference(store):
+def eager_tokens(store, device: str = "cpu"):
     """Greedy tokens of the eager model on the host cache (12 of the 32 experts resident)."""
     from engine.options import configure
 
     prev = configure(int8_activations=False, fused_step=False)
-    sm = _load(store, 12, device_cache=False)
+    sm = _load(store, 12, device_cache=False, device=device)
     try:
         CG.disable(sm.model)
         return _generate(sm.model)
@@ -80,11 +79,17 @@ def reference(store):
         configure(prev)
 
 
-def _run_device(store, monkeypatch, prefetch: int = 0, break_with=None, slots: int = 12):
+@pytest.fixture(scope="module")
+def reference(store):
+    return eager_tokens(store)
+
+
+def run_device(store, monkeypatch, prefetch: int = 0, break_with=None, slots: int = 12, device: str = "cpu",
+               factory=CG.RecordedGraph):
     """Batched greedy decode with the device cache and one graph per decode step; returns the
     tokens, the host synchronisations of each step that ran as one graph, the misses of those
     steps, and every slot each expert was seen in."""
-    sm = _load(store, slots, device_cache=True, prefetch=prefetch)
+    sm = _load(store, slots, device_cache=True, prefetch=prefetch, device=device)
     cache = sm.cache
     if break_with is not None:
         break_with(cache, monkeypatch)
@@ -110,7 +115,7 @@ def _run_device(store, monkeypatch, prefetch: int = 0, break_with=None, slots: i
 
     monkeypatch.setattr("engine.executor.run_step", run)
     try:
-        gs = CG.enable(sm.model, CG.RecordedGraph, whole_step=True)
+        gs = CG.enable(sm.model, factory, whole_step=True)
         tokens = _generate(sm.model)
         return tokens, steps, seen, gs, cache.device_counts()
     finally:
@@ -118,7 +123,7 @@ def _run_device(store, monkeypatch, prefetch: int = 0, break_with=None, slots: i
 
 
 def test_one_graph_per_decode_step_gives_the_eager_tokens(store, reference, monkeypatch):
-    tokens, steps, seen, gs, counts = _run_device(store, monkeypatch)
+    tokens, steps, seen, gs, counts = run_device(store, monkeypatch)
     assert tokens == reference
     # every decode step (3, 2 and 1 sequences: buckets 4, 2, 1) ran as one graph, with no host
     # synchronisation between the first layer and the sampler, misses included
@@ -131,7 +136,7 @@ def test_one_graph_per_decode_step_gives_the_eager_tokens(store, reference, monk
 
 
 def test_device_prefetch_keeps_the_tokens(store, reference, monkeypatch):
-    tokens, steps, _, _, counts = _run_device(store, monkeypatch, prefetch=1)
+    tokens, steps, _, _, counts = run_device(store, monkeypatch, prefetch=1)
     assert tokens == reference
     assert counts["prefetched"] > 0 and all(syncs == 0 for syncs, _ in steps)
 
@@ -190,12 +195,12 @@ def _copy_not_landed(cache, monkeypatch):
 def test_the_smallest_pool_for_the_bucket_gives_the_eager_tokens(store, reference, monkeypatch):
     """8 slots: the 4-row bucket's 8 distinct experts at most (3 rows and a padding row that
     routes like row 0), so a step's misses evict experts of the other layer, never its own."""
-    tokens, steps, _, _, counts = _run_device(store, monkeypatch, slots=8)
+    tokens, steps, _, _, counts = run_device(store, monkeypatch, slots=8)
     assert tokens == reference
     assert counts["unserved"] == 0 and len(steps) == 5
 
 
 @pytest.mark.parametrize("break_with", [_stale_slot_map, _victim_in_use, _copy_not_landed])
 def test_each_deliberate_break_changes_the_tokens(store, reference, monkeypatch, break_with):
-    tokens, _, _, _, _ = _run_device(store, monkeypatch, break_with=break_with, slots=8)
+    tokens, _, _, _, _ = run_device(store, monkeypatch, break_with=break_with, slots=8)
     assert tokens != reference

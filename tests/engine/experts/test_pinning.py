@@ -321,3 +321,18 @@ def test_closing_a_store_model_unregisters_its_ram_tier(disk_store):
     assert reg.registered
     StoreModel(model=None, tokenizer=None, cache=cache, store=es).close()
     assert not reg.registered and not tier.pinning.pinned
+
+
+def test_the_device_cache_sees_whether_the_bank_is_pinned(disk_store):
+    """The device expert cache's copy kernel reads the RAM tier through its device address: on a
+    GPU it refuses a tier whose pin failed (engine.experts.device_cache._bank_pinned)."""
+    from engine.experts.device_cache import _bank_pinned
+
+    source, path = disk_store
+    with ExpertStore(path) as es:
+        for fail_on, pinned in ((2, False), (None, True)):
+            tier = HostTier(es, 4 * source.slot_bytes, pin_memory=True, registrar=FakeRegistrar(fail_on=fail_on),
+                            pin_limits=PinLimits(chunk_bytes=source.slot_bytes))
+            assert _bank_pinned(tier) is pinned
+            tier.close()
+        assert _bank_pinned(HostTier(es, 4 * source.slot_bytes, pin_memory=False)) is False
