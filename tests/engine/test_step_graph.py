@@ -135,6 +135,14 @@ def test_one_graph_per_decode_step_gives_the_eager_tokens(store, reference, monk
     assert any(len(slots) > 1 for slots in seen.values())
 
 
+def test_steps_whose_experts_all_hit_synchronise_nothing(store, reference, monkeypatch):
+    """Every expert fits (32 slots): after the prefills the decode steps hit, and run with no
+    host synchronisation either."""
+    tokens, steps, _, _, counts = run_device(store, monkeypatch, slots=32)
+    assert tokens == reference and counts["misses"] <= 32
+    assert any(m == 0 for _, m in steps) and all(syncs == 0 for syncs, _ in steps)
+
+
 def test_device_prefetch_keeps_the_tokens(store, reference, monkeypatch):
     tokens, steps, _, _, counts = run_device(store, monkeypatch, prefetch=1)
     assert tokens == reference
