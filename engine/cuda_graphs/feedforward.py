@@ -180,7 +180,6 @@ class FeedForwardGraphs:
             provider.release(mlp.layer, uniq)
         return e.out[:rows]
 
-
     def device_experts_fn(self, mlp, e: _Entry, layout) -> Callable[[], None]:
         """The experts half with the device cache (engine.experts.device_cache): slots assigned
         and misses copied on the device, the grouped kernels, then the next layer's prefetch;
