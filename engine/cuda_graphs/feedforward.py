@@ -144,8 +144,7 @@ class FeedForwardGraphs:
             observe(mlp.layer, ids)
         if device_cache_fits(provider, e.ids.shape[0], e.ids.shape[1]):  # the fetch stage on the device
             if not self.owner.replay(e, "experts", self.device_experts_fn(mlp, e, layout), layer_label(self.layer)):
-                routing = Routing(e.weights[:rows].clone(), ids.clone())
-                return x + mlp.experts_and_shared(h.clone(), routing, provider)
+                return _eager_combine(mlp, e, x, rows, provider)
             return e.out[:rows]
         # every bucket row's experts (padding copies row 0: the same ones), so no replayed read
         # of the slot map can name a slot this acquire did not pin
@@ -153,8 +152,7 @@ class FeedForwardGraphs:
         uniq = torch.unique(e.ids).tolist()
         limit = provider.max_experts_per_acquire
         if limit is not None and len(uniq) > limit:  # acquired in chunks: the eager combine
-            routing = Routing(e.weights[:rows].clone(), ids.clone())
-            return x + mlp.experts_and_shared(h.clone(), routing, provider)
+            return _eager_combine(mlp, e, x, rows, provider)
         experts = provider.acquire(mlp.layer, uniq)
         try:
             provider.observe_hidden(mlp.layer, h)
@@ -199,6 +197,15 @@ class FeedForwardGraphs:
             provider.device_prefetch(layer, e.h)
 
         return combine
+
+
+def _eager_combine(mlp, e: _Entry, x: torch.Tensor, rows: int, provider) -> torch.Tensor:
+    """x + the eager experts and shared expert on the entry's routed rows (copies: the static
+    buffers are overwritten by the next replay)."""
+    from engine.layers.moe import Routing
+
+    routing = Routing(e.weights[:rows].clone(), e.ids[:rows].clone())
+    return x + mlp.experts_and_shared(e.h[:rows].clone(), routing, provider)
 
 
 def device_cache_fits(provider, rows: int, top_k: int) -> bool:

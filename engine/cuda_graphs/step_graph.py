@@ -31,6 +31,8 @@ import torch
 from engine.cuda_graphs.attention import step_inputs
 from engine.cuda_graphs.core import GraphSet, bucket_for
 from engine.cuda_graphs.feedforward import device_cache_fits
+from engine.layers.embedding import compute_dtype
+from engine.layers.moe import SparseMoE
 
 
 @dataclass
@@ -52,7 +54,6 @@ def _standard(model) -> bool:
 def _layer_ok(layer, rows: int) -> bool:
     from engine.layers.attention import Attention
     from engine.layers.mlp import SwiGLU
-    from engine.layers.moe import SparseMoE
 
     if "_layer_graphs" not in layer.__dict__ or not getattr(layer, "graph_attention", False):
         return False
@@ -88,16 +89,15 @@ def run_step(model, gs: GraphSet, tokens: torch.Tensor, layout, kv, state, all_l
     step = step_inputs(gs, layout, kv, cos, sin, bucket, device)
     if step is None:
         return None
-    probe = model.model.embed_tokens(tokens[:1].to(device))
-    dtype, hsize = probe.dtype, probe.shape[1]
-    x = torch.empty(rows, hsize, dtype=dtype, device=device)
+    dtype = compute_dtype(model)
+    x = torch.empty(rows, model.config.hidden_size, dtype=dtype, device=device)  # shapes the entries
     parts = []  # per layer: (attention entry, feed-forward entry, layer, grouped layout or None)
     for layer in layers:
         graphs = layer.__dict__["_layer_graphs"]
         a = graphs.attn.entry(x, cos, sin, layout, kv, count=False)
         if a is None:
             return None
-        top_k = getattr(layer.mlp.gate, "top_k", None) if hasattr(layer.mlp, "gate") else None
+        top_k = layer.mlp.gate.top_k if isinstance(layer.mlp, SparseMoE) else None
         e = graphs.ff.entry(x, bucket, top_k)
         layout_ = graphs.ff.sparse_layout(layer.mlp, x) if top_k is not None else None
         if e.broken or (top_k is not None and layout_ is None):
@@ -111,7 +111,8 @@ def run_step(model, gs: GraphSet, tokens: torch.Tensor, layout, kv, state, all_l
     if entry.broken:
         return None
     gs.stage_into(entry.tokens, tokens.to(device), rows)
-    body = _body(model, parts, step, bucket, entry)
+    # the body is only needed to capture; a captured graph replays what it bound then
+    body = _body(model, parts, step, bucket, entry) if "step" not in entry.graphs else None
     if not gs.replay(entry, "step", body, "step"):
         return None
     model.tap_hidden(entry.hidden[:rows], layout)
@@ -120,8 +121,6 @@ def run_step(model, gs: GraphSet, tokens: torch.Tensor, layout, kv, state, all_l
 
 def _body(model, parts, step, bucket: int, entry: _StepEntry):
     """The step as one callable over static buffers (captured once per entry)."""
-    from engine.layers.moe import SparseMoE
-
     fns = []
     for ae, e, layer, layout in parts:
         graphs = layer.__dict__["_layer_graphs"]

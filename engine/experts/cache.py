@@ -473,20 +473,25 @@ class ExpertCache(ExpertProvider):
             ids = sorted(e for (l, e), _ in self.slot_of.items() if l == layer and (l, e) not in self.loading)
         return ids or None  # nothing resident in this layer: route freely (a miss is unavoidable)
 
-    def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
-        """Predict the next sparse layers' experts from this layer's MoE input and prefetch."""
+    def predictions(self, layer: int, hidden: torch.Tensor):
+        """(next sparse layer, predicted ids [T, top_k] on the device) for the ``prefetch_depth``
+        layers after ``layer``: their routers applied to this layer's MoE input. Nothing while
+        drafting on resident experts (a draft must move no bytes) or with prefetch off."""
         depth = self.config.prefetch_depth
         if not depth or not self.routers or self.restrict_to_resident:
-            return  # drafting on resident experts must move no bytes
+            return
         idx = self.sparse_layers.index(layer)
         top_k = self.store.config.moe.top_k
         for nxt in self.sparse_layers[idx + 1: idx + 1 + depth]:
             w = self.routers.get(nxt)
-            if w is None:
-                continue
-            logits = hidden.to(w.dtype) @ w.T  # [T, E]
+            if w is not None:
+                yield nxt, torch.topk(hidden.to(w.dtype) @ w.T, top_k, dim=-1).indices
+
+    def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
+        """Predict the next sparse layers' experts from this layer's MoE input and prefetch."""
+        for nxt, ids in self.predictions(layer, hidden):
             host_sync("predicted ids")
-            picks = torch.topk(logits, top_k, dim=-1).indices.unique().tolist()
+            picks = ids.unique().tolist()
             self.predicted[nxt] = set(picks)
             with self.lock:
                 for e in picks:

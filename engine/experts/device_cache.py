@@ -92,7 +92,7 @@ def host_tier_bank(store, tier) -> tuple[torch.Tensor, torch.Tensor] | None:
     t0 = time.perf_counter()
     bar = tqdm(keys, desc="experts into RAM", unit="expert", file=sys.stderr, disable=not sys.stderr.isatty())
     for key in bar:
-        with tier.host_view(key):
+        with tier.host_view(key):  # entering reads the blob into its RAM slot (held only inside)
             pass
     if bar.disable:  # not a terminal: one summary line
         log.info("device cache: %d experts read into the RAM tier in %.1f s", len(keys), time.perf_counter() - t0)
@@ -164,15 +164,7 @@ class DeviceExpertCache(ExpertCache):
     def device_prefetch(self, layer: int, hidden: torch.Tensor) -> None:
         """The next sparse layers' predicted experts from this layer's MoE input: assigned and
         copied like misses (protecting this layer's), on the device."""
-        depth = self.config.prefetch_depth
-        if not depth or not self.routers or self.restrict_to_resident:
-            return
-        idx = self.sparse_layers.index(layer)
-        for nxt in self.sparse_layers[idx + 1: idx + 1 + depth]:
-            w = self.routers.get(nxt)
-            if w is None:
-                continue
-            picks = torch.topk(hidden.to(w.dtype) @ w.T, self.store.config.moe.top_k, dim=-1).indices
+        for nxt, picks in self.predictions(layer, hidden):
             self.dpolicy.assign(nxt, picks, prefetch=True)
             self.copy_misses(min(picks.numel(), self.dpolicy.num_experts))
 

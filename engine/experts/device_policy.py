@@ -68,15 +68,23 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _terms(offs, S, E, slot_key, tracked, mark, score, seq_a, last, visit, lrank, stamp,
-           protect_from, cur, nseen, vs, rate, half, alpha, POLICY: constexpr, RECENCY: constexpr):
-    """Per slot of ``offs``: eligible (holds a tracked key not pinned), then the rank terms:
-    LRU (stamp); sweep (-absolute next use, layer, probability, score, seq)."""
+def _eligible(offs, S, slot_key, tracked, mark, protect_from):
+    """Per slot of ``offs``: (whether it may be evicted: it holds a tracked key that no running
+    launch pins, the key or 0 where the slot is free)."""
     om = offs < S
     k = tl.load(slot_key + offs, mask=om, other=-1)
     ks = tl.where(k >= 0, k, 0)
     elig = om & (k >= 0) & (tl.load(tracked + ks, mask=om, other=0) != 0) & \
         (tl.load(mark + ks, mask=om, other=0) < protect_from)
+    return elig, ks
+
+
+def _terms(offs, S, E, slot_key, tracked, mark, score, seq_a, last, visit, lrank, stamp,
+           protect_from, cur, nseen, vs, rate, half, alpha, POLICY: constexpr, RECENCY: constexpr):
+    """Per slot of ``offs``: eligible (:func:`_eligible`), then the rank terms: LRU (stamp);
+    sweep (-absolute next use, layer, probability, score, seq)."""
+    om = offs < S
+    elig, ks = _eligible(offs, S, slot_key, tracked, mark, protect_from)
     li = ks // E
     if POLICY == 0:
         q = tl.load(stamp + ks, mask=om, other=0)
@@ -177,15 +185,8 @@ def _assign_kernel(ids, n_ids, layer, li, slot_map, layers, slot_key, free, st, 
     free_n = tl.load(st + _FREE_N)
     tl.debug_barrier()
     if PREFETCH:  # the misses that can take a slot: free ones, then evictable ones; the rest skipped
-        room = free_n
-        for s0 in range(0, S, BLOCK_S):
-            offs = s0 + tl.arange(0, BLOCK_S)
-            om = offs < S
-            k = tl.load(slot_key + offs, mask=om, other=-1)
-            ks = tl.where(k >= 0, k, 0)
-            ok = om & (k >= 0) & (tl.load(tracked + ks, mask=om, other=0) != 0) & \
-                (tl.load(mark + ks, mask=om, other=0) < protect_from)
-            room += tl.sum(ok.to(tl.int64))
+        ok, _ = _eligible(tl.arange(0, BLOCK_S), S, slot_key, tracked, mark, protect_from)
+        room = free_n + tl.sum(ok.to(tl.int64))
         before = tl.cumsum(miss.to(tl.int64), axis=0)  # misses up to and including each expert
         miss = miss & (before <= room)
         n_miss = tl.sum(miss.to(tl.int32))
@@ -306,7 +307,7 @@ _jitted: dict = {}
 def _kernel():
     k = _jitted.get("assign")
     if k is None:
-        for name in ("_terms", "_slot_terms", "_victim", "_layer_ranks", "_sweep_use"):
+        for name in ("_eligible", "_terms", "_slot_terms", "_victim", "_layer_ranks", "_sweep_use"):
             globals()[name] = triton.jit(globals()[name])
         k = _jitted["assign"] = triton.jit(_assign_kernel)
     return k
