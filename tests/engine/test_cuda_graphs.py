@@ -70,14 +70,14 @@ def store(tmp_path_factory):
     return d / "store"
 
 
-def _load(store, slots: int, device: str = "cpu"):
+def _load(store, slots: int, device: str = "cpu", prefetch: int = 0, device_cache: bool = False):
     from engine.experts.runtime import load_from_store
 
     probe = load_from_store(store, dense="fp32", prefetch_depth=0)
     slot_bytes = probe.cache.slot_bytes
     probe.close()
-    sm = load_from_store(store, device_budget=slots * slot_bytes, dense="fp32", prefetch_depth=0,
-                         device=device)
+    sm = load_from_store(store, device_budget=slots * slot_bytes, dense="fp32", prefetch_depth=prefetch,
+                         device=device, device_cache=device_cache)
     sm.cache.grouped = True  # the CUDA path's grouped launches (interpreted on the CPU)
     return sm
 
