@@ -82,10 +82,10 @@ def main() -> None:
 @click.option("--ignore-eos", is_flag=True, default=False,
               help="Keep generating past the end-of-sequence token, up to --max-tokens (for benchmarks).")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16 compute.")
-@click.option("--dense", type=click.Choice(["fp32", "bf16", "int8"]), default="bf16", show_default=True,
+@click.option("--dense", type=click.Choice(["auto", "fp32", "bf16", "int8"]), default="auto", show_default=True,
               help="Format of the dense (attention, shared-expert, LM-head) weights: bf16 halves and "
-                   "int8 quarters the bytes each decoded token reads; fp32 is the exact reference "
-                   "(docs/quantization.md).")
+                   "int8 quarters the bytes each decoded token reads; fp32 is the exact reference; "
+                   "auto: int8 on a CPU with AVX512-VNNI, else bf16 (docs/quantization.md).")
 @click.option("--head", "head_format", type=click.Choice(["fp32", "bf16", "int8", "int4"]), default=None,
               help="Format of the LM head alone (default: as --dense); int4 (4.5 bits) reads 45% "
                    "fewer head bytes per token than int8.")
@@ -154,9 +154,10 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, ple_budg
         model, tok = loaded.model, loaded.tokenizer
     else:
         from engine.loading import load_model
+        from engine.quant.linear import resolve_dense
 
-        model, tok, _ = load_model(model_path or smollm2_gguf(), dtype=_dtype(dtype), dense=dense,
-                                  head=head_format)
+        model, tok, _ = load_model(model_path or smollm2_gguf(), dtype=_dtype(dtype),
+                                   dense=resolve_dense(dense, device), head=head_format)
         model.to(device)
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     try:

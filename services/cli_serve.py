@@ -82,9 +82,10 @@ STOP_GRACE_S = 10.0  # what a stop of `serve` lets requests in flight run for (-
 @click.option("--stop-grace", type=click.FloatRange(0, 3600), default=STOP_GRACE_S, show_default=True,
               help="Local cluster: seconds a stop (SIGTERM, SIGINT, SIGHUP) lets requests in flight "
               "finish before aborting them and stopping the actors and the cluster.")
-@click.option("--dense", "dense_format", type=click.Choice(["fp32", "bf16", "int8"]), default="bf16",
+@click.option("--dense", "dense_format", type=click.Choice(["auto", "fp32", "bf16", "int8"]), default="auto",
               show_default=True, help="Format of the dense (attention, shared-expert, LM-head) linears on "
-              "the decode actor (docs/quantization.md#the-default-dense-format).")
+              "the decode actor; auto: int8 on a CPU with AVX512-VNNI, else bf16 "
+              "(docs/quantization.md#the-default-dense-format).")
 @click.option("--head", "head_format", type=click.Choice(["fp32", "bf16", "int8", "int4"]), default=None,
               help="Format of the LM head alone (default: as --dense).")
 @click.option("--tool-call-parser", default=None,
@@ -95,7 +96,7 @@ def serve(store, address, namespace, loaders, device_budget, ram_budget, kv_budg
           admission, prefetch_depth, queue_size, request_timeout, dtype, dashboard, num_cpus,
           object_store_memory, compute_threads, io_threads, http_address=None, api_key=None,
           served_model_name=None, max_waiting=None, speculative=None, max_draft=8, prefix_cache=True,
-          stop_grace=None, dense_format="bf16", head_format=None, tool_call_parser=None):
+          stop_grace=None, dense_format="auto", head_format=None, tool_call_parser=None):
     """Deploy the pipeline (router, decode, N loaders) for STORE."""
     from pydantic import ValidationError
 

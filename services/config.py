@@ -87,10 +87,11 @@ class DeployConfig(BaseModel):
                             "instead of evicting (sweep only; slots out of device_budget).")
     ram_policy: Literal["lru", "lfu", "lfu-pure"] = Field(
         "lru", description="Eviction policy of each loader's RAM tier.")
-    dense_format: Literal["fp32", "bf16", "int8"] = Field(
-        "bf16", description="Format of the dense (non-expert) linears on the decode actor: bf16 "
+    dense_format: Literal["auto", "fp32", "bf16", "int8"] = Field(
+        "auto", description="Format of the dense (non-expert) linears on the decode actor: bf16 "
         "halves and int8 quarters the bytes each decoded token reads (fp32 keeps them as stored); "
-        "docs/quantization.md#the-default-dense-format says why bf16 is the default.")
+        "auto: int8 where the CPU kernels take int16 activations (AVX512-VNNI), else bf16 "
+        "(docs/quantization.md#the-default-dense-format).")
     head_format: Literal["fp32", "bf16", "int8", "int4"] | None = Field(
         None, description="Format of the LM head alone (unset: as dense_format); int4 reads 45% "
         "fewer head bytes per token than int8.")

@@ -73,7 +73,7 @@ def build(cfg: DemoConfig, root: Path | None = None, progress: bool = True, log=
 
 def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: str, loaders: int,
              max_tokens: int, root: Path | None = None, progress: bool = True, out=None, err=None,
-             dense: str = "bf16") -> dict:
+             dense: str = "auto") -> dict:
     """Build (if needed), serve through Ray, stream the answer; returns the figures."""
     from engine.experts.runtime import store_expert_bytes
     from engine.store.reader import ExpertStore
@@ -140,8 +140,9 @@ def run_demo(question: str, cfg: DemoConfig, *, device_budget: str, ram_budget: 
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default=str(DemoConfig.group_size),
               show_default=True)
 @click.option("--calib-tokens", type=int, default=DemoConfig.calib_tokens, show_default=True)
-@click.option("--dense", type=click.Choice(["fp32", "bf16", "int8"]), default="bf16", show_default=True,
-              help="Format of the dense (non-expert) linears on the decode actor.")
+@click.option("--dense", type=click.Choice(["auto", "fp32", "bf16", "int8"]), default="auto", show_default=True,
+              help="Format of the dense (non-expert) linears on the decode actor; auto: int8 on a CPU "
+                   "with AVX512-VNNI, else bf16.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Where the built model and store are kept (default: ~/.cache/moestream/demo).")
 @typed_errors

@@ -327,6 +327,7 @@ static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* acts,
       __m512i v;
       __m512 sv;
       if (c < full) {
+        _mm_prefetch((const char*)(row + c * 64 + 2048), _MM_HINT_T0);
         v = _mm512_loadu_si512(row + c * 64);
       } else {
         v = _mm512_maskz_loadu_epi8((__mmask64)((1ull << tail_bytes) - 1), row + c * 64);
@@ -359,54 +360,81 @@ static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* acts,
   }
 }
 
-// ---- int8 weights x int8 activations (decode; AVX512-VNNI) -------------------------------
-// The activations in natural order (q[k] for k = 0..K-1, quant_block's rule per block of 32), and
-// per 64-byte chunk a 16-lane vector of their block scales (lanes 0-7: block 2c, 8-15: 2c + 1),
-// matching vpdpbusd's lanes. vpdpbusd multiplies unsigned by signed bytes, so |w| times q with
-// w's sign moved onto q. Per row: sum over chunks of scale(group) * dx(block) * sum(w * q).
+// ---- int8 weights x int16 activations (AVX512-VNNI vpdpwssd) -----------------------------
+// int8 activations (block-32 absmax / 127) are too coarse for int8 weights: a dense model's
+// outlier channels (SmolLM2's) leave the other 31 values of their block a few codes, and greedy
+// answers break (docs/quantization.md#the-default-dense-format). int16 codes (absmax / 32767)
+// keep 8 more bits per block at the same number of instructions per weight: the weight's codes
+// are sign-extended to 16 bits (vpmovsxbw) and multiplied pairwise (vpdpwssd), 32 weights, one
+// activation block, per vector. Per row: sum over blocks of scale(group) * dx(block) * sum(w * q).
 struct QAct8 {
-  std::vector<int8_t> q;   // [K]
-  std::vector<float> dx;   // [K / 64 * 16]
+  std::vector<int16_t> q;  // [K]
+  std::vector<float> dx;   // [K / 32]
 };
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 static void quant_act8(const float* x, int64_t K, QAct8& a) {
   a.q.resize(K);
-  a.dx.resize(K / 64 * 16);
+  a.dx.resize(K / 32);
   for (int64_t b = 0; b < K / 32; b++) {
-    __m512i q0, q1;
-    const float d = quant_block(x + 32 * b, q0, q1);
-    _mm_storeu_si128((__m128i*)(a.q.data() + 32 * b), _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128((__m128i*)(a.q.data() + 32 * b + 16), _mm512_cvtsepi32_epi8(q1));
-    for (int l = 0; l < 8; l++) a.dx[(b / 2) * 16 + (b % 2) * 8 + l] = d;
+    const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
+    const float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;  // MXCSR default: half to even
+    _mm256_storeu_si256((__m256i*)(a.q.data() + 32 * b), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)))));
+    _mm256_storeu_si256((__m256i*)(a.q.data() + 32 * b + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)))));
+    a.dx[b] = d;
   }
 }
 
+// s[b] = scale(group of block b) * dx[b] for the B blocks of one row and one token: the kernel's
+// inner loop then broadcasts one float per block (no fp16 conversion or multiply there).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
+static void block_scales(const uint16_t* srow, int64_t G, const float* dx, int64_t B, float* s) {
+  const int64_t bpg = G / 32;  // blocks per group
+  if (16 % bpg != 0) {
+    for (int64_t b = 0; b < B; b++) s[b] = _cvtsh_ss(srow[b / bpg]) * dx[b];
+    return;
+  }
+  const __m512i idx = _mm512_srlv_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(__builtin_ctzll(bpg)));
+  for (int64_t b = 0; b < B; b += 16) {
+    const int64_t nb = std::min<int64_t>(16, B - b), ng = (nb + bpg - 1) / bpg;
+    const __m512 sc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << ng) - 1), srow + b / bpg));
+    const __mmask16 m = (__mmask16)((1u << nb) - 1);
+    _mm512_mask_storeu_ps(s + b, m, _mm512_mul_ps(_mm512_permutexvar_ps(idx, sc), _mm512_maskz_loadu_ps(m, dx + b)));
+  }
+}
+
+// One row at a time, 64 bytes of codes per step (two blocks, two accumulator chains), the row's
+// stream prefetched 2 KiB ahead. Interleaving 2-4 rows (to share the activation loads) measured
+// half the speed on cold weights here: the hardware prefetcher loses the streams.
 template <int TT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")))
 static void rows_int8_i8a(const QW& w, int64_t nb, int64_t ne, const QAct8* acts, float* out, int64_t ldo) {
-  const int64_t K = w.K, G = w.G, NG = K / G, C = K / 64;
+  const int64_t K = w.K, G = w.G, NG = K / G, B = K / 32;
   const __m512i zero = _mm512_setzero_si512();
-  const __mmask16 hi8 = 0xFF00;
+  static thread_local std::vector<float> sbuf;
+  sbuf.resize(TT * B);
   for (int64_t n = nb; n < ne; n++) {
     const int8_t* row = (const int8_t*)w.codes + n * K;
-    const uint16_t* srow = w.scales + n * NG;
-    __m512 facc[TT];
-    for (int t = 0; t < TT; t++) facc[t] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < C; c++) {
+    for (int t = 0; t < TT; t++) block_scales(w.scales + n * NG, G, acts[t].dx.data(), B, sbuf.data() + t * B);
+    __m512 f0[TT], f1[TT];
+    for (int t = 0; t < TT; t++) f0[t] = f1[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < B / 2; c++) {
+      _mm_prefetch((const char*)(row + c * 64 + 2048), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(row + c * 64);
-      const __m512i av = _mm512_abs_epi8(v);
-      const __mmask64 neg = _mm512_movepi8_mask(v);
-      const __m512 sv = _mm512_mask_blend_ps(hi8, _mm512_set1_ps(_cvtsh_ss(srow[c * 64 / G])),
-                                             _mm512_set1_ps(_cvtsh_ss(srow[(c * 64 + 32) / G])));
+      const __m512i w0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(v));
+      const __m512i w1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1));
       for (int t = 0; t < TT; t++) {
-        const __m512i q = _mm512_loadu_si512(acts[t].q.data() + c * 64);
-        const __m512i acc = _mm512_dpbusd_epi32(zero, av, _mm512_mask_sub_epi8(q, neg, zero, q));
-        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, _mm512_loadu_ps(acts[t].dx.data() + c * 16)),
-                                  facc[t]);
+        const int16_t* q = acts[t].q.data() + c * 64;
+        const float* sb = sbuf.data() + t * B + 2 * c;
+        f0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, w0, _mm512_loadu_si512(q))),
+                                _mm512_set1_ps(sb[0]), f0[t]);
+        f1[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, w1, _mm512_loadu_si512(q + 32))),
+                                _mm512_set1_ps(sb[1]), f1[t]);
       }
     }
-    for (int t = 0; t < TT; t++) out[t * ldo + n] = _mm512_reduce_add_ps(facc[t]);
+    for (int t = 0; t < TT; t++) out[t * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(f0[t], f1[t]));
   }
 }
 

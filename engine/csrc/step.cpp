@@ -42,6 +42,16 @@ namespace {
 // once for its g query heads.
 // sinks [Nh] (or null): each head's sink logit in its softmax denominator; window > 0: a query at
 // position p reads keys p - window < j <= p only.
+// A head's K (V) row of a position AHEAD positions on is requested while this one is computed:
+// the rows are a few cache lines each, strided through the paged cache, and the weights streamed
+// between two layers have evicted them, so each would otherwise be a full memory latency.
+constexpr int64_t AHEAD = 8;
+
+template <typename S>
+void prefetch_row(const S* p, int64_t n) {
+  for (int64_t b = 0; b < n * (int64_t)sizeof(S); b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T0);
+}
+
 template <typename S>
 void attend(const KVView& kv, const float* q, int64_t n, int64_t ctx, int64_t nh, int64_t nkv,
             int64_t d, float* out, const float* sinks, int64_t window) {
@@ -58,6 +68,7 @@ void attend(const KVView& kv, const float* q, int64_t n, int64_t ctx, int64_t nh
         const int64_t j0 = window > 0 ? std::max<int64_t>(0, seen - window) : 0;
         const float* qh = q + (i * nh + kh * g) * d;
         for (int64_t j = j0; j < seen; j++) {
+          if (j + AHEAD < seen) prefetch_row(kv.at<S>(kv.k, j + AHEAD) + kh * d, d);
           load_row(kv.at<S>(kv.k, j) + kh * d, r, d);
           for (int64_t a = 0; a < g; a++) scores[a * total + j] = dot(qh + a * d, r, d) * scale;
         }
@@ -66,6 +77,7 @@ void attend(const KVView& kv, const float* q, int64_t n, int64_t ctx, int64_t nh
         float* o = out + (i * nh + kh * g) * d;
         std::fill(o, o + g * d, 0.f);
         for (int64_t j = j0; j < seen; j++) {
+          if (j + AHEAD < seen) prefetch_row(kv.at<S>(kv.v, j + AHEAD) + kh * d, d);
           load_row(kv.at<S>(kv.v, j) + kh * d, r, d);
           for (int64_t a = 0; a < g; a++) {
             const float p = scores[a * total + j];

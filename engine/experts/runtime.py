@@ -12,7 +12,7 @@ from engine.experts.tiers import ExpertSource, HostTier
 from engine.layers.embedding import StoredEmbedding
 from engine.models.base import CausalLM
 from engine.models.load import build_model
-from engine.quant.linear import DEFAULT_DENSE, quantize_dense
+from engine.quant.linear import DEFAULT_DENSE, quantize_dense, resolve_dense
 
 
 @dataclass
@@ -60,7 +60,8 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
                     device_cache: bool = False) -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
     format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8; default
-    DEFAULT_DENSE, bf16: docs/quantization.md#the-default-dense-format), ``head``
+    DEFAULT_DENSE, auto: int8 on a CPU with VNNI, else bf16, resolve_dense;
+    docs/quantization.md#the-default-dense-format), ``head``
     the LM head's (None: as ``dense``; int4 too). ``ple_budget``: bytes of the PLE row cache
     (engine.store.ple_disk; None: DEFAULT_PLE_BUDGET) of a store with PLE row files. ``device``:
     where the dense model and the expert slots live ("cuda" on a GPU: experts then run on the
@@ -75,6 +76,7 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     load)."""
     if prefetch_depth is None:
         prefetch_depth = default_prefetch_depth(device)
+    dense = resolve_dense(dense, device)
     from engine.store.reader import ExpertStore
 
     store = store if isinstance(store, ExpertStore) else ExpertStore(store)
@@ -212,6 +214,7 @@ def dense_resident_bytes(store, *, dense: str, head: str | None = None,
     def per_param(fmt: str) -> float:  # as quantize_dense stores it
         return as_dtype if fmt == "fp32" else QuantFormat(fmt, DENSE_GROUP).bits_per_weight / 8
 
+    dense = resolve_dense(dense)
     src = store.dense_source(verify=False)
     try:
         shapes = {n: src.info(n).shape for n in src.names() if parse_expert_name(n) is None}
@@ -231,7 +234,7 @@ def dense_resident_bytes(store, *, dense: str, head: str | None = None,
     return int(total)
 
 
-def store_budgets(store, *, device: str = "cpu", dense: str = "bf16", head: str | None = None,
+def store_budgets(store, *, device: str = "cpu", dense: str = DEFAULT_DENSE, head: str | None = None,
                   dtype: torch.dtype = torch.float32, kv_bytes: int | None = None, context: int = 4096,
                   headroom: int | None = None, device_budget: int | None = None, ram_budget: int | None = None,
                   ram_from: str = "given", device_free: int | None = None,
@@ -245,6 +248,7 @@ def store_budgets(store, *, device: str = "cpu", dense: str = "bf16", head: str 
     from engine.experts.device_budget import resolve_budgets
     from engine.units import format_bytes
 
+    dense = resolve_dense(dense, device)
     with open_store(store) as store:
         cfg = store.config
         dense_bytes = dense_resident_bytes(store, dense=dense, head=head, dtype=dtype)

@@ -53,7 +53,7 @@ def open_model_files(path: str | Path, validate: bool = True) -> ModelFiles:
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, dense: str = "fp32",
                head: str | None = None):
     """(model, tokenizer, config) with every expert resident; the simplest way in. ``dense``:
-    format of the dense linears (fp32 as loaded, bf16 or int8: engine.quant.linear); ``head``:
+    format of the dense linears (fp32 as loaded, bf16, int8 or auto: engine.quant.linear); ``head``:
     the LM head's (None: as ``dense``; int4 too)."""
     from engine.models.load import build_model
     from engine.quant.linear import quantize_dense

@@ -17,15 +17,16 @@ from engine.errors import ConfigError
 from engine.quant.formats import QuantFormat, QuantizedTensor
 
 DENSE_FORMATS = ("fp32", "bf16", "int8")
+DENSE_CHOICES = ("auto",) + DENSE_FORMATS  # what a user may ask for: auto is resolve_dense's pick
 # the LM head may go lower: at vocab 32000 x hidden 1024 it is 33 MB a token at int8 (a quarter of
 # what a token of the 1.3B test MoE reads), 18 MB at int4 g64 (4.5 bits)
 HEAD_FORMATS = ("fp32", "bf16", "int8", "int4")
-# what a model gets unless told (generate, serve, load_from_store): bf16, 1.9x fp32's decode at the
-# same answers. int8 decodes faster still and passes the perplexity/KL bound on held-out text, but
-# its int8 activations turn SmolLM2's greedy chat answer into nonsense (int8 weights with float
-# activations are slower than bf16); an int4 head fails the bound: bench/dense_formats.py,
-# docs/quantization.md#the-default-dense-format
-DEFAULT_DENSE = "bf16"
+# what a model gets unless told (generate, serve, demo, a deployment, load_from_store): "auto", int8
+# where the kernels multiply int8 weights by int16 activations (a CPU with AVX512-VNNI: 1.5-2.5x
+# bf16's decode, within the perplexity/KL bound and the same chat answers), bf16 elsewhere (int8
+# weights with float activations decode slower than bf16; the GPU path). An int4 head fails the
+# bound. bench/dense_formats.py, docs/quantization.md#the-default-dense-format
+DEFAULT_DENSE = "auto"
 DENSE_GROUP = 64  # quantize_dense's group size: one fp16 scale (and min, int4) per 64 weights
 
 
@@ -87,13 +88,27 @@ def dense_linears(model) -> list[tuple[nn.Module, str]]:
     return out
 
 
+def resolve_dense(fmt_name: str, device: str | torch.device = "cpu") -> str:
+    """The dense format ``fmt_name`` names on ``device``: itself, or for "auto" int8 on a CPU whose
+    kernels take integer activations (engine.quant.kernels.int8_activations: AVX512-VNNI and the
+    option on), else bf16. A ConfigError names the allowed values."""
+    if fmt_name not in DENSE_CHOICES:
+        raise ConfigError(f"dense format {fmt_name!r}; allowed: {', '.join(DENSE_CHOICES)}")
+    if fmt_name != "auto":
+        return fmt_name
+    if torch.device(device).type != "cpu":
+        return "bf16"
+    from engine.quant.kernels import int8_activations
+
+    return "int8" if int8_activations() else "bf16"
+
+
 def quantize_dense(model, fmt_name: str, group_size: int = DENSE_GROUP, head: str | None = None):
     """Swap the model's dense linears for ``fmt_name`` ("fp32" = leave them; "bf16"; "int8"
     with ``group_size``, falling back to bf16 for a weight whose in-dim the group does not
-    divide); the LM head for ``head`` (one of HEAD_FORMATS; None: as the others). Returns the
-    model."""
-    if fmt_name not in DENSE_FORMATS:
-        raise ConfigError(f"dense format {fmt_name!r}; allowed: {', '.join(DENSE_FORMATS)}")
+    divide; "auto": :func:`resolve_dense` on the CPU); the LM head for ``head`` (one of
+    HEAD_FORMATS; None: as the others). Returns the model."""
+    fmt_name = resolve_dense(fmt_name)
     if head is not None and head not in HEAD_FORMATS:
         raise ConfigError(f"LM head format {head!r}; allowed: {', '.join(HEAD_FORMATS)}")
     fallback = QuantFormat("bf16", group_size)

@@ -179,37 +179,49 @@ def linear_ref(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     return x.float() @ dequantize(q).T
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x ``[T, K]`` -> (int8 codes ``[T, K]``, scales ``[T, K/32]``): per block of 32,
-    ``d = absmax / 127`` and ``q = round-half-even(x * (1 / d))`` in float32 (0 where d = 0)."""
+def quantize_activations(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[T, K]`` -> (integer codes ``[T, K]``, scales ``[T, K/32]``): per block of 32,
+    ``d = absmax / qmax`` and ``q = round-half-even(x * (1 / d))`` in float32 (0 where d = 0);
+    ``bits`` 8 (qmax 127, int8 codes) or 16 (qmax 32767, int16 codes)."""
+    if bits not in (8, 16):
+        raise ConfigError(f"activation codes are 8 or 16 bits, not {bits}")
+    qmax = float(2 ** (bits - 1) - 1)
     t, k = x.shape
     xb = x.float().reshape(t, k // 32, 32)
-    d = xb.abs().amax(-1) / 127.0
+    d = xb.abs().amax(-1) / qmax
     inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
-    q = torch.round(xb * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(xb * inv[..., None]).clamp_(-qmax, qmax).to(torch.int8 if bits == 8 else torch.int16)
     return q.reshape(t, k), d
 
 
-def dequantize_activations(x: torch.Tensor) -> torch.Tensor:
+def dequantize_activations(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """``x'``: x ``[T, K]`` through :func:`quantize_activations` and back (``q * dx``), float32."""
     t, k = x.shape
-    qx, d = quantize_activations(x)
+    qx, d = quantize_activations(x, bits)
     return (qx.float().reshape(t, k // 32, 32) * d[..., None]).reshape(t, k)
 
 
 def takes_int8_activations(q: QuantizedTensor) -> bool:
-    """Whether the C++ kernels multiply ``q`` by int8 activations when that option is on: int4
-    weights, and int8 weights whose in-dim is a multiple of 64 (engine/csrc/quant.cpp, use_i8a)."""
+    """Whether the C++ kernels multiply ``q`` by integer activations when the ``int8_activations``
+    option is on: int4 weights, and int8 weights whose in-dim is a multiple of 64
+    (engine/csrc/quant.cpp, use_i8a); :func:`activation_bits` says how many bits."""
     return q.fmt.name == "int4" or (q.fmt.name == "int8" and q.shape[1] % 64 == 0)
 
 
+def activation_bits(q: QuantizedTensor) -> int:
+    """The activations' code width the C++ kernels use with ``q``: 8 for int4 weights (vpdpbusd),
+    16 for int8 weights (vpdpwssd: int8 activations turn a dense model's outlier channels into
+    wrong greedy answers, docs/quantization.md#the-default-dense-format)."""
+    return 16 if q.fmt.name == "int8" else 8
+
+
 def linear_ref_int8_act(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
-    """What the int8-activation kernels compute: ``linear_ref(x', q)`` with ``x'`` the
-    int8-quantized activations (:func:`dequantize_activations`); float32 ``[T, N]``."""
+    """What the integer-activation kernels compute: ``linear_ref(x', q)`` with ``x'`` the
+    activations quantized to :func:`activation_bits` (:func:`dequantize_activations`); float32 ``[T, N]``."""
     if not takes_int8_activations(q):
-        raise ConfigError(f"int8 activations are implemented for int4 weights and int8 weights with an "
+        raise ConfigError(f"integer activations are implemented for int4 weights and int8 weights with an "
                           f"in-dim multiple of 64, not {q.fmt.name} [{q.shape[0]}, {q.shape[1]}]")
-    return linear_ref(dequantize_activations(x.reshape(-1, q.shape[1]).float()), q)
+    return linear_ref(dequantize_activations(x.reshape(-1, q.shape[1]).float(), activation_bits(q)), q)
 
 
 def expert_ref(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """One default dense format everywhere a user can start a model: the CLI's generate, serve and demo,
-a deployment's config and the Python API (which gave fp32, 0.23x llama.cpp, before) all give bf16
-dense linears (engine.quant.linear.DEFAULT_DENSE: docs/quantization.md#the-default-dense-format),
-and the flag takes the others."""
+a deployment's config and the Python API (which gave fp32, 0.23x llama.cpp, before) all give
+"auto" (engine.quant.linear.DEFAULT_DENSE: docs/quantization.md#the-default-dense-format): int8
+dense linears where the CPU kernels take int16 activations (AVX512-VNNI), bf16 elsewhere; the flag
+takes the others."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 
 from engine.experts.runtime import load_from_store
 from engine.quant.formats import QuantFormat
-from engine.quant.linear import DEFAULT_DENSE, QuantLinear
+from engine.errors import ConfigError
+from engine.quant import kernels as K
+from engine.quant.linear import DEFAULT_DENSE, QuantLinear, resolve_dense
 from engine.store import convert
 from tests.engine.models.hf_tiny import make_checkpoint
 
@@ -27,7 +30,7 @@ def test_every_entry_point_defaults_to_the_same_dense_format():
     from services.config import DeployConfig
     from services.demo import demo
 
-    assert DEFAULT_DENSE == "bf16"
+    assert DEFAULT_DENSE == "auto"
     assert _option_default(generate, "dense") == DEFAULT_DENSE
     assert _option_default(serve, "dense_format") == DEFAULT_DENSE
     assert _option_default(demo, "dense") == DEFAULT_DENSE
@@ -44,8 +47,25 @@ def store(tmp_path_factory):
     return d / "store"
 
 
-@pytest.mark.parametrize("dense,want", [(None, "bf16"), ("int8", "int8"), ("fp32", None)])
+def test_auto_is_int8_only_where_the_kernels_take_integer_activations():
+    from engine.options import configure
+
+    assert resolve_dense("auto", "cpu") == ("int8" if K.int8_activations() else "bf16")
+    assert resolve_dense("auto", "cuda") == "bf16"
+    assert resolve_dense("int8", "cuda") == "int8" and resolve_dense("fp32") == "fp32"
+    prev = configure(int8_activations=False)  # float activations: int8 weights are slower than bf16
+    try:
+        assert resolve_dense("auto", "cpu") == "bf16"
+    finally:
+        configure(prev)
+    with pytest.raises(ConfigError, match="allowed: auto, fp32, bf16, int8"):
+        resolve_dense("int4")
+
+
+@pytest.mark.parametrize("dense,want", [(None, "auto"), ("bf16", "bf16"), ("int8", "int8"), ("fp32", None)])
 def test_load_from_store_converts_the_dense_linears(store, dense, want):
+    if want == "auto":  # the default: int8 where the kernels take integer activations
+        want = "int8" if K.int8_activations() else "bf16"
     kw = {} if dense is None else {"dense": dense}
     with load_from_store(store, prefetch_depth=0, **kw) as sm:
         fmts = {m.q.fmt.name for m in sm.model.modules() if isinstance(m, QuantLinear)}

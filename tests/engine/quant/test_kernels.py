@@ -10,7 +10,7 @@ import torch
 from engine.errors import ConfigError
 from engine.quant import FORMATS, GROUP_SIZES, NF4_CODEBOOK, QuantFormat, QuantizedTensor, quantize
 from engine.quant import kernels as K
-from engine.quant.reference import (dequantize, dequantize_activations, expert_ref, linear_ref,
+from engine.quant.reference import (activation_bits, dequantize, dequantize_activations, expert_ref, linear_ref,
                                     linear_ref_int8_act, quantize_activations,
                                     takes_int8_activations)
 
@@ -37,7 +37,7 @@ def assert_close_to_cpp_ref(y: torch.Tensor, x: torch.Tensor, q: QuantizedTensor
     """As assert_close_to_ref against cpp_ref; the bound also covers the quantized activations."""
     x = x.reshape(-1, q.shape[1]).float()
     w = dequantize(q)
-    xq = dequantize_activations(x)
+    xq = dequantize_activations(x, activation_bits(q))
     bound = 1e-4 * ((x.abs() + xq.abs()) @ w.abs().T) + 1e-5
     err = (y.reshape(-1, q.shape[0]) - cpp_ref(x, q)).abs()
     assert bool((err <= bound).all()), f"max err {float(err.max()):.3g}"
@@ -155,7 +155,7 @@ def test_expert_forward_matches_reference(name, mode, backend):
         if lin is cpp_ref and takes_int8_activations(d) and K.int8_activations():
             # int8 activations: a reordering difference in hid can flip the rounding of a few of
             # its codes by one step, each moving the output by at most dx * max |w_down|
-            _, dh = quantize_activations(hid)
+            _, dh = quantize_activations(hid, activation_bits(d))
             bound = bound + 4 * dh.max() * dequantize(d).abs().amax(1)[None, :]
         assert y.shape == (t, h) and ((y - ref).abs() <= bound).all()
         if lin is linear_ref or not K.int8_activations() or not any(map(takes_int8_activations, (g, u, d))):
@@ -251,18 +251,41 @@ def test_int8_activations_can_be_switched_off():
     assert K.int8_activations()
 
 
-def test_quantize_activations_rule_and_zero_blocks():
+@pytest.mark.parametrize("bits,dtype", [(8, torch.int8), (16, torch.int16)])
+def test_quantize_activations_rule_and_zero_blocks(bits, dtype):
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(2, 96, generator=gen)
     x[1, 32:64] = 0.0
-    q, d = quantize_activations(x)
-    assert q.dtype == torch.int8 and d.shape == (2, 3)
-    torch.testing.assert_close(d, x.reshape(2, 3, 32).abs().amax(-1) / 127.0)
+    qmax = 2 ** (bits - 1) - 1
+    q, d = quantize_activations(x, bits)
+    assert q.dtype == dtype and d.shape == (2, 3)
+    torch.testing.assert_close(d, x.reshape(2, 3, 32).abs().amax(-1) / qmax)
     assert d[1, 1] == 0 and (q[1, 32:64] == 0).all()
     nz = d > 0
     want = torch.round(x.reshape(2, 3, 32) * (1.0 / torch.where(nz, d, torch.ones_like(d)))[..., None])
-    assert torch.equal(q.reshape(2, 3, 32)[nz], want.to(torch.int8)[nz])
-    assert int(q.abs().max()) == 127
+    assert torch.equal(q.reshape(2, 3, 32)[nz], want.to(dtype)[nz])
+    assert int(q.abs().max()) == qmax
+
+
+@pytest.mark.skipif(not HAVE_CPP, reason="C++ kernels unavailable")
+def test_int8_weights_keep_outlier_blocks_close_to_float():
+    """A dense model's outlier channel (one value ~500x the rest of its block, as SmolLM2's
+    residual stream has) leaves int8 activation codes of 0 for the rest of the block; int8 weights
+    therefore take int16 activations, which stay within float rounding of the float product."""
+    if not K.int8_activations():
+        pytest.skip("no VNNI here: int8 weights take float activations")
+    gen = torch.Generator().manual_seed(31)
+    q = quantize(torch.randn(64, 256, generator=gen) * 0.05, QuantFormat("int8", 64))
+    x = torch.randn(3, 256, generator=gen)
+    x[:, 5] = 500.0  # block 0's outlier
+    x[:, 5 + 32 * 3] = -800.0
+    w = dequantize(q)
+    assert activation_bits(q) == 16
+    # the kernel's own product, all channels: close to float (int8 codes would lose the blocks)
+    y = K.qlinear(x, q)
+    assert float((y - x @ w.T).abs().max()) < 1e-3 * float((x.abs() @ w.abs().T).max())
+    i8 = linear_ref(dequantize_activations(x, 8), q)
+    assert float((i8 - x @ w.T).abs().max()) > 10 * float((y - x @ w.T).abs().max())
 
 
 @pytest.mark.skipif(not HAVE_CPP, reason="C++ kernels unavailable")

@@ -61,7 +61,7 @@ def test_quantized_dense_model_tracks_fp32(tmp_path, arch):
 
 
 def test_unknown_dense_format_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="allowed: fp32, bf16, int8"):
+    with pytest.raises(ConfigError, match="allowed: auto, fp32, bf16, int8"):
         quantize_dense(None, "fp8")
 
 
