@@ -126,11 +126,8 @@ inline void expert_hidden_n(float* g, float* u, int64_t n, int act, float alpha,
   else silu_mul_n(g, u, n);
 }
 
-// softmax of s[0..n) in place, float32; a finite `sink` is one more logit in the denominator
-// whose share is dropped (attention sinks)
-inline void softmax(float* s, int64_t n, float sink = -INFINITY) {
-  float mx = sink;
-  for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+// s[j] = e^(s[j] - mx) for j < n, in place; returns their sum
+inline float exp_shift(float* s, int64_t n, float mx) {
   const vf m = vset(mx);
   vf acc = vzero();
   int64_t j = 0;
@@ -141,9 +138,18 @@ inline void softmax(float* s, int64_t n, float sink = -INFINITY) {
   }
   float sum = vsum(acc);
   for (; j < n; j++) sum += (s[j] = std::exp(s[j] - mx));
+  return sum;
+}
+
+// softmax of s[0..n) in place, float32; a finite `sink` is one more logit in the denominator
+// whose share is dropped (attention sinks)
+inline void softmax(float* s, int64_t n, float sink = -INFINITY) {
+  float mx = sink;
+  for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+  float sum = exp_shift(s, n, mx);
   if (sink != -INFINITY) sum += std::exp(sink - mx);
   const float inv = 1.0f / sum;
-  for (j = 0; j < n; j++) s[j] *= inv;
+  for (int64_t j = 0; j < n; j++) s[j] *= inv;
 }
 
 }  // namespace ms

@@ -30,18 +30,13 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace ms {
 
 namespace {
 
-// q [n, Nh, D] for positions ctx .. ctx+n-1 of one sequence whose keys/values (new ones included)
-// are in the cache -> out [n, Nh, D]. Query head h reads KV head h / g (g = Nh / Nkv); the KV
-// heads are split over the pool's threads, each reading a position's K (then V) row of its head
-// once for its g query heads.
-// sinks [Nh] (or null): each head's sink logit in its softmax denominator; window > 0: a query at
-// position p reads keys p - window < j <= p only.
 // A head's K (V) row of a position AHEAD positions on is requested while this one is computed:
 // the rows are a few cache lines each, strided through the paged cache, and the weights streamed
 // between two layers have evicted them, so each would otherwise be a full memory latency.
@@ -52,9 +47,86 @@ void prefetch_row(const S* p, int64_t n) {
   for (int64_t b = 0; b < n * (int64_t)sizeof(S); b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T0);
 }
 
+// One query row (a decode step) of one sequence: the keys/values 0 .. ctx (the window's) split
+// into tiles of TILE positions, each tile read as whole cache rows (every KV head of a position:
+// one contiguous run, where a per-head split reads a few lines of each row from every thread)
+// and reduced to per-head partials (the tile's max score, sum of exponentials, weighted sum of V),
+// merged in tile order. The tile size, not the thread count, fixes the summation order, so the
+// result does not depend on the split. Same arguments as attend with n = 1.
+constexpr int64_t TILE = 32;
+
+template <typename S>
+void attend_one(const KVView& kv, const float* q, int64_t ctx, int64_t nh, int64_t nkv, int64_t d, float* out,
+                const float* sinks, int64_t window) {
+  const int64_t g = nh / nkv, seen = ctx + 1, j0 = window > 0 ? std::max<int64_t>(0, seen - window) : 0;
+  const int64_t tiles = (seen - j0 + TILE - 1) / TILE, stride = nh * (d + 2), row = nkv * d;
+  const float scale = 1.0f / std::sqrt((float)d);
+  static thread_local std::vector<float> mine;  // the caller's partials, reached by the workers
+  std::vector<float>& part = mine;
+  part.resize(tiles * stride);
+  parallel(tiles, 1, 1, [&](int64_t tb, int64_t te) {
+    static thread_local std::vector<float> s, buf;
+    s.resize(nh * TILE);
+    buf.resize(row);
+    auto at = [&](char* base, int64_t j) -> const float* {  // position j's row as float32
+      if constexpr (std::is_same_v<S, float>) return kv.at<float>(base, j);
+      load_row(kv.at<S>(base, j), buf.data(), row);
+      return buf.data();
+    };
+    for (int64_t t = tb; t < te; t++) {
+      const int64_t a = j0 + t * TILE, b = std::min(seen, a + TILE), m = b - a;
+      float *mx = part.data() + t * stride, *sum = mx + nh, *o = sum + nh;
+      for (int64_t j = a; j < b; j++) {
+        if (j + AHEAD < b) prefetch_row(kv.at<S>(kv.k, j + AHEAD), row);
+        const float* r = at(kv.k, j);
+        for (int64_t h = 0; h < nh; h++) s[h * TILE + j - a] = dot(q + h * d, r + (h / g) * d, d) * scale;
+      }
+      for (int64_t h = 0; h < nh; h++) {
+        float* sh = s.data() + h * TILE;
+        mx[h] = *std::max_element(sh, sh + m);
+        sum[h] = exp_shift(sh, m, mx[h]);
+      }
+      std::fill(o, o + nh * d, 0.f);
+      for (int64_t j = a; j < b; j++) {
+        if (j + AHEAD < b) prefetch_row(kv.at<S>(kv.v, j + AHEAD), row);
+        const float* r = at(kv.v, j);
+        for (int64_t h = 0; h < nh; h++) {
+          const float p = s[h * TILE + j - a], *rv = r + (h / g) * d;
+          float* oh = o + h * d;
+#pragma omp simd
+          for (int64_t c = 0; c < d; c++) oh[c] += p * rv[c];
+        }
+      }
+    }
+  });
+  for (int64_t h = 0; h < nh; h++) {
+    float top = sinks ? sinks[h] : -INFINITY;
+    for (int64_t t = 0; t < tiles; t++) top = std::max(top, part[t * stride + h]);
+    float total = sinks ? std::exp(sinks[h] - top) : 0.f;
+    float* oh = out + h * d;
+    std::fill(oh, oh + d, 0.f);
+    for (int64_t t = 0; t < tiles; t++) {
+      const float* pt = part.data() + t * stride;
+      const float w = std::exp(pt[h] - top);
+      total += w * pt[nh + h];
+      const float* ot = pt + 2 * nh + h * d;
+      for (int64_t c = 0; c < d; c++) oh[c] += w * ot[c];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t c = 0; c < d; c++) oh[c] *= inv;
+  }
+}
+
+// q [n, Nh, D] for positions ctx .. ctx+n-1 of one sequence whose keys/values (new ones included)
+// are in the cache -> out [n, Nh, D]. Query head h reads KV head h / g (g = Nh / Nkv); the KV
+// heads are split over the pool's threads, each reading a position's K (then V) row of its head
+// once for its g query heads (n = 1, decode: attend_one).
+// sinks [Nh] (or null): each head's sink logit in its softmax denominator; window > 0: a query at
+// position p reads keys p - window < j <= p only.
 template <typename S>
 void attend(const KVView& kv, const float* q, int64_t n, int64_t ctx, int64_t nh, int64_t nkv,
             int64_t d, float* out, const float* sinks, int64_t window) {
+  if (n == 1) return attend_one<S>(kv, q, ctx, nh, nkv, d, out, sinks, window);
   const int64_t g = nh / nkv, total = ctx + n;
   const float scale = 1.0f / std::sqrt((float)d);
   parallel(nkv, 1, 1, [&](int64_t kb, int64_t ke) {

@@ -133,6 +133,28 @@ def test_native_step_matches_torch_layers_on_mixed_batches(store, dense, i8a, kv
             close(a, b, BOUND[i8a and executor_for(sm.model).native().ext.ext.has_vnni()])
 
 
+@pytest.mark.parametrize("kv_kind", ["paged-bf16", "paged-fp32"])
+def test_decode_attention_over_many_tiles_matches_torch_layers(store, kv_kind, fused):
+    """Decode rows whose contexts (70, 33 and 100 positions) span several of the native decode
+    attention's 32-position tiles (step.cpp attend_one: per-tile partials merged in tile order)."""
+    configure(int8_activations=False)
+    dtype = torch.bfloat16 if kv_kind == "paged-bf16" else torch.float32
+    plan = [BatchLayout((0, 1, 2), (70, 33, 100), (0, 0, 0)),
+            BatchLayout((0, 1, 2), (1, 1, 1), (70, 33, 100)),
+            BatchLayout((0, 2), (1, 1), (71, 101))]
+    with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
+        cfg = sm.model.config
+        out = {}
+        for on in (False, True):
+            fused(on)
+            kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=64, block_size=8, dtype=dtype)
+            g = torch.Generator().manual_seed(5)
+            out[on] = [executor_for(sm.model)(torch.randint(0, cfg.vocab_size, (lay.num_tokens,), generator=g),
+                                              lay, kv, all_logits=True) for lay in plan]
+        for a, b in zip(out[True][1:], out[False][1:]):  # the decode steps
+            close(a, b, BOUND[False])
+
+
 def greedy(model, n=16, kv=None):
     return [t for t, _, _ in generate_ids(model, PROMPT, SamplingConfig(max_tokens=n, ignore_eos=True), kv=kv)]
 
