@@ -8,7 +8,7 @@ the CLI). Code that caches something per setting (a bound kernel) compares :func
 | option | variable | default | meaning |
 |---|---|---|---|
 | quant_kernel | MOESTREAM_QUANT_KERNEL | auto | auto, cpp, triton or torch (engine.quant.kernels) |
-| int8_activations | MOESTREAM_INT8_ACTIVATIONS | 1 | int4 weights take int8 activations where the CPU has VNNI |
+| int8_activations | MOESTREAM_INT8_ACTIVATIONS | 1 | where the CPU has VNNI, int4 weights take int8 and int8 weights int16 activations |
 | decode_threads | MOESTREAM_DECODE_THREADS | 1 | intra-op torch threads of decode-sized steps (engine.threads) |
 | fused_step | MOESTREAM_FUSED_STEP | 1 | decode through the native per-layer calls (engine.step) where the model allows |
 | cpu_isa | MOESTREAM_CPU_ISA | auto | native kernels for avx512 or avx2 (auto: the best this CPU has) |

@@ -233,19 +233,34 @@ class NativeStep:
         for observe in mlp.observers:
             observe(mlp.layer, ids)
         dense = self.ffn[i]
+        fast = provider.resident_slots(mlp.layer, uniq) if allowed is None else None
+        if fast is not None:  # every expert resident for good: no acquire / release around it
+            ext.ffn_block(x, h, ids, w, uniq, fast[1], fast[0], dense, ctx.dmt, ctx.i8a, self.acts[i])
+            return
+
+        # the experts may come in several acquires (a batch routes to more than the slots hold):
+        # then each adds its contributions straight into one zeroed sum (ffn_block's direct), in
+        # expert order, the shared/dense expert last, then x += sum, the bits one call gives (as
+        # alone, or on the shortcut above): a token's result does not depend on its batch
+        single = len(uniq) <= (provider.max_experts_per_acquire or len(uniq))
+        total = x if single else torch.zeros_like(x)
 
         def compute(start: int, part: list[int], experts) -> None:
             resolved = provider.slot_table(mlp.layer, part, experts)
             table, slots = resolved if resolved is not None else (EMPTY_IDS, [-1] * len(part))
-            ext.ffn_block(x, h, ids, w, part, slots, table, dense if start == 0 else None,
-                          ctx.dmt, ctx.i8a, self.acts[i])
+            ext.ffn_block(total, h, ids, w, part, slots, table, dense if single else None, ctx.dmt, ctx.i8a,
+                          self.acts[i], not single)
             for e, slot in zip(part, slots):
                 if slot < 0:  # computed through the expert's own forward
                     tok, k = (ids == e).nonzero(as_tuple=True)
                     y = self._expert(mlp, e, experts[e], h[tok]).float() * w[tok, k, None]
-                    x.index_add_(0, tok, y)
+                    total.index_add_(0, tok, y)
 
         fetch_and_compute(provider, mlp.layer, uniq, h, compute)
+        if not single:
+            if dense is not None:
+                ext.ffn_block(total, h, EMPTY_IDS, EMPTY, [], [], EMPTY_IDS, dense, ctx.dmt, ctx.i8a, None, True)
+            x.add_(total)
 
     def _route(self, mlp: SparseMoE, i: int, h: torch.Tensor):
         """(ids, weights, distinct ids ascending) of layer i's router (native)."""

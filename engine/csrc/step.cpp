@@ -47,12 +47,13 @@ void prefetch_row(const S* p, int64_t n) {
   for (int64_t b = 0; b < n * (int64_t)sizeof(S); b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T0);
 }
 
-// One query row (a decode step) of one sequence: the keys/values 0 .. ctx (the window's) split
+// One query row of one sequence: the keys/values 0 .. ctx (the window's) split
 // into tiles of TILE positions, each tile read as whole cache rows (every KV head of a position:
 // one contiguous run, where a per-head split reads a few lines of each row from every thread)
 // and reduced to per-head partials (the tile's max score, sum of exponentials, weighted sum of V),
 // merged in tile order. The tile size, not the thread count, fixes the summation order, so the
-// result does not depend on the split. Same arguments as attend with n = 1.
+// result does not depend on the split (measured in a decode step: at a 512-640 context 4.7 -> 3.4
+// ms per token for attn_block on the 1.3B store against a split of the KV heads over threads).
 constexpr int64_t TILE = 32;
 
 template <typename S>
@@ -118,49 +119,14 @@ void attend_one(const KVView& kv, const float* q, int64_t ctx, int64_t nh, int64
 }
 
 // q [n, Nh, D] for positions ctx .. ctx+n-1 of one sequence whose keys/values (new ones included)
-// are in the cache -> out [n, Nh, D]. Query head h reads KV head h / g (g = Nh / Nkv); the KV
-// heads are split over the pool's threads, each reading a position's K (then V) row of its head
-// once for its g query heads (n = 1, decode: attend_one).
-// sinks [Nh] (or null): each head's sink logit in its softmax denominator; window > 0: a query at
-// position p reads keys p - window < j <= p only.
+// are in the cache -> out [n, Nh, D], query head h reading KV head h / (Nh / Nkv). Each row is
+// attend_one's over its own context, so a position's result does not depend on whether it came
+// in a prefill chunk or a decode step, nor on the chunk's length.
 template <typename S>
 void attend(const KVView& kv, const float* q, int64_t n, int64_t ctx, int64_t nh, int64_t nkv,
             int64_t d, float* out, const float* sinks, int64_t window) {
-  if (n == 1) return attend_one<S>(kv, q, ctx, nh, nkv, d, out, sinks, window);
-  const int64_t g = nh / nkv, total = ctx + n;
-  const float scale = 1.0f / std::sqrt((float)d);
-  parallel(nkv, 1, 1, [&](int64_t kb, int64_t ke) {
-    static thread_local std::vector<float> scores, buf;
-    scores.resize(g * total);
-    buf.resize(d);
-    float* r = buf.data();
-    for (int64_t kh = kb; kh < ke; kh++) {
-      for (int64_t i = 0; i < n; i++) {
-        const int64_t seen = ctx + i + 1;  // causal: keys 0 .. ctx + i
-        const int64_t j0 = window > 0 ? std::max<int64_t>(0, seen - window) : 0;
-        const float* qh = q + (i * nh + kh * g) * d;
-        for (int64_t j = j0; j < seen; j++) {
-          if (j + AHEAD < seen) prefetch_row(kv.at<S>(kv.k, j + AHEAD) + kh * d, d);
-          load_row(kv.at<S>(kv.k, j) + kh * d, r, d);
-          for (int64_t a = 0; a < g; a++) scores[a * total + j] = dot(qh + a * d, r, d) * scale;
-        }
-        for (int64_t a = 0; a < g; a++)
-          softmax(scores.data() + a * total + j0, seen - j0, sinks ? sinks[kh * g + a] : -INFINITY);
-        float* o = out + (i * nh + kh * g) * d;
-        std::fill(o, o + g * d, 0.f);
-        for (int64_t j = j0; j < seen; j++) {
-          if (j + AHEAD < seen) prefetch_row(kv.at<S>(kv.v, j + AHEAD) + kh * d, d);
-          load_row(kv.at<S>(kv.v, j) + kh * d, r, d);
-          for (int64_t a = 0; a < g; a++) {
-            const float p = scores[a * total + j];
-            float* oa = o + a * d;
-#pragma omp simd
-            for (int64_t c = 0; c < d; c++) oa[c] += p * r[c];
-          }
-        }
-      }
-    }
-  });
+  for (int64_t i = 0; i < n; i++)
+    attend_one<S>(kv, q + i * nh * d, ctx + i, nh, nkv, d, out + i * nh * d, sinks, window);
 }
 
 template <typename S>
@@ -323,7 +289,11 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor&
 void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
                const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
                const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a,
-               const ExpertAct* act) {
+               const ExpertAct* act, bool direct) {
+  // direct: each contribution is added straight into x, in expert order (a layer whose experts
+  // come in several calls passes a zeroed sum of its own, so a token's contributions are added in
+  // the same order however they are split); else into a zeroed sum then added to x, the same
+  // order within one call
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && h.is_contiguous() &&
               h.scalar_type() == at::kFloat && h.sizes() == x.sizes(), "x, h must be float32 [T, H]");
@@ -374,7 +344,8 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
     jobs[j].x = routed[j].xs.data();
     jobs[j].out = routed[j].ys.data();
   }
-  std::vector<float> acc(T * H, 0.f), dense_y;
+  std::vector<float> local(direct ? 0 : T * H, 0.f), dense_y;
+  float* acc = direct ? xp : local.data();
   if (dense != nullptr) {  // shared expert (optionally sigmoid-gated) or a dense SwiGLU MLP
     dense_y.resize(T * H);
     jobs.push_back(ExpertJob{dense->g.w, dense->u.w, dense->d.w, hp, T, dense_y.data()});
@@ -382,7 +353,7 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
   ms::experts(jobs, dmt, i8a);
   for (const Routed& e : routed) {
     for (size_t j = 0; j < e.tok.size(); j++) {
-      float* a = acc.data() + e.tok[j] * H;
+      float* a = acc + e.tok[j] * H;
       const float* y = e.ys.data() + j * H;
       for (int64_t c = 0; c < H; c++) a[c] += y[c] * e.wt[j];
     }
@@ -394,7 +365,8 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
       for (int64_t c = 0; c < H; c++) acc[t * H + c] += gate ? s * dense_y[t * H + c] : dense_y[t * H + c];
     }
   }
-  for (int64_t i = 0; i < T * H; i++) xp[i] += acc[i];
+  if (!direct)
+    for (int64_t i = 0; i < T * H; i++) xp[i] += acc[i];
 }
 
 at::Tensor head_block(const at::Tensor& x, const std::vector<int64_t>& rows, const at::Tensor& norm,

@@ -52,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor&
 void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
                const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
                const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a,
-               const ExpertAct* act = nullptr);
+               const ExpertAct* act = nullptr, bool direct = false);
 // logits [R, V] of the final norm of rows `rows` of x through the LM head
 at::Tensor head_block(const at::Tensor& x, const std::vector<int64_t>& rows, const at::Tensor& norm,
                       double eps, const Linear& head, int64_t dmt, bool i8a);

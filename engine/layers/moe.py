@@ -75,6 +75,12 @@ class ExpertProvider(ABC):
         CPU from RAM). None: the provider has no slots, every expert runs through its forward."""
         return None
 
+    def resident_slots(self, layer: int, expert_ids: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+        """The fused step's shortcut past acquire / slot_table / release: ``slot_table``'s answer
+        when every one of ``expert_ids`` is resident and stays so without a pin (nothing can evict
+        it), the hits counted as ``acquire`` counts them. None (the default): take the full path."""
+        return None
+
     def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """Called with a sparse layer's MoE input once its first experts are acquired, before
         they compute: prefetching for the next layers overlaps this layer's compute."""

@@ -197,6 +197,35 @@ def test_greedy_tokens_identical_through_the_expert_cache(store, fused):
     check_minimal_caches(store, want, greedy, fused)
 
 
+def test_all_resident_experts_skip_acquire_with_the_same_tokens_and_hits(store, fused, monkeypatch):
+    """A cache with a slot for every expert and no prefetch: the step reads the slots without
+    acquire / release (ExpertCache.resident_slots), with the tokens and hit counts of the full path;
+    a cache that may evict (fewer slots than experts) keeps acquire."""
+    from engine.experts.cache import ExpertCache
+
+    runs = {}
+    for shortcut in (True, False):
+        if not shortcut:
+            monkeypatch.setattr(ExpertCache, "resident_slots", lambda self, layer, ids: None)
+        with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
+            fused(True)
+            greedy(sm.model, n=2)  # first use loads every routed expert through acquire
+            acquired = []
+            orig = sm.cache.acquire
+            monkeypatch.setattr(sm.cache, "acquire", lambda layer, ids: acquired.append(layer) or orig(layer, ids))
+            before = sm.cache.metrics.total().hits
+            tokens = greedy(sm.model, n=6)
+            runs[shortcut] = (tokens, sm.cache.metrics.total().hits - before, len(acquired))
+            assert sm.cache.pins == {}
+    (tok_fast, hits_fast, acq_fast), (tok_full, hits_full, acq_full) = runs[True], runs[False]
+    assert tok_fast == tok_full and hits_fast == hits_full > 0
+    assert acq_full > 0 and acq_fast < acq_full  # only first uses (misses) still acquire
+    with ExpertStore(store) as s:
+        slot, n = align_up(s.expert_nbytes), s.num_experts_total
+    with load_from_store(store, prefetch_depth=0, dense="int8", device_budget=(n - 1) * slot) as sm:
+        assert sm.cache.resident_slots(sm.model.config.moe_layers[0], [0]) is None
+
+
 def test_decode_is_three_native_calls_per_layer_and_one_for_the_head(store, fused):
     fused(True)
     with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
