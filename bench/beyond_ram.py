@@ -99,9 +99,11 @@ def measure_disk(paths: list[Path], seconds: float = 2.0) -> dict[str, float]:
 # ---- the moestream child ------------------------------------------------------------------------
 
 def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_threads: int,
-                    prefetch_depth: int = 0) -> dict:
-    """One run in this (limited) process: budgets auto from its cgroup, load, greedy; the
-    io counters around the decode, and the simulator's prediction for its device slots."""
+                    prefetch_depth: int = 0, warm: bool = True) -> dict:
+    """One run in this (limited) process: budgets auto from its cgroup, load (``warm``: the free
+    slots filled at load, as `moestream generate` does by default), greedy; the io counters around
+    the decode, and the simulator's prediction for its device slots (a warm run's simulation
+    replays the load's fill first, as records of top_k experts in the fill's order)."""
     import resource
 
     import torch
@@ -125,7 +127,8 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
         st.close()
         return {"refused": str(e)}
     sm = load_from_store(st, device_budget=b.device, ram_budget=b.ram, dense="int8",
-                         prefetch_depth=prefetch_depth, io_threads=io_threads)
+                         prefetch_depth=prefetch_depth, io_threads=io_threads, warm=warm)
+    warmed = len(sm.cache.slot_of)
     slot = sm.cache.slot_bytes
     ordinal = {l: i for i, l in enumerate(cfg.moe_layers)}
     pos = {"t": 0}
@@ -150,18 +153,23 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
     # token by token (the prefill's layer-at-a-time order sorted into it): the order the
     # simulator's policies replay
     rec = TraceRecorder(len(cfg.moe_layers), cfg.moe.num_experts, cfg.moe.top_k)
+    k, nl = cfg.moe.top_k, len(cfg.moe_layers)
+    fill = -(-warmed // (k * nl)) if warm else 0  # ExpertCache.warm's order: expert e of every layer, e = 0, 1, ...
+    for c in range(fill):
+        for layer in range(nl):
+            rec.record(c, layer, [(c * k + j) % cfg.moe.num_experts for j in range(k)])
     for t, layer, row in sorted(routed, key=lambda r: (r[0], r[1])):
-        rec.record(t, layer, row)
+        rec.record(fill + t, layer, row)
     trace = rec.trace()
     cap = sm.cache.num_slots
     full = simulate(trace, "sweep", cap, expert_bytes=slot)
-    pre = simulate(trace[:prompt_len * len(cfg.moe_layers)], "sweep", cap, expert_bytes=slot)
+    pre = simulate(trace[:(fill + prompt_len) * nl], "sweep", cap, expert_bytes=slot)
     counters = sm.cache.source.counters()
     out = {
         "prefill": stats.prefill_tps, "decode": stats.decode_tps, "budgets": b.line,
         "device": b.device, "ram": b.ram, "slot": slot, "slots": cap,
         "io": [io0, load_io, io_pf, io_end],
-        "sim_decode_bytes": full.bytes_missed - pre.bytes_missed,
+        "sim_decode_bytes": full.bytes_missed - pre.bytes_missed, "warmed": warmed,
         "nvme_bytes": counters["nvme"].bytes_in if "nvme" in counters else 0,
         "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
@@ -175,7 +183,7 @@ def run_moestream(store: Path, limit: int, args) -> dict:
     with LimitedGroup(limit) as g:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(store), "--prompt", str(args.prompt),
                "--new", str(args.new), "--threads", str(args.threads), "--io-threads", str(args.io_threads),
-               "--prefetch", str(args.prefetch)]
+               "--prefetch", str(args.prefetch)] + ([] if args.warm else ["--no-warm"])
         t0 = time.perf_counter()
         try:
             r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, preexec_fn=g.enter,
@@ -264,12 +272,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default=None, help="where the model files go (kept, and reused when they match); "
                                                 "default: a temporary directory removed at the end")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
+                    help="moestream fills its free expert slots at load (generate's default), as llama.cpp's "
+                         "load fills the page cache; --no-warm: slots start empty")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.child:
         print(json.dumps(moestream_child(args.child, args.prompt, args.new, args.threads, args.io_threads,
-                                         args.prefetch)))
+                                         args.prefetch, args.warm)))
         return
 
     shape = ISSUE_SHAPE if args.shape == "issue" else qwen3_30b_like(args.size * 1e9)

@@ -61,6 +61,9 @@ def main() -> None:
                    "when the device tier is CPU memory (prefetch then competes with compute).")
 @click.option("--miss-compute", type=click.Choice(["transfer", "cpu", "auto"]), default="transfer",
               show_default=True, help="On a device miss: copy the expert in, or compute it on the CPU.")
+@click.option("--warm/--no-warm", default=True, show_default=True,
+              help="Fill the free expert slots at load, each layer's experts in turn (as llama.cpp's load "
+                   "fills the page cache), so the first tokens do not miss on every expert's first use.")
 @click.option("--device-cache", is_flag=True, default=False,
               help="The expert cache's lookups, evictions and miss copies on the device (no host "
                    "round trip in a decode step; with MOESTREAM_CUDA_GRAPHS=1 MOESTREAM_STEP_GRAPH=1 one "
@@ -102,7 +105,7 @@ def main() -> None:
 def generate(prompt, model_path, store_path, device_budget, ram_budget, ple_budget, policy, admission, prefetch_depth,
              miss_compute, device_cache, address, namespace, as_json, chat, max_tokens, temperature, top_k, top_p,
              min_p, seed, stop, dtype, dense, head_format, device_name, speculative, prefix_cache=True,
-             ignore_eos=False):
+             ignore_eos=False, warm=True):
     """Generate text from PROMPT, streaming it, then print one line of figures."""
     from engine.assets import smollm2_gguf
     from engine.layers.sampler import SamplingConfig
@@ -147,7 +150,7 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, ple_budg
             check_admission(policy, admission)
             loaded = _open_store(store, device_budget, ram_budget, policy, prefetch_depth,
                                  miss_compute, _dtype(dtype), dense, device, head_format, admission, ple_budget,
-                                 device_cache)
+                                 device_cache, warm)
         except BaseException:
             store.close()
             raise
@@ -241,7 +244,7 @@ def _speculative_config(mode, draft, model, loaded, dtype, device="cpu", model_p
 
 
 def _open_store(store, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype, dense,
-                device="cpu", head=None, admission=False, ple_budget="256MiB", device_cache=False):
+                device="cpu", head=None, admission=False, ple_budget="256MiB", device_cache=False, warm=False):
     """The StoreModel of an open ExpertStore (which it then owns), budgets resolved."""
     from engine.experts.runtime import load_from_store, store_expert_bytes
     from engine.units import parse_bytes
@@ -265,7 +268,7 @@ def _open_store(store, device_budget, ram_budget, policy, prefetch_depth, miss_c
     return load_from_store(
         store, device_budget=dev, ram_budget=ram, policy=policy,
         prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype, dense=dense, device=device,
-        head=head, admission=admission, ple_budget=ple, device_cache=device_cache)
+        head=head, admission=admission, ple_budget=ple, device_cache=device_cache, warm=warm)
 
 
 def _cache_line(loaded, tokens: int) -> str:

@@ -274,6 +274,49 @@ class ExpertCache(ExpertProvider):
         """Device bytes of the slot pool: cache and staging slots."""
         return (self.num_slots + self.num_staging) * self.slot_bytes
 
+    def warm(self) -> int:
+        """Fill the free device slots now, before any step: every sparse layer's experts in turn
+        (expert 0 of each layer, then expert 1, ...), so a budget of a fraction of the experts
+        holds that fraction of each layer, until no slot is free. The reads run on the cache's I/O
+        threads (``io_threads`` at once); the policy is told of each expert as of a miss, so they
+        are evicted as any other. Returns the number of experts read. A run that starts with
+        empty slots pays a miss for the first use of every expert, where llama.cpp's load reads
+        the model's pages into the page cache first (bench/beyond_ram.py compares the two)."""
+        import logging
+        import sys
+
+        from tqdm import tqdm
+
+        cfg = self.store.config
+        keys = [(layer, e) for e in range(cfg.moe.num_experts) for layer in cfg.moe_layers]
+        t0 = time.perf_counter()
+        futures: list[Future] = []
+        with self.lock:
+            for key in keys:
+                if not self.table.free_slots:
+                    break
+                if key in self.table.slot_of:  # a pinned expert, placed already
+                    continue
+                slot, _ = self.table.reserve(key)
+                fut: Future = Future()
+                self.table.loading[key] = fut
+                futures.append(fut)
+                self.pool.submit(self._fill, key, slot, fut, False)
+        bar = tqdm(total=len(futures), desc="warming expert slots", unit="expert", file=sys.stderr,
+                   disable=not sys.stderr.isatty() or not futures)
+        for fut in futures:
+            fut.result()
+            bar.update()
+        bar.close()
+        if futures and bar.disable:  # not a terminal: one summary line
+            logging.getLogger(__name__).info("expert cache: %d experts read into free slots in %.1f s",
+                                             len(futures), time.perf_counter() - t0)
+        with self.lock:  # reads at load are not a step's misses: the metrics start at zero
+            for layer in self.sparse_layers:
+                self.metrics.layer(layer).bytes_to_device = 0
+                self.metrics.layer(layer).copy_s = 0.0
+        return len(futures)
+
     def _fill_pinned(self, keys) -> None:
         if len(keys) > self.num_slots - self.store.config.moe.top_k:
             raise CacheCapacityError(

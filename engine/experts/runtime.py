@@ -57,7 +57,7 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
                     source: ExpertSource | None = None, device: str = "cpu",
                     dense: str = DEFAULT_DENSE, io_threads: int = 8, head: str | None = None,
                     admission: bool = False, ple_budget: int | None = None,
-                    device_cache: bool = False) -> StoreModel:
+                    device_cache: bool = False, warm: bool = False) -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
     format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8; default
     DEFAULT_DENSE, auto: int8 on a CPU with VNNI, else bf16, resolve_dense;
@@ -73,7 +73,9 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     bandwidth, bench/beyond_ram.py's disk measure: 4 KiB QD16 ~6x QD1). ``device_cache``: the
     cache's bookkeeping and miss copies on the device (engine.experts.device_cache: no host
     synchronisation in a decode step; needs a RAM budget that holds every expert, all read at
-    load)."""
+    load). ``warm``: fill the free expert slots at load (ExpertCache.warm: each layer's experts
+    in turn), as llama.cpp's load fills the page cache, so the first tokens do not pay a miss for
+    every expert's first use (the CLI's and serve's default; off here, so a cache starts empty)."""
     if prefetch_depth is None:
         prefetch_depth = default_prefetch_depth(device)
     dense = resolve_dense(dense, device)
@@ -113,6 +115,8 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     ple = _attach_ple(model, store, cache, ple_budget) if store.manifest.ple_tables else None
     model.to(device)  # the dense weights run where the expert slots live
     _return_freed_heap()
+    if warm and cache is not None and not device_cache:
+        cache.warm()
     try:
         tokenizer = store.tokenizer()
     except TokenizerNotFoundError:

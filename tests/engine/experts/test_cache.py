@@ -70,6 +70,28 @@ def test_tokens_identical_across_budgets_prefetch_and_miss_modes(store):
             sm.close()
 
 
+def test_warm_fills_every_free_slot_round_robin_and_changes_no_token(store):
+    """load_from_store(warm=True) reads experts into the free slots before any step, expert e of
+    every sparse layer before expert e + 1, so each layer holds its share; the metrics start at
+    zero, the policy may evict them (a small cache still misses), and the tokens are a cold
+    cache's."""
+    from collections import Counter
+
+    want = greedy(load_from_store(store, prefetch_depth=0))
+    slot, top_k = slot_bytes(store)
+    with load_from_store(store, device_budget=7 * slot, prefetch_depth=0, warm=True) as sm:
+        per_layer = Counter(layer for layer, _ in sm.cache.slot_of)
+        assert sum(per_layer.values()) == sm.cache.num_slots == 7
+        assert max(per_layer.values()) - min(per_layer.values()) <= 1
+        assert not sm.cache.loading and sm.cache.metrics.total().bytes_to_device == 0
+        assert greedy(sm) == want
+        assert sm.cache.metrics.total().misses > 0  # warmed experts are evicted like any others
+    with load_from_store(store, prefetch_depth=0, warm=True) as sm:  # a slot for every expert
+        n = len(sm.cache.slot_of)
+        assert n == sm.store.num_experts_total
+        assert greedy(sm) == want and sm.cache.metrics.total().misses == 0
+
+
 def test_minimal_cache_chunks_a_long_prefill(store):
     """Prefill touches every expert of a layer at once; the MoE stage fetches them in chunks
     of at most the cache's slot count."""
