@@ -304,17 +304,23 @@ class ExpertCache(ExpertProvider):
                 self.pool.submit(self._fill, key, slot, fut, False)
         bar = tqdm(total=len(futures), desc="warming expert slots", unit="expert", file=sys.stderr,
                    disable=not sys.stderr.isatty() or not futures)
-        for fut in futures:
-            fut.result()
-            bar.update()
-        bar.close()
+        try:
+            for fut in futures:
+                fut.result()  # a corrupt or unreadable blob raises here, at load
+                bar.update()
+        finally:
+            wait(futures)
+            bar.close()
         if futures and bar.disable:  # not a terminal: one summary line
             logging.getLogger(__name__).info("expert cache: %d experts read into free slots in %.1f s",
                                              len(futures), time.perf_counter() - t0)
-        with self.lock:  # reads at load are not a step's misses: the metrics start at zero
+        with self.lock:  # reads at load are not a step's: the metrics and tier counters start at zero
             for layer in self.sparse_layers:
                 self.metrics.layer(layer).bytes_to_device = 0
                 self.metrics.layer(layer).copy_s = 0.0
+            for c in self.source.counters().values():
+                c.hits = c.misses = c.bytes_in = 0
+                c.seconds = 0.0
         return len(futures)
 
     def _fill_pinned(self, keys) -> None:

@@ -116,7 +116,11 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     model.to(device)  # the dense weights run where the expert slots live
     _return_freed_heap()
     if warm and cache is not None and not device_cache:
-        cache.warm()
+        try:
+            cache.warm()
+        except BaseException:  # a blob that fails its read or digest: nothing of this load survives
+            StoreModel(model, None, cache, store, ple).close()
+            raise
     try:
         tokenizer = store.tokenizer()
     except TokenizerNotFoundError:

@@ -84,6 +84,7 @@ def test_warm_fills_every_free_slot_round_robin_and_changes_no_token(store):
         assert sum(per_layer.values()) == sm.cache.num_slots == 7
         assert max(per_layer.values()) - min(per_layer.values()) <= 1
         assert not sm.cache.loading and sm.cache.metrics.total().bytes_to_device == 0
+        assert all(c.bytes_in == 0 for c in sm.cache.source.counters().values())
         assert greedy(sm) == want
         assert sm.cache.metrics.total().misses > 0  # warmed experts are evicted like any others
     with load_from_store(store, prefetch_depth=0, warm=True) as sm:  # a slot for every expert
@@ -263,6 +264,8 @@ def test_flipped_byte_raises_checksum_error_naming_layer_and_expert(store, tmp_p
         assert set(out) == {0, 1}
     finally:
         sm.close()
+    with pytest.raises(ChecksumError, match="layer 1 expert 3"):  # a warm load reads it at load
+        load_from_store(copy, prefetch_depth=0, warm=True)
 
 
 def generate_ids_all(sm):
