@@ -367,13 +367,13 @@ static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* acts,
 // keep 8 more bits per block at the same number of instructions per weight: the weight's codes
 // are sign-extended to 16 bits (vpmovsxbw) and multiplied pairwise (vpdpwssd), 32 weights, one
 // activation block, per vector. Per row: sum over blocks of scale(group) * dx(block) * sum(w * q).
-struct QAct8 {
+struct QAct16 {
   std::vector<int16_t> q;  // [K]
   std::vector<float> dx;   // [K / 32]
 };
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-static void quant_act8(const float* x, int64_t K, QAct8& a) {
+static void quant_act16(const float* x, int64_t K, QAct16& a) {
   a.q.resize(K);
   a.dx.resize(K / 32);
   for (int64_t b = 0; b < K / 32; b++) {
@@ -410,7 +410,7 @@ static void block_scales(const uint16_t* srow, int64_t G, const float* dx, int64
 // half the speed on cold weights here: the hardware prefetcher loses the streams.
 template <int TT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")))
-static void rows_int8_i8a(const QW& w, int64_t nb, int64_t ne, const QAct8* acts, float* out, int64_t ldo) {
+static void rows_int8_i16a(const QW& w, int64_t nb, int64_t ne, const QAct16* acts, float* out, int64_t ldo) {
   const int64_t K = w.K, G = w.G, NG = K / G, B = K / 32;
   const __m512i zero = _mm512_setzero_si512();
   static thread_local std::vector<float> sbuf;
@@ -438,9 +438,9 @@ static void rows_int8_i8a(const QW& w, int64_t nb, int64_t ne, const QAct8* acts
   }
 }
 
-static void quant_into(const float* x, int64_t T, int64_t K, std::vector<QAct8>& acts) {
+static void quant_into(const float* x, int64_t T, int64_t K, std::vector<QAct16>& acts) {
   acts.resize(T);
-  for (int64_t t = 0; t < T; t++) quant_act8(x + t * K, K, acts[t]);
+  for (int64_t t = 0; t < T; t++) quant_act16(x + t * K, K, acts[t]);
 }
 
 
@@ -455,8 +455,8 @@ static void by_triples(const std::vector<A>& acts, float* out, int64_t ldo, F&& 
 }
 
 // rows [nb, ne) of an int8 / int4 weight for tokens whose activations are already quantized
-static void rows_i8a_int8(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct8>& acts, float* out, int64_t ldo) {
-  by_triples(acts, out, ldo, [&](auto tt, const QAct8* a, float* o) { rows_int8_i8a<tt.value>(w, nb, ne, a, o, ldo); });
+static void rows_i16a_int8(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct16>& acts, float* out, int64_t ldo) {
+  by_triples(acts, out, ldo, [&](auto tt, const QAct16* a, float* o) { rows_int8_i16a<tt.value>(w, nb, ne, a, o, ldo); });
 }
 
 static void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct>& acts, float* out, int64_t ldo) {
@@ -470,7 +470,7 @@ static void quant_into(const float* x, int64_t T, int64_t K, int64_t G, std::vec
   for (int64_t t = 0; t < T; t++) quant_act(x + t * K, K, G, acts[t]);
 }
 
-// int8 activations: int4 weights (any K % 32 == 0), int8 weights with K % 64 == 0
+// integer activations: int4 weights (any K % 32 == 0: int8 codes), int8 weights with K % 64 == 0 (int16)
 static bool use_i8a(const QW& w, int64_t i8a) {
   return i8a && (w.fmt == F_INT4 || (w.fmt == F_INT8 && w.K % 64 == 0));
 }
@@ -512,11 +512,11 @@ int64_t min_units(int64_t weights, int64_t units) {
   return std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, weights / std::max<int64_t>(1, units)));
 }
 
-// How a weight takes its input: float, or int8 activations in the int4 or the int8 layout.
-enum Acts { FLOAT_ACTS, INT4_ACTS, INT8_ACTS };
+// How a weight takes its input: float, int8 activations (int4 weights) or int16 ones (int8 weights).
+enum Acts { FLOAT_ACTS, INT4_ACTS, INT16_ACTS };
 
 Acts acts_for(const QW& w, bool i8a) {
-  return !use_i8a(w, i8a) ? FLOAT_ACTS : w.fmt == F_INT8 ? INT8_ACTS : INT4_ACTS;
+  return !use_i8a(w, i8a) ? FLOAT_ACTS : w.fmt == F_INT8 ? INT16_ACTS : INT4_ACTS;
 }
 
 // One input (T rows of K) as the weights it meets need it: quantized once, read by every thread.
@@ -525,16 +525,16 @@ struct Input {
   const float* x = nullptr;
   int64_t T = 0;
   std::vector<QAct> a4;
-  std::vector<QAct8> a8;
+  std::vector<QAct16> a16;
 
   void set(Acts k, const float* xs, int64_t t, const QW& w) {
     kind = k, x = xs, T = t;
-    if (k == INT8_ACTS) quant_into(x, T, w.K, a8);
+    if (k == INT16_ACTS) quant_into(x, T, w.K, a16);
     else if (k == INT4_ACTS) quant_into(x, T, w.K, w.G, a4);
   }
   // rows [rb, re) of out[T, w.N] = input @ w.T
   void rows(const QW& w, int64_t rb, int64_t re, float* out, int64_t direct_max_t) const {
-    if (kind == INT8_ACTS) rows_i8a_int8(w, rb, re, a8, out, w.N);
+    if (kind == INT16_ACTS) rows_i16a_int8(w, rb, re, a16, out, w.N);
     else if (kind == INT4_ACTS) rows_i8a(w, rb, re, a4, out, w.N);
     else rows_dispatch(w, rb, re, x, T, out, w.N, direct_max_t);
   }

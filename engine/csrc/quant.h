@@ -33,8 +33,8 @@ QW make_qw(int64_t fmt, int64_t G, int64_t N, int64_t K, const at::Tensor& codes
            const at::Tensor& scales, const at::Tensor& mins);
 at::Tensor as_f32_2d(const at::Tensor& x, int64_t K);
 
-// out[T, N] = x[T, K] @ w.T, rows split over the pool. i8a: int4 weights and int8 weights with
-// K % 64 == 0 take int8 activations (VNNI).
+// out[T, N] = x[T, K] @ w.T, rows split over the pool. i8a: int4 weights take int8 and int8 weights
+// with K % 64 == 0 int16 activations (VNNI).
 void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, bool i8a);
 // SwiGLU expert out[T, H] = (silu(x @ g.T) * (x @ u.T)) @ d.T; g/u [I, H], d [H, I].
 void expert(const QW& g, const QW& u, const QW& d, const float* x, int64_t T, float* out,
