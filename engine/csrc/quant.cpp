@@ -279,13 +279,15 @@ struct QAct {
   std::vector<float> xg;   // [K / G]: sums of x' = q * dx over each group
 };
 
-// The one quantization rule of a 32-value block x[0..31]: its scale d = absmax / 127 and the
-// codes round-half-even(x * (1 / d)) as int32 in q0 (values 0..15) and q1 (16..31); 0 when d = 0.
+// The one quantization rule of a 32-value block x[0..31]: its scale d = absmax / qmax (127 for
+// int8 codes, 32767 for int16) and the codes round-half-even(x * (1 / d)) as int32 in q0 (values
+// 0..15) and q1 (16..31); 0 when d = 0.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-static inline __attribute__((always_inline)) float quant_block(const float* x, __m512i& q0, __m512i& q1) {
+static inline __attribute__((always_inline)) float quant_block(const float* x, __m512i& q0, __m512i& q1,
+                                                               float qmax = 127.f) {
   const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
   const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
-  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  const float d = amax / qmax, inv = d > 0.f ? 1.f / d : 0.f;
   q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));  // MXCSR default: half to even
   q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
   return d;
@@ -377,12 +379,10 @@ static void quant_act16(const float* x, int64_t K, QAct16& a) {
   a.q.resize(K);
   a.dx.resize(K / 32);
   for (int64_t b = 0; b < K / 32; b++) {
-    const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
-    const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
-    const float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;  // MXCSR default: half to even
-    _mm256_storeu_si256((__m256i*)(a.q.data() + 32 * b), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)))));
-    _mm256_storeu_si256((__m256i*)(a.q.data() + 32 * b + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)))));
-    a.dx[b] = d;
+    __m512i q0, q1;
+    a.dx[b] = quant_block(x + 32 * b, q0, q1, 32767.f);
+    _mm256_storeu_si256((__m256i*)(a.q.data() + 32 * b), _mm512_cvtsepi32_epi16(q0));
+    _mm256_storeu_si256((__m256i*)(a.q.data() + 32 * b + 16), _mm512_cvtsepi32_epi16(q1));
   }
 }
 

@@ -75,7 +75,8 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     synchronisation in a decode step; needs a RAM budget that holds every expert, all read at
     load). ``warm``: fill the free expert slots at load (ExpertCache.warm: each layer's experts
     in turn), as llama.cpp's load fills the page cache, so the first tokens do not pay a miss for
-    every expert's first use (the CLI's and serve's default; off here, so a cache starts empty)."""
+    every expert's first use (`moestream generate`'s default; off here and in serve, so a cache
+    starts empty)."""
     if prefetch_depth is None:
         prefetch_depth = default_prefetch_depth(device)
     dense = resolve_dense(dense, device)
