@@ -43,6 +43,7 @@ from engine.quant.linear import QuantLinear
 
 EMPTY = torch.empty(0)
 EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+NO_EXPERTS = torch.empty(0, 0, dtype=torch.int32)  # the residency table of a model without experts
 
 
 def _lin(ext: Any, m: nn.Module) -> Any:
@@ -119,6 +120,27 @@ class NativeStep:
         self.head = (_lin(ext, head) if isinstance(head, QuantLinear) and backend_for(head.q) == "cpp"
                      else None)
         self.norm = self._norm_weight(model.model.norm)
+        self.sparse: list[SparseMoE] = []  # the sparse layers' MoE blocks, when self.layers is set
+        self.layers = self._plan(model)
+
+    def _plan(self, model) -> Any:
+        """Every layer as one native call (engine/csrc/layers.cpp: ``run_layers``), or None: an
+        architecture with its own hooks, per-expert activations (gpt-oss), or sparse layers fed by
+        more than one provider run the Python loop of layers."""
+        base = NativeStep
+        if (type(self)._attention is not base._attention or type(self)._route is not base._route
+                or type(self)._mlp is not base._mlp or type(self)._router is not base._router
+                or any(a is not None for a in self.acts)):
+            return None
+        layers = model.model.layers
+        sparse = [(i, layer.mlp) for i, layer in enumerate(layers) if isinstance(layer.mlp, SparseMoE)]
+        if any(mlp.layer != i for i, mlp in sparse):
+            return None
+        self.sparse = [mlp for _, mlp in sparse]
+        routers = [EMPTY if r is None else r for r in self.routers]
+        top_k = [layer.mlp.gate.top_k if r is not None else 0 for layer, r in zip(layers, self.routers)]
+        norm = [bool(layer.mlp.gate.normalize) if r is not None else False for layer, r in zip(layers, self.routers)]
+        return self.ext.Layers(self.attn, self.ffn, routers, top_k, norm)
 
     # Architectures override these three (engine/models/{qwen3_next,deepseek_v3,gpt_oss}/step.py).
     def _mixer(self, layer: nn.Module) -> Any:
@@ -173,11 +195,45 @@ class NativeStep:
         ctx = self._context(model, tokens, layout, kv, state)
         if ctx is None:
             return None
-        for i, layer in enumerate(model.model.layers):
-            h = self._attention(ctx, i, layer)
-            self._mlp(ctx, i, layer.mlp, h)
+        resident = self._resident_map()
+        if resident is not None:
+            self._run_layers(ctx, model.model.layers, *resident)
+        else:
+            for i, layer in enumerate(model.model.layers):
+                h = self._attention(ctx, i, layer)
+                self._mlp(ctx, i, layer.mlp, h)
         model.tap_hidden(ctx.x, layout)  # the MTP drafter's hidden states (CausalLM.tap_hidden)
         return self._logits(model, ctx.x, layout, all_logits, rows)
+
+    def _resident_map(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(residency table, slot table) for ``run_layers`` when this step can run its layers as
+        one native call: a plan, and a provider that keeps residency still (ExpertProvider.
+        resident_map), no route observers and no injected routing on any sparse layer."""
+        if self.layers is None:
+            return None
+        if not self.sparse:  # a dense model: no experts to look up
+            return NO_EXPERTS, EMPTY_IDS
+        provider = self.sparse[0].provider
+        if any(mlp.observers or mlp.router_override is not None or mlp.provider is not provider
+               for mlp in self.sparse):
+            return None
+        return provider.resident_map()
+
+    def _run_layers(self, ctx: StepContext, layers, resident: torch.Tensor, slot_rows: torch.Tensor) -> None:
+        """Every layer through ``run_layers``; a layer it stops at (an expert not resident) takes
+        the fetch path of ``_moe`` with the routing run_layers computed, then the rest go on."""
+        hits = torch.zeros(len(layers), dtype=torch.int64)
+        start = 0
+        while True:
+            stop, h, ids, w, uniq = self.ext.run_layers(
+                self.layers, start, ctx.x, ctx.cos, ctx.sin, ctx.positions, ctx.storage, ctx.tables, ctx.qlens,
+                ctx.ctxs, ctx.dmt, ctx.i8a, resident, slot_rows, hits)
+            if stop == len(layers):
+                break
+            self._moe(ctx, stop, layers[stop].mlp, h, (ids, w, uniq))
+            start = stop + 1
+        if self.sparse:
+            self.sparse[0].provider.count_hits(hits.tolist())
 
     def _context(self, model, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
                  state) -> StepContext | None:
@@ -218,11 +274,14 @@ class NativeStep:
         return self.ext.attn_block(self.attn[i], ctx.x, ctx.cos, ctx.sin, ctx.positions, ctx.storage, i,
                                    ctx.tables, ctx.qlens, ctx.ctxs, ctx.dmt, ctx.i8a)
 
-    def _moe(self, ctx: StepContext, i: int, mlp: SparseMoE, h: torch.Tensor) -> None:
-        """route -> fetch (the provider) -> compute + combine (native), ctx.x updated in place."""
+    def _moe(self, ctx: StepContext, i: int, mlp: SparseMoE, h: torch.Tensor, routed: tuple | None = None) -> None:
+        """route -> fetch (the provider) -> compute + combine (native), ctx.x updated in place.
+        ``routed``: (ids, weights, distinct ids) already computed by the native router."""
         ext, provider, x = self.ext, mlp.provider, ctx.x
-        allowed = provider.allowed_experts(mlp.layer)
-        if allowed is None and mlp.router_override is None:
+        allowed = provider.allowed_experts(mlp.layer) if routed is None else None
+        if routed is not None:
+            ids, w, uniq = routed
+        elif allowed is None and mlp.router_override is None:
             # uniq: the routed experts, ascending (as the torch layer groups them)
             ids, w, uniq = self._route(mlp, i, h)
         else:  # restricted routing (self-speculative drafts: the torch router masks the rest),

@@ -56,6 +56,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        bool normalize, double scaling) {
         return ms::GroupRouter{w, bias, top_k, n_group, topk_group, normalize, scaling};
       }));
+  py::class_<ms::Layers>(m, "Layers", py::module_local())
+      .def(py::init([](std::vector<ms::Attn> attn, std::vector<std::optional<ms::FFN>> ffn,
+                       std::vector<at::Tensor> router, std::vector<int64_t> top_k, std::vector<bool> normalize) {
+        return ms::Layers{attn, ffn, router, top_k, normalize};
+      }));
   m.attr("SLOT_ROW") = ms::SLOT_ROW;
   m.def("set_threads", &ms::set_threads, "threads (caller included) of the native worker pool");
   m.def("num_threads", &ms::num_threads, "threads of the native worker pool");
@@ -63,6 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("deltanet_block", &ms::deltanet_block, "x += Gated DeltaNet of a step's rows (any kind); returns the post-attention norm");
   m.def("deltanet_step", &ms::deltanet_step, "Gated DeltaNet: conv step + delta-rule update of one token");
   m.def("head_block", &ms::head_block, "logits of the final norm of some rows through the LM head");
+  m.def("run_layers", &ms::run_layers, "the layers of a step from `start` on, until one needs an expert that is not resident");
   m.def("route", &ms::route, "top-k routing in float32: (ids [T, K], weights [T, K])", py::arg("h"),
         py::arg("wr"), py::arg("top_k"), py::arg("normalize"), py::arg("bias") = at::empty({0}));
   m.def("mla_block", &ms::mla_block, "x += multi-head latent attention block; returns the post-attention norm");

@@ -28,6 +28,26 @@ inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 inline vf vpow2i(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+// lane i = the sum of the lanes of v[i], for LANES vectors (a transpose-and-add tree: 15
+// additions for 16 sums, where 16 horizontal sums take 64 shuffles and additions)
+inline vf vsums(const vf* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; i++)  // 128-bit lane l: v[2i] and v[2i+1] pairwise over its 4 floats
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; i++)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+// n bfloat16 values (n a multiple of LANES) to float32
+inline void load_bf16(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i))), 16)));
+}
 #else
 constexpr int LANES = 8;
 using vf = __m256;
@@ -53,6 +73,16 @@ inline float vsum(vf a) {
 inline vf vpow2i(vf p, vf n) {  // n in [-126, 127] after the clamp in vexp
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline vf vsums(const vf* v) {  // lane i = the sum of the lanes of v[i], for 8 vectors
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+inline void load_bf16(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + i))), 16)));
 }
 #endif
 

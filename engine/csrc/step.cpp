@@ -57,7 +57,93 @@ void prefetch_row(const S* p, int64_t n) {
 // q [Nh, D] -> out [Nh, D]; query head h reads KV head h / (Nh / Nkv). sinks [Nh] (or null): each
 // head's sink logit in its softmax denominator; window > 0: the query at position ctx reads keys
 // ctx - window < j <= ctx only.
+// Within a tile the K and V rows are converted to float32 once (bf16: a shift per value), a
+// head's scores come LANES positions at a time through one transpose-and-add (vsums) instead of
+// a horizontal sum per position, and its weighted sum of V stays in registers (D / LANES
+// vectors). Measured on the 1.3B store (bf16 KV, 512-token prompt, 2-core EPYC): attention per
+// layer 64-71 -> ~30 us, prefill 568-644 -> 673-711 tok/s.
 constexpr int64_t TILE = 32;
+
+// A tile's rows as float32: pointers into the cache (float32 storage) or rows converted into buf
+template <typename S>
+void tile_rows(const KVView& kv, char* base, int64_t a, int64_t m, float* buf, const float** rows) {
+  for (int64_t i = 0; i < m; i++) {
+    if constexpr (std::is_same_v<S, float>) {
+      rows[i] = kv.at<float>(base, a + i);
+    } else {
+      float* dst = buf + i * kv.row;
+      if constexpr (std::is_same_v<S, c10::BFloat16>) {
+        if (kv.row % LANES == 0) load_bf16((const uint16_t*)kv.at<S>(base, a + i), dst, kv.row);
+        else load_row(kv.at<S>(base, a + i), dst, kv.row);
+      } else {
+        load_row(kv.at<S>(base, a + i), dst, kv.row);
+      }
+      rows[i] = dst;
+    }
+  }
+}
+
+// s[j] = q . k_j * scale for the m <= TILE rows of one head (its d dims at offset off of each row),
+// LANES positions per transpose-and-add (vsums), one accumulator chain per position; returns
+// max_j s[j]. s has room for TILE values; zero: a row of at least d zeros (positions past m).
+inline float tile_scores(const float* q, const float* const* rows, int64_t off, int64_t m, int64_t d, float scale,
+                         float* s, const float* zero) {
+  if (d % LANES) {  // heads narrower than a vector (small test models)
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < m; j++) mx = std::max(mx, s[j] = dot(q, rows[j] + off, d) * scale);
+    return mx;
+  }
+  vf top = vset(-INFINITY);
+  for (int64_t j0 = 0; j0 < m; j0 += LANES) {
+    const float* r[LANES];
+    for (int jj = 0; jj < LANES; jj++) r[jj] = j0 + jj < m ? rows[j0 + jj] + off : zero;
+    vf acc[LANES];
+    for (int jj = 0; jj < LANES; jj++) acc[jj] = vzero();
+    for (int64_t c = 0; c < d; c += LANES) {
+      const vf qc = vload(q + c);
+      for (int jj = 0; jj < LANES; jj++) acc[jj] = vfma(qc, vload(r[jj] + c), acc[jj]);
+    }
+    vstore(s + j0, vmul(vsums(acc), vset(scale)));
+    for (int64_t j = m; j < j0 + LANES; j++) s[j] = -INFINITY;  // past the tile: out of the max
+    top = vmax(top, vload(s + j0));
+  }
+  alignas(64) float t[LANES];
+  vstore(t, top);
+  return *std::max_element(t, t + LANES);
+}
+
+// o[0..d) = sum_j p[j] * v_j (the head's d dims at offset off of each row), DL = d / LANES
+// accumulators in registers
+template <int DL>
+void tile_values(const float* p, const float* const* rows, int64_t off, int64_t m, float* o) {
+  vf acc[DL];
+  for (int c = 0; c < DL; c++) acc[c] = vzero();
+  for (int64_t j = 0; j < m; j++) {
+    const vf pj = vset(p[j]);
+    const float* r = rows[j] + off;
+    for (int c = 0; c < DL; c++) acc[c] = vfma(pj, vload(r + c * LANES), acc[c]);
+  }
+  for (int c = 0; c < DL; c++) vstore(o + c * LANES, acc[c]);
+}
+
+inline void tile_values_any(const float* p, const float* const* rows, int64_t off, int64_t m, int64_t d, float* o) {
+  if (d % LANES) {
+    std::fill(o, o + d, 0.f);
+    for (int64_t j = 0; j < m; j++)
+      for (int64_t c = 0; c < d; c++) o[c] += p[j] * rows[j][off + c];
+    return;
+  }
+  switch (d / LANES) {
+    case 2: tile_values<2>(p, rows, off, m, o); return;
+    case 4: tile_values<4>(p, rows, off, m, o); return;
+    case 8: tile_values<8>(p, rows, off, m, o); return;
+    case 16: tile_values<16>(p, rows, off, m, o); return;
+    default: break;
+  }
+  std::fill(o, o + d, 0.f);
+  for (int64_t j = 0; j < m; j++)
+    for (int64_t c = 0; c < d; c += LANES) vstore(o + c, vfma(vset(p[j]), vload(rows[j] + off + c), vload(o + c)));
+}
 
 template <typename S>
 void attend_one(const KVView& kv, const float* q, int64_t ctx, int64_t nh, int64_t nkv, int64_t d, float* out,
@@ -69,38 +155,28 @@ void attend_one(const KVView& kv, const float* q, int64_t ctx, int64_t nh, int64
   std::vector<float>& part = mine;
   part.resize(tiles * stride);
   parallel(tiles, 1, 1, [&](int64_t tb, int64_t te) {
-    static thread_local std::vector<float> s, buf;
+    static thread_local std::vector<float> s, kbuf, vbuf, zero;
     s.resize(nh * TILE);
-    buf.resize(row);
-    auto at = [&](char* base, int64_t j) -> const float* {  // position j's row as float32
-      if constexpr (std::is_same_v<S, float>) return kv.at<float>(base, j);
-      load_row(kv.at<S>(base, j), buf.data(), row);
-      return buf.data();
-    };
+    zero.assign(d, 0.f);
+    kbuf.resize(std::is_same_v<S, float> ? 0 : TILE * row);
+    vbuf.resize(std::is_same_v<S, float> ? 0 : TILE * row);
+    const float* krows[TILE];
+    const float* vrows[TILE];
     for (int64_t t = tb; t < te; t++) {
       const int64_t a = j0 + t * TILE, b = std::min(seen, a + TILE), m = b - a;
       float *mx = part.data() + t * stride, *sum = mx + nh, *o = sum + nh;
-      for (int64_t j = a; j < b; j++) {
-        if (j + AHEAD < b) prefetch_row(kv.at<S>(kv.k, j + AHEAD), row);
-        const float* r = at(kv.k, j);
-        for (int64_t h = 0; h < nh; h++) s[h * TILE + j - a] = dot(q + h * d, r + (h / g) * d, d) * scale;
+      for (int64_t j = a; j < b; j++) {  // the tile's rows all requested at once (scattered blocks)
+        prefetch_row(kv.at<S>(kv.k, j), row);
+        prefetch_row(kv.at<S>(kv.v, j), row);
       }
+      tile_rows<S>(kv, kv.k, a, m, kbuf.data(), krows);
       for (int64_t h = 0; h < nh; h++) {
         float* sh = s.data() + h * TILE;
-        mx[h] = *std::max_element(sh, sh + m);
+        mx[h] = tile_scores(q + h * d, krows, (h / g) * d, m, d, scale, sh, zero.data());
         sum[h] = exp_shift(sh, m, mx[h]);
       }
-      std::fill(o, o + nh * d, 0.f);
-      for (int64_t j = a; j < b; j++) {
-        if (j + AHEAD < b) prefetch_row(kv.at<S>(kv.v, j + AHEAD), row);
-        const float* r = at(kv.v, j);
-        for (int64_t h = 0; h < nh; h++) {
-          const float p = s[h * TILE + j - a], *rv = r + (h / g) * d;
-          float* oh = o + h * d;
-#pragma omp simd
-          for (int64_t c = 0; c < d; c++) oh[c] += p * rv[c];
-        }
-      }
+      tile_rows<S>(kv, kv.v, a, m, vbuf.data(), vrows);
+      for (int64_t h = 0; h < nh; h++) tile_values_any(s.data() + h * TILE, vrows, (h / g) * d, m, d, o + h * d);
     }
   });
   for (int64_t h = 0; h < nh; h++) {

@@ -3,6 +3,7 @@
 #include "quant.h"
 
 #include <ATen/core/Tensor.h>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -53,6 +54,26 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
                const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
                const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a,
                const ExpertAct* act = nullptr, bool direct = false);
+// A model's layers as one native call (layers.cpp): layer i is attn[i], then a dense SwiGLU
+// (router[i] empty) or routing through router[i] and its experts from the expert cache's slots,
+// looked up in `resident` [layers, experts] (int32 slot of an expert resident for good, -1 not),
+// with the shared expert ffn[i] beside them.
+struct Layers {
+  std::vector<Attn> attn;
+  std::vector<std::optional<FFN>> ffn;
+  std::vector<at::Tensor> router;  // float32 [E, H], or empty: a dense layer
+  std::vector<int64_t> top_k;
+  std::vector<bool> normalize;
+};
+// Runs layers start, start + 1, ... of x's step until the last (returns its count) or until a
+// sparse layer routes to an expert `resident` has no slot for: then returns that layer's index,
+// its post-attention norm h and routing (ids, weights, distinct ids) with its attention done and
+// its feed-forward not. hits[i] += the distinct experts of each sparse layer run here.
+std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>> run_layers(
+    const Layers& m, int64_t start, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+    const std::vector<int64_t>& positions, const at::Tensor& storage, const at::Tensor& tables,
+    const std::vector<int64_t>& qlens, const std::vector<int64_t>& ctxs, int64_t dmt, bool i8a,
+    const at::Tensor& resident, const at::Tensor& slot_table, at::Tensor hits);
 // logits [R, V] of the final norm of rows `rows` of x through the LM head
 at::Tensor head_block(const at::Tensor& x, const std::vector<int64_t>& rows, const at::Tensor& norm,
                       double eps, const Linear& head, int64_t dmt, bool i8a);

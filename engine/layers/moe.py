@@ -81,6 +81,16 @@ class ExpertProvider(ABC):
         it), the hits counted as ``acquire`` counts them. None (the default): take the full path."""
         return None
 
+    def resident_map(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fused step's view of residency for a whole step (engine/csrc/layers.cpp): (int32
+        [layers, experts], the slot of each expert that is resident and stays so without a pin, -1
+        for any other; ``slot_table``'s table). A step reading it must report its hits through
+        ``count_hits``. None (the default): ask per layer (``resident_slots``)."""
+        return None
+
+    def count_hits(self, hits: list[int]) -> None:
+        """The hits of experts a step found through ``resident_map``: ``hits[layer]`` each."""
+
     def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """Called with a sparse layer's MoE input once its first experts are acquired, before
         they compute: prefetching for the next layers overlaps this layer's compute."""

@@ -84,7 +84,7 @@ VARIANTS = {
                                 ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd"]]),
 }
 COMMON_SOURCES = ("entry.cpp", "step.cpp", "pool.cpp", "module.cpp", "deltanet_block.cpp", "mla.cpp",
-                  "mla_kvb.cpp", "route_grouped.cpp")
+                  "mla_kvb.cpp", "route_grouped.cpp", "layers.cpp")
 
 
 @functools.lru_cache(maxsize=1)

@@ -65,7 +65,7 @@ def test_model_forward_is_the_torch_reference_and_the_executor_runs_native(store
         want = _prefill_and_decode(sm.model, cfg)
         assert sum(calls.values()) == 0  # the model's forward never reaches the native step
         got = _prefill_and_decode(executor_for(sm.model), cfg)
-        assert calls["attn_block"] == 2 * cfg.num_layers and calls["ffn_block"] == 2 * cfg.num_layers
+        assert calls["run_layers"] >= 2 and calls["attn_block"] == 0  # the layers of both steps, natively
         for a, b in zip(got, want):
             close(a, b, 2e-4)
         configure(fused_step=False)  # the executor's torch path is the model's forward itself

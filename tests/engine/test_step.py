@@ -128,7 +128,8 @@ def test_native_step_matches_torch_layers_on_mixed_batches(store, dense, i8a, kv
         want = steps(sm.model, kv(), False, fused)
         calls = spy(sm.model, fused).calls
         got = steps(sm.model, kv(), True, fused)
-        assert calls["attn_block"] == 3 * cfg.num_layers  # the native path ran every step
+        # every step ran natively, its layers in run_layers (resumed after each layer with a miss)
+        assert calls["run_layers"] >= 3 and calls["attn_block"] == 0
         for a, b in zip(got, want):
             close(a, b, BOUND[i8a and executor_for(sm.model).native().ext.ext.has_vnni()])
 
@@ -193,20 +194,22 @@ def test_greedy_tokens_identical_through_the_expert_cache(store, fused):
         fused(True)
         calls = spy(sm.model, fused).calls
         assert greedy(sm.model) == want
-        assert calls["ffn_block"] > 0
+        assert calls["run_layers"] > 0 and calls["attn_block"] == 0
     check_minimal_caches(store, want, greedy, fused)
 
 
 def test_all_resident_experts_skip_acquire_with_the_same_tokens_and_hits(store, fused, monkeypatch):
     """A cache with a slot for every expert and no prefetch: the step reads the slots without
-    acquire / release (ExpertCache.resident_slots), with the tokens and hit counts of the full path;
-    a cache that may evict (fewer slots than experts) keeps acquire."""
+    acquire / release (ExpertCache.resident_map for run_layers, resident_slots per layer), with the
+    tokens and hit counts of the full path; a cache that may evict (fewer slots than experts) keeps
+    acquire."""
     from engine.experts.cache import ExpertCache
 
     runs = {}
     for shortcut in (True, False):
         if not shortcut:
             monkeypatch.setattr(ExpertCache, "resident_slots", lambda self, layer, ids: None)
+            monkeypatch.setattr(ExpertCache, "resident_map", lambda self: None)
         with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
             fused(True)
             greedy(sm.model, n=2)  # first use loads every routed expert through acquire
@@ -224,14 +227,43 @@ def test_all_resident_experts_skip_acquire_with_the_same_tokens_and_hits(store, 
         slot, n = align_up(s.expert_nbytes), s.num_experts_total
     with load_from_store(store, prefetch_depth=0, dense="int8", device_budget=(n - 1) * slot) as sm:
         assert sm.cache.resident_slots(sm.model.config.moe_layers[0], [0]) is None
+        assert sm.cache.resident_map() is None
 
 
-def test_decode_is_three_native_calls_per_layer_and_one_for_the_head(store, fused):
+def test_decode_is_one_native_call_for_the_layers_and_one_for_the_head(store, fused):
     fused(True)
-    with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
-        cfg = sm.model.config
-        assert decode_calls(sm, fused) == {"attn_block": cfg.num_layers, "route": cfg.num_layers, "ffn_block": cfg.num_layers,
-                               "head_block": 1}
+    with load_from_store(store, prefetch_depth=0, dense="int8", warm=True) as sm:
+        assert decode_calls(sm, fused) == {"run_layers": 1, "head_block": 1}
+
+
+def test_layers_in_one_call_equal_the_loop_of_layers(store, fused, monkeypatch):
+    """run_layers (engine/csrc/layers.cpp) against NativeStep's Python loop over the same calls per
+    layer: the same logits bit for bit on a mixed schedule, from a cold cache (run_layers stops at
+    each layer with a miss, the fetch path takes it, the next layers resume natively) and then a warm
+    one; the same expert hits and misses."""
+    from engine.step import NativeStep
+
+    out = {}
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(NativeStep, "_resident_map", lambda self: None)
+        with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
+            cfg = sm.model.config
+            calls = spy(sm.model, fused).calls
+
+            def kv():
+                return PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=16, block_size=4)
+
+            logits = steps(sm.model, kv(), True, fused) + steps(sm.model, kv(), True, fused)
+            m = sm.cache.metrics.total()
+            out[one_call] = logits, (m.hits, m.misses), dict(calls)
+    (got, counts, calls), (want, want_counts, loop_calls) = out[True], out[False]
+    assert calls["run_layers"] >= 6 and calls.get("attn_block", 0) == 0
+    assert loop_calls.get("run_layers", 0) == 0 and loop_calls["attn_block"] == 6 * cfg.num_layers
+    assert calls["ffn_block"] > 0  # layers with a miss went through the fetch path
+    assert counts == want_counts and counts[1] > 0
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_fp8_kv_and_fp32_dense_run_the_torch_layers(store, fused):
@@ -243,13 +275,15 @@ def test_fp8_kv_and_fp32_dense_run_the_torch_layers(store, fused):
         kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=8, block_size=4, dtype=FP8)
         calls = spy(sm.model, fused).calls
         want = greedy(sm.model, 6)
+        native = dict(calls)
         fp8 = greedy(sm.model, 6, kv=kv)
-        assert calls["attn_block"] == 6 * cfg.num_layers  # only the contiguous run was native
+        assert native["run_layers"] >= 6 and calls == native  # only the contiguous run was native
         assert len(fp8) == 6 and fp8[0] == want[0]
 
 
-def test_dense_llama_matches(tmp_path, fused):
-    make_checkpoint("llama", tmp_path, hidden_size=64, intermediate_size=128, head_dim=16,
+@pytest.mark.parametrize("head_dim", [16, 8])  # 8: heads narrower than an AVX-512 vector
+def test_dense_llama_matches(tmp_path, fused, head_dim):
+    make_checkpoint("llama", tmp_path, hidden_size=64, intermediate_size=128, head_dim=head_dim,
                     num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
     files = open_model_files(tmp_path)
     cfg = files.config
@@ -258,6 +292,6 @@ def test_dense_llama_matches(tmp_path, fused):
     want = steps(model, kv(), False, fused)
     calls = spy(model, fused).calls
     got = steps(model, kv(), True, fused)
-    assert calls["ffn_block"] == 3 * cfg.num_layers and calls["route"] == 0
+    assert calls["run_layers"] == 3 and calls["route"] == 0  # a dense model: all layers in one call per step
     for a, b in zip(got, want):
         close(a, b, BOUND[True])
