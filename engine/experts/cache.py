@@ -43,6 +43,7 @@ from engine.errors import CacheCapacityError, ConfigError
 from engine.experts.policy import PinnedPolicy, can_decline, make_policy
 from engine.experts.slots import Key, SlotTable
 from engine.experts.tiers import ExpertSource, TierCounters, align_up
+from engine.hugepages import huge_empty
 from engine.layers.moe import ExpertProvider
 from engine.quant.kernels import SLOT_ROW, slot_row
 
@@ -203,7 +204,7 @@ class ExpertCache(ExpertProvider):
                 f"{self.slot_bytes} bytes; one token needs top_k={top_k}: give at least "
                 f"{top_k * self.slot_bytes} bytes")
         total = self.num_slots + self.num_staging
-        self.slots = torch.empty(total, self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self.slots = huge_empty(total, self.slot_bytes, device=self.device)
         # which key each slot holds, pins, loads in flight, the policy: under self.lock
         self.table = SlotTable(self.num_slots, policy, keys=store.num_experts_total)
         # staging: free staging slots (pop() hands out the first) and the declined misses held

@@ -27,6 +27,7 @@ from engine.errors import CacheCapacityError
 from engine.experts.pinning import PinLimits, Registrar, StagedCopier, pin_buffer
 from engine.experts.policy import make_policy
 from engine.experts.slots import Key, SlotTable
+from engine.hugepages import huge_empty
 
 ALIGN = 4096
 
@@ -89,7 +90,7 @@ class HostTier(ExpertSource):
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         # 4 KiB-aligned slots (slot_bytes is a multiple of 4 KiB): the store reads straight into
         # them with O_DIRECT, so NVMe reads bypass the page cache and are honestly NVMe reads.
-        raw = torch.empty(self.num_slots * self.slot_bytes + ALIGN, dtype=torch.uint8)
+        raw = huge_empty(self.num_slots * self.slot_bytes + ALIGN)
         skip = (-raw.data_ptr()) % ALIGN
         self.buf = raw[skip: skip + self.num_slots * self.slot_bytes].view(self.num_slots, self.slot_bytes)
         # chunk boundaries on slot boundaries: no slot's copy spans two registrations

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.hugepages import huge_empty
+
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -95,7 +97,7 @@ class ContiguousKVCache(KVCache):
         if length > cap:
             new_cap = max(length, 2 * cap, self.initial_capacity)
             L, nkv, d = self.shape
-            grown = torch.empty(L, 2, new_cap, nkv, d, dtype=self.dtype, device=device)
+            grown = huge_empty(L, 2, new_cap, nkv, d, dtype=self.dtype, device=device)
             if buf is not None:
                 grown[:, :, :cap] = buf
             self._seqs[seq_id] = buf = grown

@@ -30,6 +30,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import CapacityError, ConfigError
+from engine.hugepages import huge_empty
 from engine.kv.base import KVCache
 from engine.kv.prefix import ROOT, block_hash, chain_hashes
 
@@ -175,8 +176,8 @@ class PagedKVCache(KVCache):
         self.fp8 = dtype == FP8
         self.per_block_scale = self.fp8 and fp8_scale == "block"
         self.pool = BlockPool(num_blocks)
-        self.storage = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                                   dtype=dtype, device=device)
+        self.storage = huge_empty(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                                  dtype=dtype, device=device).zero_()
         self.scales: torch.Tensor | None = None
         if self.fp8:
             init = 0.0 if self.per_block_scale else float(fp8_scale)
