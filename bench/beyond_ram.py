@@ -12,8 +12,10 @@ Qwen3-30B-A3B's layer (hidden 2048, 128 experts top-8 of width 768, 32/4 heads o
 
 Each run is a fresh child process in a fresh child memory cgroup (bench/cgroup_limit.py) whose
 limit is a share of the store's bytes (``--limits``, percent) or ``--limits-mb``; the model's
-pages are evicted (posix_fadvise DONTNEED) before each run. A run: ``--prompt`` random ids then
-``--new`` greedy tokens, ``--threads`` threads. Rounds alternate moestream, llama.cpp for every
+pages are evicted (posix_fadvise DONTNEED) before each run. A run: ``--prompt`` random ids, then
+``--new`` - 1 decode steps that feed one fixed random continuation in both systems (teacher
+forcing: the same tokens, so the same routing up to quantization; ``--greedy``: each system's
+own greedy tokens, which differ), ``--threads`` threads. Rounds alternate moestream, llama.cpp for every
 limit; the table holds medians. llama.cpp runs twice per round: as it loads by default (its
 weights repacked for the CPU's kernels into anonymous memory) and ``mmap`` (use_extra_bufts off:
 weights used in place from the page cache, which the kernel can drop: its bigger-than-memory
@@ -98,8 +100,20 @@ def measure_disk(paths: list[Path], seconds: float = 2.0) -> dict[str, float]:
 
 # ---- the moestream child ------------------------------------------------------------------------
 
+def make_prompt(vocab: int, n: int) -> list[int]:
+    return [random.Random(1234 + k).randrange(vocab) for k in range(n)]
+
+
+def continuation(vocab: int, new: int) -> list[int]:
+    """The tokens both systems' decode steps feed (teacher forcing): new - 1 fixed random ids.
+    Greedy decoding of a random model is no common workload: llama.cpp's greedy tokens on the 8 GB
+    model were one id 16 times (the same experts every step: no misses after the first), moestream's
+    16 different ids (each step routes to experts it has not seen: compulsory misses)."""
+    return [random.Random(4321 + k).randrange(vocab) for k in range(max(new - 1, 0))]
+
+
 def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_threads: int,
-                    prefetch_depth: int = 0, warm: bool = True) -> dict:
+                    prefetch_depth: int = 0, warm: bool = True, greedy: bool = False) -> dict:
     """One run in this (limited) process: budgets auto from its cgroup, load (``warm``: the free
     slots filled at load, as `moestream generate` does by default), greedy; the io counters around
     the decode, and the simulator's prediction for its device slots (a warm run's simulation
@@ -111,7 +125,9 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
     from engine.errors import HostMemoryError
     from engine.experts.runtime import load_from_store, store_budgets
     from engine.experts.simulate import simulate
+    from engine.executor import executor_for
     from engine.experts.trace import TraceRecorder
+    from engine.kv.base import BatchLayout, ContiguousKVCache
     from engine.layers.sampler import SamplingConfig
     from engine.runner import stream_request
     from engine.store.reader import ExpertStore
@@ -140,15 +156,30 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
 
     for blk in sm.model.moe_blocks:
         blk.observers.append(observe)
-    prompt = [random.Random(1234 + k).randrange(cfg.vocab_size) for k in range(prompt_len)]
+    prompt = make_prompt(cfg.vocab_size, prompt_len)
     load_io = io_counters()
-    stats, io_pf = None, None
-    with torch.inference_mode():
-        for i, (o, stats) in enumerate(stream_request(sm.model, prompt, SamplingConfig(
-                max_tokens=new, temperature=0.0, ignore_eos=True))):
-            pos["t"] = prompt_len + i  # the next step decodes token prompt_len + i
-            if i == 0:
-                io_pf = io_counters()
+    if greedy:
+        stats, io_pf = None, None
+        with torch.inference_mode():
+            for i, (o, stats) in enumerate(stream_request(sm.model, prompt, SamplingConfig(
+                    max_tokens=new, temperature=0.0, ignore_eos=True))):
+                pos["t"] = prompt_len + i  # the next step decodes token prompt_len + i
+                if i == 0:
+                    io_pf = io_counters()
+        prefill_tps, decode_tps = stats.prefill_tps, stats.decode_tps
+    else:  # the prompt, then the fixed continuation one token per step (as the llama.cpp child)
+        ex = executor_for(sm.model)
+        kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            ex(torch.tensor(prompt), BatchLayout.single(0, prompt_len, 0), kv)
+            prefill_tps = prompt_len / (time.perf_counter() - t)
+            io_pf = io_counters()
+            t = time.perf_counter()
+            for i, tok in enumerate(continuation(cfg.vocab_size, new)):
+                pos["t"] = prompt_len + i
+                ex(torch.tensor([tok]), BatchLayout.single(0, 1, prompt_len + i), kv)
+            decode_tps = (new - 1) / (time.perf_counter() - t) if new > 1 else 0.0
     io_end = io_counters()
     # token by token (the prefill's layer-at-a-time order sorted into it): the order the
     # simulator's policies replay
@@ -166,7 +197,7 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
     pre = simulate(trace[:(fill + prompt_len) * nl], "sweep", cap, expert_bytes=slot)
     counters = sm.cache.source.counters()
     out = {
-        "prefill": stats.prefill_tps, "decode": stats.decode_tps, "budgets": b.line,
+        "prefill": prefill_tps, "decode": decode_tps, "budgets": b.line,
         "device": b.device, "ram": b.ram, "slot": slot, "slots": cap,
         "io": [io0, load_io, io_pf, io_end],
         "sim_decode_bytes": full.bytes_missed - pre.bytes_missed, "warmed": warmed,
@@ -183,7 +214,8 @@ def run_moestream(store: Path, limit: int, args) -> dict:
     with LimitedGroup(limit) as g:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(store), "--prompt", str(args.prompt),
                "--new", str(args.new), "--threads", str(args.threads), "--io-threads", str(args.io_threads),
-               "--prefetch", str(args.prefetch)] + ([] if args.warm else ["--no-warm"])
+               "--prefetch", str(args.prefetch)] + ([] if args.warm else ["--no-warm"]) + \
+              (["--greedy"] if args.greedy else [])
         t0 = time.perf_counter()
         try:
             r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, preexec_fn=g.enter,
@@ -201,13 +233,13 @@ def run_moestream(store: Path, limit: int, args) -> dict:
 
 def run_llama(gguf: Path, limit: int, args, repack: bool) -> dict:
     with LimitedGroup(limit) as g:
-        prompt = [random.Random(1234 + k).randrange(args.vocab) for k in range(args.prompt)]
+        prompt = make_prompt(args.vocab, args.prompt)
         t0 = time.perf_counter()
         lc = None
         try:
             lc = LlamaCppChild(gguf, args.threads, args.prompt + args.new + 16, min(args.prompt, 512),
                                preexec_fn=g.enter, timeout=args.timeout, repack=repack)
-            a = lc.greedy_io(prompt, args.new)
+            a = lc.greedy_io(prompt, args.new, None if args.greedy else continuation(args.vocab, args.new))
             res = {"prefill": a["prefill"], "decode": a["decode"], "io": a["io"]}
         except LlamaCppDied as e:
             res = {"dead": str(e)}
@@ -275,12 +307,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                     help="moestream fills its free expert slots at load (generate's default), as llama.cpp's "
                          "load fills the page cache; --no-warm: slots start empty")
+    ap.add_argument("--greedy", action="store_true",
+                    help="decode greedy tokens instead of the fixed continuation both systems feed (their "
+                         "greedy tokens differ, and so do the experts they route to)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.child:
         print(json.dumps(moestream_child(args.child, args.prompt, args.new, args.threads, args.io_threads,
-                                         args.prefetch, args.warm)))
+                                         args.prefetch, args.warm, args.greedy)))
         return
 
     shape = ISSUE_SHAPE if args.shape == "issue" else qwen3_30b_like(args.size * 1e9)
@@ -319,7 +354,7 @@ def run_bench(shape, work: Path, args) -> None:
           f"{shape.top_k} of width {shape.width}, {shape.heads}/{shape.kv_heads} heads of {shape.head_dim}, "
           f"vocab {shape.vocab}\n  moestream store {store_bytes / MB:.0f} MB ({expert_bytes / MB:.0f} MB experts, "
           f"int4 g64), llama.cpp GGUF {gguf.stat().st_size / MB:.0f} MB (Q4_K)\n  {args.prompt} random prompt ids + "
-          f"{args.new} greedy tokens, {args.threads} threads, moestream io threads {args.io_threads}, "
+          f"{args.new} {'greedy' if args.greedy else 'forced (the same fixed continuation)'} tokens, {args.threads} threads, moestream io threads {args.io_threads}, "
           f"{args.rounds} alternating rounds (medians), pages evicted before each run", flush=True)
     disk = measure_disk(layer_files)
     bw = disk["seq_bytes_s"]

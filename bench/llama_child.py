@@ -101,9 +101,11 @@ class LlamaCppChild:
         a = self.greedy_io(prompt, new)
         return a["tokens"], a["prefill"], a["decode"]
 
-    def greedy_io(self, prompt: list[int], new: int) -> dict:
-        """The child's whole answer (the io counters included)."""
-        return self._ask({"op": "greedy", "prompt": list(map(int, prompt)), "new": int(new)})
+    def greedy_io(self, prompt: list[int], new: int, forced: list[int] | None = None) -> dict:
+        """The child's whole answer (the io counters included). ``forced``: the tokens the decode
+        steps feed (teacher forcing: new - 1 of them) instead of each step's argmax."""
+        return self._ask({"op": "greedy", "prompt": list(map(int, prompt)), "new": int(new),
+                          "forced": None if forced is None else list(map(int, forced))})
 
     def prompt_logits(self, prompt: list[int]) -> np.ndarray:
         return np.asarray(self._ask({"op": "logits", "prompt": list(map(int, prompt))})["logits"], dtype=np.float32)
@@ -170,8 +172,9 @@ def _serve(path: str, threads: int, n_ctx: int, n_batch: int, repack: bool) -> N
         io.append(io_counters())
         t = time.perf_counter()
         toks = [int(logits().argmax())]
+        forced = req.get("forced")
         while len(toks) < req["new"]:
-            llm.eval([toks[-1]])
+            llm.eval([forced[len(toks) - 1] if forced else toks[-1]])
             toks.append(int(logits().argmax()))
         decode = time.perf_counter() - t
         io.append(io_counters())

@@ -67,3 +67,22 @@ def test_a_child_over_its_limit_is_counted_as_an_oom_kill():
         assert fine.returncode == 0 and 8 << 20 <= g.peak() <= 64 * 2**20 and g.oom_kills() == 0
         r = subprocess.run([sys.executable, "-c", "b = bytearray(512 << 20)"], preexec_fn=g.enter)
         assert r.returncode == -9 and g.oom_kills() == 1
+
+
+def test_moestream_child_decodes_the_fixed_continuation_and_counts_its_reads(M, tmp_path):
+    """The moestream child (no limit here: every budget fits) feeds the prompt and then the fixed
+    continuation one token per step, the one the llama.cpp child feeds; the simulator replays the
+    run's own routing (misses after a cold start: at least every expert routed to once)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        B = importlib.import_module("beyond_ram")
+    finally:
+        sys.path.remove(str(BENCH))
+    shape = M.Shape(**TINY)
+    M.write_store(shape, tmp_path / "store")
+    cont = B.continuation(shape.vocab, 6)
+    assert cont == B.continuation(shape.vocab, 6) and len(cont) == 5 and len(set(cont)) > 1
+    out = B.moestream_child(str(tmp_path / "store"), 4, 6, 1, 2, warm=False)
+    assert out["decode"] > 0 and out["prefill"] > 0
+    assert out["nvme_bytes"] > 0 and out["sim_decode_bytes"] >= 0
+    assert out["warmed"] == 0

@@ -374,3 +374,22 @@ def test_tokens_identical_on_the_fused_triton_kernels(store):
             sm.close()
     finally:
         kernels.set_backend(None)
+
+
+def test_ram_tier_checks_a_blobs_digest_on_its_first_read_only(store, monkeypatch):
+    """A blob evicted from the RAM tier and read again is not hashed again (sha256 costs as much
+    as the read); its first read is."""
+    from engine.experts.tiers import HostTier
+    from engine.store import ExpertStore
+
+    with ExpertStore(store) as s:
+        tier = HostTier(s, align_up(s.expert_nbytes), verify=True)  # one slot: every other key evicts
+        checks = []
+        real = s.read_expert
+        monkeypatch.setattr(s, "read_expert", lambda l, e, out=None, verify=True:
+                            checks.append(((l, e), verify)) or real(l, e, out=out, verify=verify))
+        out = torch.empty(align_up(s.expert_nbytes), dtype=torch.uint8)
+        for key in [(0, 0), (0, 1), (0, 0), (0, 1), (1, 2)]:
+            tier.read_into(key, out)
+        assert checks == [((0, 0), True), ((0, 1), True), ((0, 0), False), ((0, 1), False), ((1, 2), True)]
+        assert tier.verified == {(0, 0), (0, 1), (1, 2)}
