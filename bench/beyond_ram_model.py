@@ -116,20 +116,42 @@ def write_store(shape: Shape, out: Path, seed: int = 0) -> Path:
 
 # ---- llama.cpp: the GGUF --------------------------------------------------------------------
 
+# Q4_K sub-block of 32: w = D * sc * q - DMIN * m, q = 0..15 uniform. sc in {4, 8} with
+# m = 3.75 * sc (15, 30) puts every sub-block's mean at exactly 0 and its step at 0.0039 or
+# 0.0078: zero-mean weights of std ~0.027, as the store's random int4 experts (step ~0.0063,
+# min ~ -7.5 steps) and its normal(0, 0.02) dense weights. Random bytes as scales (the first
+# version) gave every block a positive mean: hidden states all leaning one way, so the GGUF routed
+# far fewer distinct experts than the store and read ~3x fewer bytes per token for that reason.
+Q4K_D, Q4K_DMIN = 2.0 ** -10, 2.0 ** -9
+
+
+def q4k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The 12 packed bytes of Q4_K's eight 6-bit scales and mins per block ([n, 8] each ->
+    [n, 12]; ggml's get_scale_min_k4 reads them back)."""
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    out = np.empty((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    out[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    return out
+
+
 def _q4k(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     """``rows`` x ``cols`` weights as random Q4_K blocks (uint8, rows x cols/256*144): random
-    codes and 6-bit scales, d = dmin = 2^-13 (weights within about +-0.12)."""
+    codes, zero-mean sub-blocks (Q4K_D, Q4K_DMIN above)."""
     if cols % Q4K_BLOCK:
         raise ValueError(f"Q4_K needs rows of a multiple of {Q4K_BLOCK} weights, got {cols}")
     nb = rows * cols // Q4K_BLOCK
     blocks = np.frombuffer(rng.bytes(nb * Q4K_BYTES), dtype=np.uint8).reshape(nb, Q4K_BYTES).copy()
-    blocks[:, 0:4] = np.array([2.0 ** -13, 2.0 ** -13], dtype=np.float16).view(np.uint8)
+    blocks[:, 0:4] = np.array([Q4K_D, Q4K_DMIN], dtype=np.float16).view(np.uint8)
+    sc = np.where(rng.random((nb, 8)) < 0.5, 4, 8)
+    blocks[:, 4:16] = q4k_scales(sc, sc * 15 // 4)
     return blocks.reshape(rows, cols // Q4K_BLOCK * Q4K_BYTES)
 
 
 def gguf_tensors(shape: Shape):
     """(name, numpy shape of the weights, kind) in file order; kind "q4k" or "f32" (F32 vectors
-    of ones for norms, random normal*0.5 for the router)."""
+    of ones for norms, random normal(0, 0.02) for the router, as the store's dense weights)."""
     h, s = shape.hidden, shape
     yield "token_embd.weight", (s.vocab, h), "q4k"
     for l in range(s.layers):
@@ -177,7 +199,7 @@ def write_gguf(shape: Shape, path: Path, seed: int = 0) -> Path:
         elif kind == "ones":
             data = np.ones(shp, dtype=np.float32)
         else:
-            data = (rng.standard_normal(shp, dtype=np.float32) * 0.5).astype(np.float32)
+            data = (rng.standard_normal(shp, dtype=np.float32) * 0.02).astype(np.float32)
         w.write_tensor_data(data)
     w.close()
     return path

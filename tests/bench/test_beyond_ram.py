@@ -49,7 +49,19 @@ def test_store_runs_and_gguf_has_the_same_shapes_in_q4_k(M, tmp_path):
     assert int(exps.n_bytes) == shape.experts * shape.hidden * shape.width * 9 // 16  # 4.5 bits/weight
     assert ts["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
     d = np.asarray(ts["blk.0.attn_q.weight"].data).reshape(-1, 144)[:, :4].copy().view(np.float16)
-    assert np.all(d == np.float16(2.0 ** -13))  # finite block scales, as written
+    assert np.all(d == np.array([M.Q4K_D, M.Q4K_DMIN], dtype=np.float16))  # finite block scales, as written
+    # zero-mean weights of the store's spread (a positive mean per block made the GGUF's hidden
+    # states lean one way and route to far fewer experts than the store)
+    from gguf.quants import dequantize
+
+    w = dequantize(np.asarray(exps.data)[0], gguf.GGMLQuantizationType.Q4_K)
+    assert abs(float(w.mean())) < 0.002 and 0.02 < float(w.std()) < 0.035
+    from engine.quant.reference import dequantize as dequantize_ours
+
+    with load_from_store(tmp_path / "store", dense="int8", prefetch_depth=0) as sm:
+        g, _, _ = sm.store.expert_tensors(0, 0, sm.store.read_expert(0, 0))
+        ours = dequantize_ours(g).float()
+    assert abs(float(ours.mean())) < 0.002 and 0.02 < float(ours.std()) < 0.035
 
 
 def test_a_child_over_its_limit_is_counted_as_an_oom_kill():
