@@ -13,8 +13,11 @@ Per layer (engine/csrc/step.cpp):
 
 and after the last layer ``head_block``: the final norm and LM head of each sequence's last row.
 So a decode layer is three native calls plus the cache's lookups, instead of hundreds of torch
-ops. The torch layers (engine.layers) stay the reference: :func:`NativeStep.for_model` says
-when the model can run this way (CPU, native kernels built, dense linears quantized by
+ops; and where the architecture adds no hooks and the expert cache can hand out a residency table
+(ExpertProvider.resident_map), the whole loop of layers is one native call, ``run_layers``
+(engine/csrc/layers.cpp), that returns to Python only for a layer with an expert to fetch.
+The torch layers (engine.layers) stay the reference: :func:`NativeStep.for_model` says when the
+model can run this way (CPU, native kernels built, dense linears quantized by
 engine.quant.linear, float32 activations) and :meth:`NativeStep.supports` per step (the KV
 cache can hand out block tables: not FP8). Anything else runs the torch path; engine.executor
 chooses per step. The ``fused_step`` runtime option (engine.options) turns it off. Tests compare
@@ -124,9 +127,10 @@ class NativeStep:
         self.layers = self._plan(model)
 
     def _plan(self, model) -> Any:
-        """Every layer as one native call (engine/csrc/layers.cpp: ``run_layers``), or None: an
-        architecture with its own hooks, per-expert activations (gpt-oss), or sparse layers fed by
-        more than one provider run the Python loop of layers."""
+        """Every layer as one native call (engine/csrc/layers.cpp: ``run_layers``), or None (the
+        Python loop of layers): an architecture with its own hooks, per-expert activations
+        (gpt-oss), a sparse block whose ``layer`` is not its index. Per step, ``_resident_map``
+        decides whether the plan runs."""
         base = NativeStep
         if (type(self)._attention is not base._attention or type(self)._route is not base._route
                 or type(self)._mlp is not base._mlp or type(self)._router is not base._router
