@@ -296,7 +296,8 @@ class NativeStep:
         for observe in mlp.observers:
             observe(mlp.layer, ids)
         dense = self.ffn[i]
-        fast = provider.resident_slots(mlp.layer, uniq) if allowed is None else None
+        # routed: run_layers stopped here because an expert is not resident, so no shortcut
+        fast = provider.resident_slots(mlp.layer, uniq) if allowed is None and routed is None else None
         if fast is not None:  # every expert resident for good: no acquire / release around it
             ext.ffn_block(x, h, ids, w, uniq, fast[1], fast[0], dense, ctx.dmt, ctx.i8a, self.acts[i])
             return
