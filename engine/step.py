@@ -308,19 +308,27 @@ class NativeStep:
         # alone, or on the shortcut above): a token's result does not depend on its batch
         single = len(uniq) <= (provider.max_experts_per_acquire or len(uniq))
         total = x if single else torch.zeros_like(x)
+        pre: dict[int, torch.Tensor] = {}  # outputs of the experts computed while others loaded
+
+        def early(experts) -> None:  # the resident experts, while the layer's misses are read
+            part = sorted(experts)
+            resolved = provider.slot_table(mlp.layer, part, experts)
+            if resolved is not None:
+                pre.update(zip(part, ext.expert_outputs(h, ids, w, part, resolved[1], resolved[0], ctx.dmt,
+                                                        ctx.i8a, self.acts[i])))
 
         def compute(start: int, part: list[int], experts) -> None:
             resolved = provider.slot_table(mlp.layer, part, experts)
             table, slots = resolved if resolved is not None else (EMPTY_IDS, [-1] * len(part))
             ext.ffn_block(total, h, ids, w, part, slots, table, dense if single else None, ctx.dmt, ctx.i8a,
-                          self.acts[i], not single)
+                          self.acts[i], not single, [pre.get(e, EMPTY) for e in part] if pre else [])
             for e, slot in zip(part, slots):
                 if slot < 0:  # computed through the expert's own forward
                     tok, k = (ids == e).nonzero(as_tuple=True)
                     y = self._expert(mlp, e, experts[e], h[tok]).float() * w[tok, k, None]
                     total.index_add_(0, tok, y)
 
-        fetch_and_compute(provider, mlp.layer, uniq, h, compute)
+        fetch_and_compute(provider, mlp.layer, uniq, h, compute, early if single else None)
         if not single:
             if dense is not None:
                 ext.ffn_block(total, h, EMPTY_IDS, EMPTY, [], [], EMPTY_IDS, dense, ctx.dmt, ctx.i8a, None, True)

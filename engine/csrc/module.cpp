@@ -76,5 +76,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ffn_block", &ms::ffn_block, "x += routed experts from slots (+ shared or dense SwiGLU)",
         py::arg("x"), py::arg("h"), py::arg("ids"), py::arg("w"), py::arg("experts"), py::arg("slots"),
         py::arg("slot_table"), py::arg("dense").none(true), py::arg("dmt"), py::arg("i8a"),
-        py::arg("act").none(true) = (ms::ExpertAct*)nullptr, py::arg("direct") = false);
+        py::arg("act").none(true) = (ms::ExpertAct*)nullptr, py::arg("direct") = false,
+        py::arg("pre") = std::vector<at::Tensor>{});
+  m.def("expert_outputs", &ms::expert_outputs, "unweighted outputs of routed experts from slots, for ffn_block's pre",
+        py::arg("h"), py::arg("ids"), py::arg("w"), py::arg("experts"), py::arg("slots"), py::arg("slot_table"),
+        py::arg("dmt"), py::arg("i8a"), py::arg("act").none(true) = (ms::ExpertAct*)nullptr);
 }

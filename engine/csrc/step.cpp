@@ -364,14 +364,24 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor&
   return {ids, w, uniq};
 }
 
-void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
-               const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
-               const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a,
-               const ExpertAct* act, bool direct) {
-  // direct: each contribution is added straight into x, in expert order (a layer whose experts
-  // come in several calls passes a zeroed sum of its own, so a token's contributions are added in
-  // the same order however they are split); else into a zeroed sum then added to x, the same
-  // order within one call
+namespace {
+
+// One routed expert of a step's layer that has a slot and tokens: its tokens (rows of h, in
+// order), their routing weights, its gathered input rows and its output rows [n, H].
+struct Routed {
+  int64_t u;  // its index in the experts given
+  std::vector<int64_t> tok;
+  std::vector<float> wt, xs;
+  at::Tensor ys;
+};
+
+// The routed experts among `experts` (in the order given, ascending ids) that have a slot and
+// tokens, with a job for each whose output is not given in `pre` (pre[u] [n_u, H] or empty);
+// the jobs' pointers are set once the vectors stopped moving.
+void gather(const at::Tensor& x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
+            const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
+            const at::Tensor& slot_table, const ExpertAct* act, const std::vector<at::Tensor>& pre,
+            std::vector<Routed>& routed, std::vector<ExpertJob>& jobs) {
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && h.is_contiguous() &&
               h.scalar_type() == at::kFloat && h.sizes() == x.sizes(), "x, h must be float32 [T, H]");
@@ -379,6 +389,7 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
   TORCH_CHECK(U == 0 || (ids.scalar_type() == at::kLong && w.scalar_type() == at::kFloat && ids.size(0) == T &&
                          ids.is_contiguous() && w.is_contiguous() && w.sizes() == ids.sizes()), "routing [T, K]");
   TORCH_CHECK((int64_t)slots.size() == U, "one slot per expert");
+  TORCH_CHECK(pre.empty() || (int64_t)pre.size() == U, "one precomputed output (or none) per expert");
   const int64_t *ep = experts.data(), *sp = slots.data();
   bool any_slot = false;
   for (int64_t u = 0; u < U; u++) any_slot |= sp[u] >= 0;
@@ -386,17 +397,11 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
                             slot_table.scalar_type() == at::kLong && slot_table.is_contiguous()),
               "slot table must be int64 [slots, ", SLOT_ROW, "]");
   const float* hp = h.data_ptr<float>();
-  float* xp = x.data_ptr<float>();
   const int64_t* ip = U ? ids.data_ptr<int64_t>() : nullptr;
   const float* wp = U ? w.data_ptr<float>() : nullptr;
   const int64_t* rows = any_slot ? slot_table.data_ptr<int64_t>() : nullptr;
   const int64_t nslots = any_slot ? slot_table.size(0) : 0;
-  pybind11::gil_scoped_release no_gil;
-  // one job per routed expert with a slot (its tokens' rows gathered), plus the dense/shared one;
-  // all computed in one grouped call, then combined in expert order as the torch layer does
-  struct Routed { std::vector<int64_t> tok; std::vector<float> wt, xs, ys; };
-  std::vector<Routed> routed;
-  std::vector<ExpertJob> jobs;
+  std::vector<size_t> job_of;  // the routed entry each job computes
   routed.reserve(U);
   for (int64_t u = 0; u < U; u++) {  // experts in the order given (ascending ids), tokens in order
     if (sp[u] < 0) continue;  // computed elsewhere (e.g. on the CPU from the RAM tier)
@@ -404,24 +409,70 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
     const int64_t* r = rows + sp[u] * SLOT_ROW;
     TORCH_CHECK(r[3] == H, "slot ", sp[u], " holds an expert of hidden size ", r[3], ", not ", H);
     TORCH_CHECK(r[0] >= 0 && r[0] <= F_MXFP4, "slot ", sp[u], " holds format ", r[0], ", which the kernels do not decode");
-    Routed e;
+    Routed e{u};
     for (int64_t i = 0; i < T * K; i++)
       if (ip[i] == ep[u]) { e.tok.push_back(i / K); e.wt.push_back(wp[i]); }
     const int64_t n = (int64_t)e.tok.size();
     if (n == 0) continue;
+    if (!pre.empty() && pre[u].numel() > 0) {  // computed by an earlier call (expert_outputs)
+      TORCH_CHECK(pre[u].scalar_type() == at::kFloat && pre[u].is_contiguous() && pre[u].dim() == 2 &&
+                  pre[u].size(0) == n && pre[u].size(1) == H, "precomputed output of expert ", ep[u],
+                  " must be float32 [", n, ", ", H, "]");
+      e.ys = pre[u];
+      routed.push_back(std::move(e));
+      continue;
+    }
     e.xs.resize(n * H);
-    e.ys.resize(n * H);
+    e.ys = at::empty({n, H}, at::kFloat);
     for (int64_t j = 0; j < n; j++) std::copy(hp + e.tok[j] * H, hp + (e.tok[j] + 1) * H, e.xs.data() + j * H);
     routed.push_back(std::move(e));
+    job_of.push_back(routed.size() - 1);
     QW g, up, dn;
     slot_expert(r, g, up, dn);
     jobs.push_back(ExpertJob{g, up, dn, nullptr, n, nullptr});
     if (act != nullptr) expert_act(*act, ep[u], jobs.back());
   }
-  for (size_t j = 0; j < routed.size(); j++) {  // pointers once the vectors stopped moving
-    jobs[j].x = routed[j].xs.data();
-    jobs[j].out = routed[j].ys.data();
+  for (size_t j = 0; j < jobs.size(); j++) {  // pointers once the vectors stopped moving
+    jobs[j].x = routed[job_of[j]].xs.data();
+    jobs[j].out = routed[job_of[j]].ys.data_ptr<float>();
   }
+}
+
+}  // namespace
+
+std::vector<at::Tensor> expert_outputs(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
+                                       const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
+                                       const at::Tensor& slot_table, int64_t dmt, bool i8a, const ExpertAct* act) {
+  std::vector<Routed> routed;
+  std::vector<ExpertJob> jobs;
+  gather(h, h, ids, w, experts, slots, slot_table, act, {}, routed, jobs);
+  {
+    pybind11::gil_scoped_release no_gil;
+    ms::experts(jobs, dmt, i8a);
+  }
+  // one entry per expert given: its output rows, empty for one without a slot or tokens
+  std::vector<at::Tensor> out(experts.size(), at::empty({0, h.size(1)}, at::kFloat));
+  for (const Routed& e : routed) out[e.u] = e.ys;
+  return out;
+}
+
+void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
+               const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
+               const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a,
+               const ExpertAct* act, bool direct, const std::vector<at::Tensor>& pre) {
+  // direct: each contribution is added straight into x, in expert order (a layer whose experts
+  // come in several calls passes a zeroed sum of its own, so a token's contributions are added in
+  // the same order however they are split); else into a zeroed sum then added to x, the same
+  // order within one call. pre: outputs of some experts computed by expert_outputs (while the
+  // others were loading), combined here in their place in the order, so the bits are those of
+  // one call computing all of them (a job's rows do not depend on the other jobs of a call)
+  std::vector<Routed> routed;
+  std::vector<ExpertJob> jobs;
+  gather(x, h, ids, w, experts, slots, slot_table, act, pre, routed, jobs);
+  const int64_t T = x.size(0), H = x.size(1);
+  const float* hp = h.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
   std::vector<float> local(direct ? 0 : T * H, 0.f), dense_y;
   float* acc = direct ? xp : local.data();
   if (dense != nullptr) {  // shared expert (optionally sigmoid-gated) or a dense SwiGLU MLP
@@ -430,9 +481,10 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
   }
   ms::experts(jobs, dmt, i8a);
   for (const Routed& e : routed) {
+    const float* ys = e.ys.data_ptr<float>();
     for (size_t j = 0; j < e.tok.size(); j++) {
       float* a = acc + e.tok[j] * H;
-      const float* y = e.ys.data() + j * H;
+      const float* y = ys + j * H;
       for (int64_t c = 0; c < H; c++) a[c] += y[c] * e.wt[j];
     }
   }

@@ -53,7 +53,13 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor&
 void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
                const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
                const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a,
-               const ExpertAct* act = nullptr, bool direct = false);
+               const ExpertAct* act = nullptr, bool direct = false, const std::vector<at::Tensor>& pre = {});
+// The unweighted outputs of routed experts from slots, one [n_u, H] per expert given (its tokens'
+// rows in order; empty for one without a slot or tokens), for ffn_block's `pre`: a layer computes
+// its resident experts while the others load, then combines all in expert order
+std::vector<at::Tensor> expert_outputs(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
+                                       const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
+                                       const at::Tensor& slot_table, int64_t dmt, bool i8a, const ExpertAct* act);
 // A model's layers as one native call (layers.cpp): layer i is attn[i], then a dense SwiGLU
 // (router[i] empty) or routing through router[i] and its experts from the expert cache's slots,
 // looked up in `resident` [layers, experts] (int32 slot of an expert resident for good, -1 not),

@@ -59,6 +59,14 @@ class ExpertProvider(ABC):
     @abstractmethod
     def acquire(self, layer: int, expert_ids: list[int]) -> Mapping[int, Expert]: ...
 
+    def acquire_overlapped(self, layer: int, expert_ids: list[int],
+                           ready: Callable[[Mapping[int, Expert]], None]) -> Mapping[int, Expert]:
+        """``acquire``, calling ``ready(experts)`` with the requested experts that are resident
+        already once the others' loads have started and before waiting for them, so a step
+        computes those while the rest load (a disk-bound CPU run). The default never loads
+        behind the caller: plain ``acquire``, ``ready`` not called."""
+        return self.acquire(layer, expert_ids)
+
     def release(self, layer: int, expert_ids: list[int]) -> None:
         """Unpin what ``acquire`` pinned (no-op for providers that never evict)."""
 
@@ -97,15 +105,21 @@ class ExpertProvider(ABC):
 
 
 def fetch_and_compute(provider: ExpertProvider, layer: int, expert_ids: list[int], hidden: torch.Tensor,
-                      compute: Callable[[int, list[int], Mapping[int, Expert]], None]) -> None:
+                      compute: Callable[[int, list[int], Mapping[int, Expert]], None],
+                      early: Callable[[Mapping[int, Expert]], None] | None = None) -> None:
     """The fetch stage around the compute stage: ``expert_ids`` in chunks the provider can hold at
     once, each acquired (pinned), computed by ``compute(start, part, experts)`` (``start``: the
     chunk's offset in ``expert_ids``) and released whatever compute raises; prefetch for the next
-    layers starts once the first chunk is acquired, so it overlaps this layer's compute."""
+    layers starts once the first chunk is acquired, so it overlaps this layer's compute.
+    ``early``: when all fit in one acquire, called with the experts resident already while the
+    others load (ExpertProvider.acquire_overlapped); ``compute`` then gets them all."""
     chunk = provider.max_experts_per_acquire or len(expert_ids)
     for start in range(0, len(expert_ids), chunk):
         part = expert_ids[start:start + chunk]
-        experts = provider.acquire(layer, part)
+        if early is not None and len(part) == len(expert_ids):
+            experts = provider.acquire_overlapped(layer, part, early)
+        else:
+            experts = provider.acquire(layer, part)
         try:
             if start == 0:
                 provider.observe_hidden(layer, hidden)

@@ -214,8 +214,10 @@ def test_all_resident_experts_skip_acquire_with_the_same_tokens_and_hits(store, 
             fused(True)
             greedy(sm.model, n=2)  # first use loads every routed expert through acquire
             acquired = []
-            orig = sm.cache.acquire
+            orig, orig_overlapped = sm.cache.acquire, sm.cache.acquire_overlapped
             monkeypatch.setattr(sm.cache, "acquire", lambda layer, ids: acquired.append(layer) or orig(layer, ids))
+            monkeypatch.setattr(sm.cache, "acquire_overlapped",
+                                lambda layer, ids, ready: acquired.append(layer) or orig_overlapped(layer, ids, ready))
             before = sm.cache.metrics.total().hits
             tokens = greedy(sm.model, n=6)
             runs[shortcut] = (tokens, sm.cache.metrics.total().hits - before, len(acquired))
@@ -295,3 +297,34 @@ def test_dense_llama_matches(tmp_path, fused, head_dim):
     assert calls["run_layers"] == 3 and calls["route"] == 0  # a dense model: all layers in one call per step
     for a, b in zip(got, want):
         close(a, b, BOUND[True])
+
+
+def test_hits_computed_while_misses_load_give_the_bits_of_one_call(store, fused):
+    """A layer with hits and NVMe misses computes its hits while the misses are read
+    (ExpertCache.acquire_overlapped + expert_outputs), then combines every expert in order
+    (ffn_block's ``pre``): the logits of the prefill and of every decode step equal, bit for bit,
+    those of a cache holding every expert, and of the same small cache without the overlap."""
+    with ExpertStore(store) as s:
+        slot, n = align_up(s.expert_nbytes), s.num_experts_total
+
+    def run(overlap: bool, **kw):
+        with load_from_store(store, prefetch_depth=0, dense="int8", **kw) as sm:
+            if not overlap:
+                sm.cache.acquire_overlapped = lambda layer, ids, ready: sm.cache.acquire(layer, ids)
+            fused(True)
+            cfg = sm.model.config
+            kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+            step = executor_for(sm.model)
+            logits = [step(torch.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv)]
+            for i, t in enumerate([7, 19, 3, 44, 2, 9, 30, 11]):
+                logits.append(step(torch.tensor([t]), BatchLayout.single(0, 1, len(PROMPT) + i), kv))
+            sm.cache.drain()
+            assert sm.cache.pins == {}
+            return torch.stack([x.flatten() for x in logits]), sm.cache.metrics.total()
+
+    want, _ = run(True)
+    small = dict(device_budget=(n // 2) * slot, ram_budget=slot)  # half the experts; misses read from disk
+    got, m = run(True, **small)
+    plain, m_plain = run(False, **small)
+    assert m.misses > 0 and m.overlapped > 0 and m_plain.overlapped == 0
+    assert torch.equal(got, want) and torch.equal(plain, want)
