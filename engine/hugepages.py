@@ -16,11 +16,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import sys
 
 import torch
 
 HUGE = 2 << 20  # the x86-64 / arm64 transparent huge page
+PAGE = 4096  # the alignment O_DIRECT needs of a buffer
 MADV_HUGEPAGE = 14  # <sys/mman.h>
 
 
@@ -52,7 +54,14 @@ def advise_huge(t: torch.Tensor) -> bool:
 
 
 def huge_empty(*shape: int, dtype: torch.dtype = torch.uint8, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``torch.empty(shape)`` whose CPU memory is advised to 2 MiB pages before its first write."""
-    t = torch.empty(*shape, dtype=dtype, device=device)
+    """``torch.empty(shape)`` whose CPU memory starts on a 4 KiB page (an O_DIRECT read can land
+    in it: the expert cache's slots, engine.experts.tiers.HostTier.read_around) and is advised to
+    2 MiB pages before its first write."""
+    if torch.device(device).type != "cpu":
+        return torch.empty(*shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % PAGE
+    t = raw[skip: skip + nbytes].view(dtype).view(*shape)
     advise_huge(t)
     return t

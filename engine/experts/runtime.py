@@ -89,8 +89,12 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     if cfg.moe is not None:
         total = store.num_experts_total
         slot = _slot_bytes(store)
-        source = source or HostTier(store, ram_budget if ram_budget is not None else total * slot)
-        cache_cfg = CacheConfig(device_budget=device_budget if device_budget is not None else total * slot,
+        ram = ram_budget if ram_budget is not None else total * slot
+        device_bytes = device_budget if device_budget is not None else total * slot
+        # on a CPU the device tier is host memory: a RAM tier smaller than it can only hold a
+        # second copy of what it holds, so misses are read around it, straight into their slots
+        source = source or HostTier(store, ram, read_around=torch.device(device).type == "cpu" and ram < device_bytes)
+        cache_cfg = CacheConfig(device_budget=device_bytes,
                                 policy=policy, prefetch_depth=prefetch_depth,
                                 miss_compute=miss_compute, pinned=frozenset(pinned), io_threads=io_threads,
                                 admission=admission)

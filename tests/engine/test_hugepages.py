@@ -40,3 +40,13 @@ def test_a_big_buffer_is_backed_by_huge_pages_once_written():
 def test_buffers_without_a_whole_huge_page_are_left_alone():
     assert not advise_huge(torch.empty(HUGE // 2, dtype=torch.uint8))
     assert huge_empty(3, 5, dtype=torch.float32).shape == (3, 5)
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 5), torch.float32), ((7, 4096), torch.uint8), ((2, 3, 1000), torch.bfloat16)])
+def test_buffers_start_on_a_4k_page_for_o_direct_reads(shape, dtype):
+    for _ in range(4):  # allocations of the same size land at different offsets from the heap
+        t = huge_empty(*shape, dtype=dtype)
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        assert t.data_ptr() % 4096 == 0
+        t.fill_(1)  # the whole view is writable memory of its own
+        assert t.float().sum().item() == t.numel()

@@ -393,3 +393,43 @@ def test_ram_tier_checks_a_blobs_digest_on_its_first_read_only(store, monkeypatc
             tier.read_into(key, out)
         assert checks == [((0, 0), True), ((0, 1), True), ((0, 0), False), ((0, 1), False), ((1, 2), True)]
         assert tier.verified == {(0, 0), (0, 1), (1, 2)}
+
+
+def test_read_around_reads_misses_straight_into_aligned_cpu_buffers(store, monkeypatch):
+    """HostTier(read_around=True): a miss is one read of the store into the caller's 4 KiB-aligned
+    CPU buffer (no RAM slot taken, no copy), its bytes the blob's, its digest checked on the first
+    read only; an unaligned buffer takes the RAM slot path, and a blob the tier holds is copied from
+    RAM. load_from_store reads around a CPU run's RAM tier when it is smaller than the device tier."""
+    from engine.experts.tiers import HostTier
+    from engine.hugepages import huge_empty
+    from engine.store import ExpertStore
+
+    keys = [(0, 0), (0, 1), (0, 0)]
+    with ExpertStore(store) as s:
+        slot, n = align_up(s.expert_nbytes), s.entry(0, 0).nbytes
+        want = {k: bytes(s.read_expert(*k)) for k in set(keys) | {(1, 2)}}
+        tier = HostTier(s, 2 * slot, read_around=True)
+        checks, real = [], s.read_expert
+        monkeypatch.setattr(s, "read_expert", lambda l, e, out=None, verify=True:
+                            checks.append(((l, e), verify)) or real(l, e, out=out, verify=verify))
+        out = huge_empty(slot)
+        for key in keys:
+            out.zero_()
+            assert tier.read_into(key, out) == "nvme"
+            assert bytes(out[:n].numpy()) == want[key]
+        assert checks == [((0, 0), True), ((0, 1), True), ((0, 0), False)]
+        assert tier.table.slot_of == {} and tier.ram.bytes_in == 0 and tier.nvme.bytes_in == 3 * n
+        unaligned = huge_empty(slot + 64)[64:]
+        assert tier.read_into((1, 2), unaligned) == "nvme" and (1, 2) in tier.table.slot_of
+        assert bytes(unaligned[:n].numpy()) == want[(1, 2)] and tier.ram.bytes_in == n
+        out.zero_()
+        assert tier.read_into((1, 2), out) == "ram" and bytes(out[:n].numpy()) == want[(1, 2)]
+    small = load_from_store(store, device_budget=8 * slot, ram_budget=2 * slot, prefetch_depth=0)
+    full = load_from_store(store, prefetch_depth=0)
+    try:
+        assert small.cache.source.read_around and not full.cache.source.read_around
+        assert greedy(small, n=8) == greedy(full, n=8)
+        assert small.cache.source.ram.bytes_in == 0 < small.cache.source.nvme.bytes_in
+    finally:
+        small.close()
+        full.close()
