@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import math
+import mmap
 import sys
 
 import torch
@@ -27,7 +28,8 @@ MADV_HUGEPAGE = 14  # <sys/mman.h>
 
 
 @functools.lru_cache(maxsize=1)
-def _madvise():
+def libc_madvise():
+    """libc's madvise(addr, length, advice) -> int, or None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -45,7 +47,7 @@ def advise_huge(t: torch.Tensor) -> bool:
     written: pages already touched stay small). True if the kernel took the advice."""
     if t.device.type != "cpu":
         return False
-    madvise = _madvise()
+    madvise = libc_madvise()
     start = -(-t.data_ptr() // HUGE) * HUGE
     end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE * HUGE
     if madvise is None or end <= start:
@@ -56,12 +58,20 @@ def advise_huge(t: torch.Tensor) -> bool:
 def huge_empty(*shape: int, dtype: torch.dtype = torch.uint8, device: torch.device | str = "cpu") -> torch.Tensor:
     """``torch.empty(shape)`` whose CPU memory starts on a 4 KiB page (an O_DIRECT read can land
     in it: the expert cache's slots, engine.experts.tiers.HostTier.read_around) and is advised to
-    2 MiB pages before its first write."""
+    2 MiB pages before its first write. A buffer of a huge page or more is a fresh private
+    anonymous mapping starting on a 2 MiB boundary (malloc may hand back heap memory touched
+    before, whose small pages stay small; a shared one would be shmem, whose huge pages are off
+    by default), returned to the system when the tensor is freed."""
     if torch.device(device).type != "cpu":
         return torch.empty(*shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % PAGE
+    if nbytes >= HUGE:
+        raw = torch.frombuffer(mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                               dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % HUGE
+    else:
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % PAGE
     t = raw[skip: skip + nbytes].view(dtype).view(*shape)
     advise_huge(t)
     return t

@@ -111,7 +111,7 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     embed = stored_embedding_name(dense_source, cfg, dense, head, dtype)
     model = build_model(cfg, dense_source, dtype=dtype, provider=cache,
                         as_stored=lambda n: n in stored or n == embed)
-    model = quantize_dense(model, dense, head=head)
+    model = quantize_dense(model, dense, head=head, release=getattr(dense_source, "release", None))
     for name, p in model.named_parameters():  # any the quantizer left (none today): as dtype
         if name in stored and p.dtype != dtype:
             p.data = p.data.to(dtype)

@@ -230,11 +230,9 @@ class RandomDenseSource(TensorSource):
     """Random dense weights (normal, std 0.02; norms 1) under the names the model asks for."""
 
     def __init__(self, config, seed: int = 0) -> None:
-        from engine.models.load import model_class
+        from engine.models.load import skeleton
 
-        with torch.device("meta"):
-            skeleton = model_class(config)(config)
-        self._shapes = {n: tuple(t.shape) for n, t in skeleton.state_dict().items()}
+        self._shapes = {n: tuple(t.shape) for n, t in skeleton(config).state_dict().items()}
         self.seed = seed
         self.path = "<random dense weights>"
 

@@ -1,6 +1,9 @@
 """Rotary position embeddings (HF "rotate_half" layout) with the scaling variants our configs use.
 
 Shapes: positions [T]; x [T, N, D]; cos/sin [T, D] (the D/2 frequencies repeated twice).
+The tables are computed on the CPU whatever device context builds the model (on the meta device
+they would run through torch's reference decompositions, whose first use imports torch._dynamo
+and sympy: ~70 MB of RSS) and move to where the model runs on first use (``cos_sin``).
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ import torch
 
 from engine.config import RopeConfig
 
+CPU = torch.device("cpu")
+
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [D/2] (float32) and the factor that scales cos/sin."""
     inv, scale = _scaled_inv_frequencies(rope, head_dim)
     if rope.freq_factors:
-        factors = torch.tensor(rope.freq_factors, dtype=torch.float32)
+        factors = torch.tensor(rope.freq_factors, dtype=torch.float32, device=CPU)
         if factors.numel() != inv.numel():
             from engine.errors import ConfigError
 
@@ -29,7 +34,7 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, floa
 def _scaled_inv_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     d = head_dim
     base = rope.theta
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=CPU) / d))
     if rope.type == "default":
         return inv, 1.0
     if rope.type == "linear":
@@ -73,8 +78,8 @@ def _yarn(rope: RopeConfig, d: int) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, d - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos = base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=CPU) - low) / (high - low)).clamp(0, 1)
+    pos = base ** (torch.arange(0, d, 2, dtype=torch.float32, device=CPU) / d)
     extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
     inv = (1.0 / (factor * pos)) * (1 - extrapolate) + (1.0 / pos) * extrapolate
     return inv, float(attn)
@@ -85,11 +90,11 @@ class Rotary:
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int = 4096) -> None:
         self.inv_freq, self.scale = inv_frequencies(rope, head_dim)
-        self._cos = self._sin = torch.empty(0)
+        self._cos = self._sin = torch.empty(0, device=CPU)
         self._grow(max_positions)
 
     def _grow(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.float32)
+        t = torch.arange(n, dtype=torch.float32, device=CPU)
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos() * self.scale, emb.sin() * self.scale

@@ -21,6 +21,7 @@ Not protected against (as upstream): the file changing while it is mapped.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import mmap
@@ -32,10 +33,13 @@ from typing import Any
 import torch
 
 from engine.errors import ModelFormatError, quote
+from engine.hugepages import libc_madvise
 
 MAX_HEADER_BYTES = 100_000_000  # upstream's limit; bounds the only allocation made before checks
 MAX_DIMS = 64  # no tensor has more; bounds the shape arithmetic on a hostile header
 _MAX_BYTES = 2**63 - 1  # anything larger cannot be an offset in a real file (and overflows i64)
+PAGE = mmap.PAGESIZE
+MADV_DONTNEED = 4  # <sys/mman.h>
 
 # safetensors dtype -> (torch dtype, itemsize, our short name as used in TensorInfo.dtype).
 DTYPES: dict[str, tuple[torch.dtype, int, str]] = {
@@ -182,6 +186,9 @@ class SafetensorsFile:
             # private copy of its page and never reaches the file. (ACCESS_READ would make any
             # in-place write to a tensor view, e.g. a user editing a loaded weight, a SIGSEGV.)
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            view = ctypes.c_char.from_buffer(self._mm)  # an export, dropped at once: mmap.close stays possible
+            self._base, self._size = ctypes.addressof(view), size
+            del view
 
     # ---- header ----------------------------------------------------------------------------
     def _parse_header(self, header_bytes: bytes) -> dict[str, _Entry]:
@@ -289,6 +296,31 @@ class SafetensorsFile:
         t = torch.frombuffer(self._mm, dtype=torch_dtype, count=e.numel, offset=offset)
         t = t.reshape(e.shape)
         return t.clone() if copy else t
+
+    def release(self, t: torch.Tensor) -> bool:
+        """Drop this process's pages of ``t``, a view of this file's mapping that will not be read
+        again soon (a weight just converted to another format, engine.quant.linear.quantize_dense):
+        they leave the process's RSS (MADV_DONTNEED; a later read faults the file's bytes back,
+        so a view still in use, e.g. a tied embedding, reads what it read before) and the page
+        cache is advised to drop them (a cgroup counts page cache). Only pages wholly inside
+        ``t``; a page written in place would lose the write (nothing writes weights at load).
+        False when ``t`` is not a view of this mapping: nothing done."""
+        start, n = t.data_ptr(), t.numel() * t.element_size()
+        if self._mm is None or n == 0 or not (self._base <= start and start + n <= self._base + self._size):
+            return False
+        lo, hi = -(-start // PAGE) * PAGE, (start + n) // PAGE * PAGE
+        if hi <= lo:
+            return True
+        madvise = libc_madvise()
+        if madvise is not None:
+            madvise(lo, hi - lo, MADV_DONTNEED)
+        if hasattr(os, "posix_fadvise"):
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, lo - self._base, hi - lo, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return True
 
     def close(self) -> None:
         # Drop our reference only; never mm.close(). torch.frombuffer does not hold a buffer

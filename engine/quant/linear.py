@@ -10,6 +10,8 @@ run, and their cost is negligible. The model code never knows (docs/design.md §
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -103,11 +105,14 @@ def resolve_dense(fmt_name: str, device: str | torch.device = "cpu") -> str:
     return "int8" if int8_activations() else "bf16"
 
 
-def quantize_dense(model, fmt_name: str, group_size: int = DENSE_GROUP, head: str | None = None):
+def quantize_dense(model, fmt_name: str, group_size: int = DENSE_GROUP, head: str | None = None,
+                   release: Callable[[torch.Tensor], object] | None = None):
     """Swap the model's dense linears for ``fmt_name`` ("fp32" = leave them; "bf16"; "int8"
     with ``group_size``, falling back to bf16 for a weight whose in-dim the group does not
     divide; "auto": :func:`resolve_dense` on the CPU); the LM head for ``head`` (one of
-    HEAD_FORMATS; None: as the others). Returns the model."""
+    HEAD_FORMATS; None: as the others). ``release(weight)``: called with each replaced weight
+    once converted (a store's mapped file drops its pages: the peak holds one weight as stored,
+    not all of them). Returns the model."""
     fmt_name = resolve_dense(fmt_name)
     if head is not None and head not in HEAD_FORMATS:
         raise ConfigError(f"LM head format {head!r}; allowed: {', '.join(HEAD_FORMATS)}")
@@ -120,5 +125,7 @@ def quantize_dense(model, fmt_name: str, group_size: int = DENSE_GROUP, head: st
         fmt = QuantFormat(want, group_size)
         use = fmt if not fmt.grouped or linear.in_features % group_size == 0 else fallback
         setattr(parent, name, QuantLinear.from_linear(linear, use))
+        if release is not None:
+            release(linear.weight.data)
     model.modules_changed()
     return model

@@ -58,6 +58,10 @@ class StoreDenseSource(TensorSource):
         """Zero-copy view of the file's copy-on-write mapping (writes never reach the file)."""
         return self._file.get(name)
 
+    def release(self, t: torch.Tensor) -> bool:
+        """Drop the pages of ``t``, a view of the dense file no longer used (SafetensorsFile.release)."""
+        return self._file.release(t)
+
     def close(self) -> None:
         self._file.close()
 

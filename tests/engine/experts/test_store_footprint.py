@@ -83,3 +83,62 @@ def test_the_as_stored_model_equals_the_full_precision_path(store):
         slow = logits(ref)
         src.close()
     assert torch.equal(fast, slow)
+
+
+def _rss_file_kib() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_a_converted_weights_file_pages_leave_the_process(tmp_path):
+    """SafetensorsFile.release drops a view's pages from RSS (they were all touched), the view
+    still reads the file's bytes afterwards, and a tensor that is not a view of the mapping is
+    left alone (False)."""
+    from safetensors.torch import save_file
+
+    from engine.loading.safetensors import SafetensorsFile
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4096, 1024, generator=g).to(torch.bfloat16)  # 8 MiB
+    save_file({"w": w, "small": torch.ones(3)}, str(tmp_path / "m.safetensors"))
+    f = SafetensorsFile(tmp_path / "m.safetensors")
+    view = f.get("w")
+    assert torch.equal(view, w)  # every page touched
+    before = _rss_file_kib()
+    assert f.release(view)
+    assert before - _rss_file_kib() >= 7 * 1024  # the 8 MiB (less partial pages at the ends)
+    assert torch.equal(view, w)  # faulted back from the file
+    assert not f.release(w.clone()) and not f.release(torch.empty(0))
+
+
+def test_load_releases_each_converted_weight_and_imports_no_compiler(store):
+    """load_from_store hands each weight quantize_dense replaced to the dense file's release, the
+    model is still right (the as-stored test above), and building its skeleton on the meta device
+    imports neither torch._dynamo nor sympy (~150 MB of RSS): checked in a fresh process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from engine.experts.runtime import load_from_store\n"
+        "from engine.store.reader import StoreDenseSource\n"
+        "released = []\n"
+        "real = StoreDenseSource.release\n"
+        "StoreDenseSource.release = lambda self, t: released.append(real(self, t)) or released[-1]\n"
+        f"sm = load_from_store({str(store)!r}, dense='int8', prefetch_depth=0)\n"
+        "print(len(released), sum(released), 'torch._dynamo' in sys.modules, 'sympy' in sys.modules)\n"
+        "sm.close()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=__import__("pathlib").Path(__file__).resolve().parents[3])
+    assert out.returncode == 0, out.stderr
+    n, mapped, dynamo, sympy = out.stdout.split()
+    from engine.experts.runtime import quantized_names
+    from engine.store.reader import ExpertStore
+
+    with ExpertStore(store) as s:
+        want = len(quantized_names(s.dense_source(verify=False), "int8"))
+    assert int(n) == int(mapped) == want > 0  # every converted weight was a view of the file
+    assert (dynamo, sympy) == ("False", "False")
