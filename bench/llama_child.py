@@ -60,14 +60,17 @@ class LlamaCppChild:
     then drop them under a memory limit: llama.cpp's bigger-than-memory mode)."""
 
     def __init__(self, path: Path, threads: int, n_ctx: int, n_batch: int, *, preexec_fn=None,
-                 timeout: float = 1800, repack: bool = True) -> None:
+                 timeout: float = 1800, repack: bool = True, lib: Path | None = None) -> None:
         self.path = Path(path)
         self.timeout = timeout
+        env = None
+        if lib is not None:  # another build of llama.cpp's libraries under the same Python binding
+            env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(lib)}
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), str(path), str(threads), str(n_ctx), str(n_batch),
              "repack" if repack else "in-place"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=preexec_fn)
+            preexec_fn=preexec_fn, env=env)
         self._answer()  # {"ready": true}
 
     @property

@@ -4,6 +4,8 @@ moestream spends per decoded token.
 
     python bench/vs_llama_cpp.py                          # the size (12 layers, 512 + 128)
     python bench/vs_llama_cpp.py --layers 2 --prompt 64 --new 32 --rounds 1   # a quick run
+    bash bench/build_llama_cpp.sh .llama-native && python bench/vs_llama_cpp.py --llama-lib .llama-native
+                      # the wheel's rows and a native build's (GGML_NATIVE) beside them
 
 Weights: a random Qwen3-MoE 1.3B-A0.2B built by transformers with ``torch.manual_seed(0)``
 (hidden 1024, 16/4 heads of 64, 64 experts top-8 of intermediate 512, vocab 32000,
@@ -433,6 +435,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="greedy tokens compared between llama.cpp Q8_0 and moestream fp32")
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--no-llama", action="store_true", help="moestream rows only")
+    ap.add_argument("--llama-lib", action="append", default=[], metavar="DIR",
+                    help="a native build of llama.cpp's libraries (bash bench/build_llama_cpp.sh DIR): its rows "
+                         "beside the wheel's, each format in its own child (repeatable)")
     args = ap.parse_args(argv)
 
     from engine.experts.runtime import load_from_store
@@ -470,29 +475,35 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
 
         n_ctx, n_batch = args.prompt + args.new + 16, min(args.prompt, 512)
-        dead: dict[str, str] = {}  # llama.cpp format -> how its child died
+        dead: dict[str, str] = {}  # llama.cpp build and format -> how its child died
+        # the builds: the installed wheel, and each native build of its libraries asked for
+        builds: dict[str, Path | None] = {"llama.cpp": None}
+        for d in args.llama_lib:
+            if not (Path(d) / "libllama.so").exists():
+                raise SystemExit(f"--llama-lib {d}: no libllama.so there (build one: bash bench/build_llama_cpp.sh {d})")
+            builds[f"llama.cpp native ({Path(d).name})"] = Path(d).resolve()
 
-        def start(name: str):
+        def start(name: str, build: str = "llama.cpp"):
             try:
-                return LlamaCppChild(ggufs[name], args.threads, n_ctx, n_batch)
+                return LlamaCppChild(ggufs[name], args.threads, n_ctx, n_batch, lib=builds[build])
             except LlamaCppDied as e:
-                dead[name] = str(e)
+                dead[f"{build} {name}"] = str(e)
                 return None
 
-        if llama:  # does llama.cpp run the same model? Q8_0 against moestream fp32
+        if llama:  # does llama.cpp run the same model? Q8_0 against moestream fp32, on the first build that runs it
             n = min(args.check_tokens, args.new)
-            q8 = start("Q8_0")
+            q8 = next((c for c in (start("Q8_0", b) for b in builds) if c is not None), None)
             q8_path = ggufs.pop("Q8_0")
             try:
                 q8_logits = q8.prompt_logits(prompt) if q8 else None
                 got = q8.greedy(prompt, n)[0] if q8 else None
             except LlamaCppDied as e:
-                dead["Q8_0"], got = str(e), None
+                dead["llama.cpp Q8_0"], got = str(e), None
             finally:
                 if q8:
                     q8.close()
             if got is None:
-                print(f"llama.cpp Q8_0 check skipped: {dead['Q8_0']}", flush=True)
+                print(f"llama.cpp Q8_0 check skipped: {'; '.join(dead.values())}", flush=True)
             else:
                 ref_model = load_fp32(tmp / "hf")
                 ref_logits = moestream_prompt_logits(ref_model, prompt)
@@ -524,16 +535,17 @@ def main(argv: list[str] | None = None) -> None:
                             bw / nbytes, [], []))
             if asked == "auto":
                 default_row = rows[-1]
-        for name, path in ggufs.items():
-            lc = start(name)
-            if lc is None:
-                continue
-            stack.callback(lc.close)
-            rows.append(Row("llama.cpp", f"{name} ({gguf_bits_per_weight(path):.2f} bits/weight)",
-                            (lambda lc=lc: lc.greedy(prompt, args.new)),
-                            bw / gguf_active_bytes(path, cfg), [], []))
+        for build in (builds if llama else {}):
+            for name, path in ggufs.items():
+                lc = start(name, build)
+                if lc is None:
+                    continue
+                stack.callback(lc.close)
+                rows.append(Row(build, f"{name} ({gguf_bits_per_weight(path):.2f} bits/weight)",
+                                (lambda lc=lc: lc.greedy(prompt, args.new)),
+                                bw / gguf_active_bytes(path, cfg), [], []))
         # alternate systems: moestream, llama.cpp, moestream, llama.cpp
-        llama_rows = [r for r in rows if r.system == "llama.cpp"]
+        llama_rows = [r for r in rows if r.system != "moestream"]
         our_rows = [r for r in rows if r.system == "moestream"]
         order = [r for pair in zip(our_rows, llama_rows) for r in pair]
         order += [r for r in rows if r not in order]
@@ -541,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 return r.run()
             except LlamaCppDied as e:
-                dead[r.fmt.split(" (")[0]] = str(e)
+                dead[f"{r.system} {r.fmt.split(' (')[0]}"] = str(e)
                 order.remove(r)
                 rows.remove(r)
                 return None
@@ -558,9 +570,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r.system} {r.fmt.split(' (')[0]} {r.prefill[-1]:.0f}/{r.decode[-1]:.1f}" for r in order),
                 flush=True)
 
-        llama_rows = [r for r in rows if r.system == "llama.cpp"]
+        llama_rows = [r for r in rows if r.system != "moestream"]
         for name, why in dead.items():
-            print(f"llama.cpp {name}: no row ({why})")
+            print(f"{name}: no row ({why})")
         best_llama = max((statistics.median(r.decode) for r in llama_rows), default=None)
         best_llama_pf = max((statistics.median(r.prefill) for r in llama_rows), default=None)
         print("\n| system | format | prefill tok/s | decode tok/s | roofline decode tok/s | % of roofline "

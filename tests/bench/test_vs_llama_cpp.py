@@ -126,3 +126,26 @@ def test_a_llama_cpp_child_that_dies_says_how_and_leaves_the_parent_running(B, t
             lc.greedy(prompt, 3)
     finally:
         lc.close()
+
+
+def test_a_child_loads_the_llama_cpp_build_it_is_given(B, tiny, tmp_path):
+    """``lib=DIR``: the child's binding loads llama.cpp's libraries from DIR (LLAMA_CPP_LIB_PATH):
+    a directory without them is a death that says so; a native build (bash
+    bench/build_llama_cpp.sh .llama-native), where one was made, decodes the wheel's tokens."""
+    from llama_child import LlamaCppChild, LlamaCppDied
+
+    pytest.importorskip("llama_cpp")
+    tmp, cfg, prompt = tiny
+    with pytest.raises(LlamaCppDied, match="Shared library with base name 'llama' not found"):
+        LlamaCppChild(tmp / "f32.gguf", 1, 64, 32, lib=tmp_path)
+    native = BENCH.parent / ".llama-native"
+    if not (native / "libllama.so").exists():
+        pytest.skip("no native llama.cpp build in .llama-native (bash bench/build_llama_cpp.sh)")
+    got = {}
+    for lib in (None, native):
+        lc = LlamaCppChild(tmp / "f32.gguf", 1, 64, 32, lib=lib)
+        try:
+            got[lib] = lc.greedy(prompt, 6)[0]
+        finally:
+            lc.close()
+    assert got[None] == got[native]

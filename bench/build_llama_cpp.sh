@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# A native build of llama.cpp's libraries for this CPU (GGML_NATIVE: every instruction set it has),
+# for the benches' second llama.cpp row beside the prebuilt wheel (whose Q4_0 / Q8_0 paths die of
+# SIGILL on some AVX-512 CPUs):
+#
+#   bash bench/build_llama_cpp.sh [OUT_DIR]          # default OUT_DIR: .llama-native
+#   .venv/bin/python bench/vs_llama_cpp.py --llama-lib .llama-native
+#
+# It builds the llama.cpp that the installed llama-cpp-python wheel vendors (the same version, so
+# the wheel's Python binding loads these libraries through LLAMA_CPP_LIB_PATH), from its source
+# distribution on PyPI. Needs cmake and a C++ compiler; ~10-20 minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="$(realpath -m "${1:-.llama-native}")"
+PY=.venv/bin/python
+VERSION="$("$PY" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')" || {
+  echo "llama-cpp-python is not installed in .venv: install the wheel first (README, docs/benchmarks.md)" >&2
+  exit 1
+}
+for tool in cmake c++; do
+  command -v "$tool" >/dev/null || { echo "$tool not found: a native build needs cmake and a C++ compiler" >&2; exit 1; }
+done
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+echo "llama-cpp-python $VERSION: fetching its source distribution" >&2
+# from the package index's simple page (pip download would build the package to read its metadata)
+SDIST="$WORK/llama_cpp_python-$VERSION.tar.gz"
+"$PY" - "$VERSION" "$SDIST" <<'EOF'
+import hashlib, re, sys, urllib.request
+version, out = sys.argv[1], sys.argv[2]
+page = urllib.request.urlopen("https://pypi.org/simple/llama-cpp-python/").read().decode()
+m = re.search(r'href="([^"]*llama_cpp_python-%s\.tar\.gz)#sha256=([0-9a-f]+)"' % re.escape(version), page)
+if m is None:
+    sys.exit(f"no source distribution of llama-cpp-python {version} on the index")
+urllib.request.urlretrieve(m.group(1), out)
+if hashlib.sha256(open(out, "rb").read()).hexdigest() != m.group(2):
+    sys.exit("the downloaded source distribution does not match the index's sha256")
+EOF
+tar -xzf "$SDIST" -C "$WORK"
+SRC="$(ls -d "$WORK"/llama_cpp_python-*/vendor/llama.cpp)"
+echo "building $SRC with GGML_NATIVE=ON into $OUT" >&2
+cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON \
+  -DCMAKE_BUILD_RPATH='$ORIGIN' \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
+  -DLLAMA_CURL=OFF >/dev/null
+cmake --build "$WORK/build" --target llama -j "$(nproc)"
+mkdir -p "$OUT"
+find "$WORK/build" -name 'lib*.so*' -exec cp -P {} "$OUT"/ \;
+echo "native llama.cpp libraries in $OUT: $(ls "$OUT" | tr '\n' ' ')" >&2
