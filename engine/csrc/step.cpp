@@ -367,21 +367,24 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor&
 namespace {
 
 // One routed expert of a step's layer that has a slot and tokens: its tokens (rows of h, in
-// order), their routing weights, its gathered input rows and its output rows [n, H].
+// order), their routing weights, its gathered input rows and its output rows [n, H] (ys: a
+// tensor for expert_outputs or a precomputed one; else the buffer own, no dispatcher call).
 struct Routed {
   int64_t u;  // its index in the experts given
   std::vector<int64_t> tok;
-  std::vector<float> wt, xs;
+  std::vector<float> wt, xs, own;
   at::Tensor ys;
+  float* out() { return ys.defined() ? ys.data_ptr<float>() : own.data(); }
 };
 
 // The routed experts among `experts` (in the order given, ascending ids) that have a slot and
-// tokens, with a job for each whose output is not given in `pre` (pre[u] [n_u, H] or empty);
-// the jobs' pointers are set once the vectors stopped moving.
+// tokens, with a job for each whose output is not given in `pre` (pre[u] [n_u, H] or empty),
+// writing a new tensor (as_tensors) or a buffer; the jobs' pointers are set once the vectors
+// stopped moving.
 void gather(const at::Tensor& x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
             const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
             const at::Tensor& slot_table, const ExpertAct* act, const std::vector<at::Tensor>& pre,
-            std::vector<Routed>& routed, std::vector<ExpertJob>& jobs) {
+            bool as_tensors, std::vector<Routed>& routed, std::vector<ExpertJob>& jobs) {
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && h.is_contiguous() &&
               h.scalar_type() == at::kFloat && h.sizes() == x.sizes(), "x, h must be float32 [T, H]");
@@ -423,7 +426,10 @@ void gather(const at::Tensor& x, const at::Tensor& h, const at::Tensor& ids, con
       continue;
     }
     e.xs.resize(n * H);
-    e.ys = at::empty({n, H}, at::kFloat);
+    if (as_tensors)
+      e.ys = at::empty({n, H}, at::kFloat);
+    else
+      e.own.resize(n * H);
     for (int64_t j = 0; j < n; j++) std::copy(hp + e.tok[j] * H, hp + (e.tok[j] + 1) * H, e.xs.data() + j * H);
     routed.push_back(std::move(e));
     job_of.push_back(routed.size() - 1);
@@ -434,7 +440,7 @@ void gather(const at::Tensor& x, const at::Tensor& h, const at::Tensor& ids, con
   }
   for (size_t j = 0; j < jobs.size(); j++) {  // pointers once the vectors stopped moving
     jobs[j].x = routed[job_of[j]].xs.data();
-    jobs[j].out = routed[job_of[j]].ys.data_ptr<float>();
+    jobs[j].out = routed[job_of[j]].out();
   }
 }
 
@@ -445,7 +451,7 @@ std::vector<at::Tensor> expert_outputs(const at::Tensor& h, const at::Tensor& id
                                        const at::Tensor& slot_table, int64_t dmt, bool i8a, const ExpertAct* act) {
   std::vector<Routed> routed;
   std::vector<ExpertJob> jobs;
-  gather(h, h, ids, w, experts, slots, slot_table, act, {}, routed, jobs);
+  gather(h, h, ids, w, experts, slots, slot_table, act, {}, true, routed, jobs);
   {
     pybind11::gil_scoped_release no_gil;
     ms::experts(jobs, dmt, i8a);
@@ -468,7 +474,7 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
   // one call computing all of them (a job's rows do not depend on the other jobs of a call)
   std::vector<Routed> routed;
   std::vector<ExpertJob> jobs;
-  gather(x, h, ids, w, experts, slots, slot_table, act, pre, routed, jobs);
+  gather(x, h, ids, w, experts, slots, slot_table, act, pre, false, routed, jobs);
   const int64_t T = x.size(0), H = x.size(1);
   const float* hp = h.data_ptr<float>();
   float* xp = x.data_ptr<float>();
@@ -480,8 +486,8 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
     jobs.push_back(ExpertJob{dense->g.w, dense->u.w, dense->d.w, hp, T, dense_y.data()});
   }
   ms::experts(jobs, dmt, i8a);
-  for (const Routed& e : routed) {
-    const float* ys = e.ys.data_ptr<float>();
+  for (Routed& e : routed) {
+    const float* ys = e.out();
     for (size_t j = 0; j < e.tok.size(); j++) {
       float* a = acc + e.tok[j] * H;
       const float* y = ys + j * H;
