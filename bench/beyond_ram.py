@@ -26,9 +26,12 @@ by a signal). moestream's budgets are its own: ``auto`` from the cgroup limit it
 (engine.experts.device_budget); a limit too small for its dense part is its refusal, stated.
 
 The disk is measured first on the store's files with O_DIRECT: sequential 1 MiB reads, and 4 KiB
-random reads at queue depth 1 and 16. The roofline: decode tok/s <= disk bandwidth / missed
-bytes per token, the missed bytes predicted by engine.experts.simulate replaying the run's own
-routing through a cache of the run's device slots (policy sweep).
+random reads at queue depth 1 and 16; then again (sequential, 1 s) before and after every run,
+because the virtual disks we met drift between 0.5 and 2 GB/s within an hour: a run's disk use
+(decode tok/s x bytes read per decoded token / bandwidth) and roofline take the mean of its own
+two probes. The roofline: decode tok/s <= disk bandwidth / missed bytes per token, the missed
+bytes predicted by engine.experts.simulate replaying the run's own routing through a cache of the
+run's device slots (policy sweep).
 """
 
 from __future__ import annotations
@@ -56,24 +59,40 @@ MB = 1e6
 
 # ---- the disk ---------------------------------------------------------------------------------
 
+def sequential_bandwidth(paths: list[Path], seconds: float = 1.0, start: int = 0) -> float:
+    """Bytes/s of O_DIRECT sequential 1 MiB reads of ``paths``, from file ``start`` on (modulo
+    their count) for ``seconds``. The virtual disks we met change speed minute to minute (0.5-2 GB/s
+    within an hour), so each run's disk use is taken against probes made around that run."""
+    import mmap
+
+    fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
+    try:
+        buf = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT needs
+        t0, n, i = time.perf_counter(), 0, 0
+        while time.perf_counter() - t0 < seconds and i < len(fds):
+            fd = fds[(start + i) % len(fds)]
+            size = os.fstat(fd).st_size // 4096 * 4096
+            for off in range(0, size - (1 << 20) + 1, 1 << 20):
+                n += os.preadv(fd, [buf], off)
+                if time.perf_counter() - t0 >= seconds:
+                    break
+            i += 1
+        return n / (time.perf_counter() - t0)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def measure_disk(paths: list[Path], seconds: float = 2.0) -> dict[str, float]:
     """O_DIRECT reads of ``paths`` (evicted first): sequential 1 MiB (bytes/s), 4 KiB random at
     queue depth 1 and 16 (IOPS; QD16: 16 threads of pread)."""
     import mmap
 
     evict(paths)
+    seq = sequential_bandwidth(paths, seconds)
     fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
     sizes = [os.path.getsize(p) // 4096 * 4096 for p in paths]
     try:
-        buf = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT needs
-        t0, n, i = time.perf_counter(), 0, 0
-        while time.perf_counter() - t0 < seconds and i < len(fds):
-            for off in range(0, sizes[i] - (1 << 20) + 1, 1 << 20):
-                n += os.preadv(fds[i], [buf], off)
-                if time.perf_counter() - t0 >= seconds:
-                    break
-            i += 1
-        seq = n / (time.perf_counter() - t0)
 
         def rand(count: list[int], stop: float, seed: int) -> None:
             r, b = random.Random(seed), mmap.mmap(-1, 4096)
@@ -271,6 +290,9 @@ def summarise(runs: list[dict], new: int) -> dict:
            "peak": median([r.get("peak") for r in runs if r.get("peak", -1) >= 0])}
     if ok:
         out["decode"] = median([r["decode"] for r in ok])
+        # each run's bytes/s read while decoding against the disk's speed probed around it
+        out["use"] = median([r["decode"] * per_token(r, new)[0] / r["disk_bw"] for r in ok if r.get("disk_bw")])
+        out["disk_bw"] = median([r.get("disk_bw") for r in ok])
         out["prefill"] = median([r["prefill"] for r in ok])
         out["bytes_tok"] = median([per_token(r, new)[0] for r in ok])
         out["majflt_tok"] = median([per_token(r, new)[1] for r in ok])
@@ -378,21 +400,27 @@ def run_bench(shape, work: Path, args) -> None:
     if not args.no_llama:
         systems.append(("llama.cpp", lambda lim: run_llama(gguf, lim, args, repack=True)))
         systems.append(("llama.cpp mmap", lambda lim: run_llama(gguf, lim, args, repack=False)))
+    probes = 0
     for k in range(args.rounds):
         for label, lim in limits:
             for name, fn in systems:
+                before = sequential_bandwidth(layer_files, 1.0, probes)  # the disk now: it drifts
                 evict(files + [gguf])
                 r = fn(lim)
+                after = sequential_bandwidth(layer_files, 1.0, probes + 1)
+                probes += 2
+                r["disk_bw"] = (before + after) / 2
                 runs.setdefault((label, name), []).append(r)
                 what = (f"{r['decode']:.2f} tok/s decode, {r['prefill']:.1f} prefill, "
-                        f"{per_token(r, args.new)[0] / MB:.1f} MB read/token" if "decode" in r
+                        f"{per_token(r, args.new)[0] / MB:.1f} MB read/token, disk {before / MB:.0f} -> "
+                        f"{after / MB:.0f} MB/s" if "decode" in r
                         else r.get("refused") or r.get("dead"))
                 print(f"round {k + 1}/{args.rounds} limit {label} {name}: {what}; cgroup peak "
                       f"{r.get('peak', -1) / MB:.0f} MB, oom kills {r.get('oom', 0)}", flush=True)
 
     print(f"\n| limit | system | decode tok/s | prefill tok/s | MB read / token | simulator MB / token | "
-          f"roofline tok/s | disk use | cgroup peak MB | RSS peak beyond tiers MB | major faults / token | OOM kills | notes |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"disk MB/s | roofline tok/s | disk use | cgroup peak MB | RSS peak beyond tiers MB | major faults / token | OOM kills | notes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     last = None
     for label, lim in limits:
         row = {}
@@ -400,9 +428,9 @@ def run_bench(shape, work: Path, args) -> None:
             s = summarise(runs[(label, name)], args.new)
             row[name] = s
             sim = s.get("sim_bytes_tok")
-            roof = bw / sim if sim else (bw / s["bytes_tok"] if s.get("bytes_tok") else None)
-            use = s["decode"] * s["bytes_tok"] / bw if s.get("decode") and s.get("bytes_tok") else None
-            s["use"] = use
+            run_bw = s.get("disk_bw") or bw  # the disk around these runs
+            roof = run_bw / sim if sim else (run_bw / s["bytes_tok"] if s.get("bytes_tok") else None)
+            use = s.get("use")
             # the child's own peak RSS less its tiers (the cgroup's peak counts page cache, which
             # fills any limit under file I/O)
             beyond = (s["maxrss"] - s["tiers"]) / MB if s.get("tiers") and s.get("maxrss") else None
@@ -412,7 +440,8 @@ def run_bench(shape, work: Path, args) -> None:
                 s.get("budgets", "")]))
             print(f"| {label} ({lim / MB:.0f} MB) | {name} | {fmt(s.get('decode'), '.2f')} | {fmt(s.get('prefill'))} | "
                   f"{fmt(s['bytes_tok'] / MB if s.get('bytes_tok') is not None else None)} | "
-                  f"{fmt(sim / MB if sim is not None else None)} | {fmt(roof)} | "
+                  f"{fmt(sim / MB if sim is not None else None)} | {fmt(s.get('disk_bw') and s['disk_bw'] / MB, '.0f')} | "
+                  f"{fmt(roof)} | "
                   f"{fmt(use * 100 if use is not None else None, '.0f')}{'%' if use is not None else ''} | "
                   f"{fmt(s['peak'] / MB if s['peak'] else None, '.0f')} | {fmt(beyond, '.0f')} | "
                   f"{fmt(s.get('majflt_tok'), '.0f')} | {s['oom']} | {notes} |")

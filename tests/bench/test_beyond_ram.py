@@ -98,3 +98,25 @@ def test_moestream_child_decodes_the_fixed_continuation_and_counts_its_reads(M, 
     assert out["decode"] > 0 and out["prefill"] > 0
     assert out["nvme_bytes"] > 0 and out["sim_decode_bytes"] >= 0
     assert out["warmed"] == 0
+
+
+def test_disk_use_is_taken_against_the_probes_around_each_run(tmp_path):
+    """sequential_bandwidth reads the files it is given with O_DIRECT; summarise's disk use is
+    each run's decode bytes/s over the bandwidth probed around that run (the median over runs)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        M = importlib.import_module("beyond_ram")
+    finally:
+        sys.path.remove(str(BENCH))
+    f = tmp_path / "blob"
+    f.write_bytes(bytes(range(256)) * (4 << 12))  # 4 MiB
+    try:
+        assert M.sequential_bandwidth([f], 0.2) > 0
+    except OSError as e:  # a filesystem without O_DIRECT (tmpfs)
+        pytest.skip(f"no O_DIRECT here: {e}")
+    new = 5
+    runs = [{"decode": 2.0, "prefill": 1.0, "io": [(0, 0), (0, 0), (0, 0), (4 * 100, 0)], "disk_bw": 400.0},
+            {"decode": 4.0, "prefill": 1.0, "io": [(0, 0), (0, 0), (0, 0), (4 * 100, 0)], "disk_bw": 200.0},
+            {"decode": 1.0, "prefill": 1.0, "io": [(0, 0), (0, 0), (0, 0), (4 * 100, 0)], "disk_bw": 100.0}]
+    s = M.summarise(runs, new)  # 100 bytes per decoded token: uses 0.5, 2.0, 1.0
+    assert s["use"] == pytest.approx(1.0) and s["disk_bw"] == 200.0
