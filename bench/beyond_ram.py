@@ -143,9 +143,7 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
 
     from engine.errors import HostMemoryError
     from engine.experts.runtime import load_from_store, store_budgets
-    from engine.experts.simulate import simulate
     from engine.executor import executor_for
-    from engine.experts.trace import TraceRecorder
     from engine.kv.base import BatchLayout, ContiguousKVCache
     from engine.layers.sampler import SamplingConfig
     from engine.runner import stream_request
@@ -200,6 +198,11 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
                 ex(torch.tensor([tok]), BatchLayout.single(0, 1, prompt_len + i), kv)
             decode_tps = (new - 1) / (time.perf_counter() - t) if new > 1 else 0.0
     io_end = io_counters()
+    # the run's own peak, before the simulator below (the bench's analysis, not moestream) allocates
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from engine.experts.simulate import simulate
+    from engine.experts.trace import TraceRecorder
+
     # token by token (the prefill's layer-at-a-time order sorted into it): the order the
     # simulator's policies replay
     rec = TraceRecorder(len(cfg.moe_layers), cfg.moe.num_experts, cfg.moe.top_k)
@@ -221,7 +224,7 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
         "io": [io0, load_io, io_pf, io_end],
         "sim_decode_bytes": full.bytes_missed - pre.bytes_missed, "warmed": warmed,
         "nvme_bytes": counters["nvme"].bytes_in if "nvme" in counters else 0,
-        "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "maxrss": maxrss,
     }
     sm.close()
     return out
