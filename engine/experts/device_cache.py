@@ -180,6 +180,11 @@ class DeviceExpertCache(ExpertCache):
             self.pool_words, self.words, self.bank.shape[1], self.pool_words.shape[1], BLOCK=COPY_BLOCK)
 
     # ---- the ExpertProvider interface for eager steps (reads the device) ----------------
+    def acquire_overlapped(self, layer, expert_ids, ready):
+        """Misses are device copies from the bank, not disk reads: nothing to compute behind them
+        (ExpertProvider's default, not ExpertCache's host-side one)."""
+        return self.acquire(layer, expert_ids)
+
     def acquire(self, layer: int, expert_ids: list[int]):
         ids = torch.tensor(expert_ids, dtype=torch.int64, device=self.device)
         self.device_acquire(layer, ids)
