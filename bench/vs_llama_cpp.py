@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> None:
                             bw / nbytes, [], []))
             if asked == "auto":
                 default_row = rows[-1]
-        for build in (builds if llama else {}):
+        for build in builds:  # no GGUFs without llama.cpp
             for name, path in ggufs.items():
                 lc = start(name, build)
                 if lc is None:

@@ -328,7 +328,7 @@ class NativeStep:
                     y = self._expert(mlp, e, experts[e], h[tok]).float() * w[tok, k, None]
                     total.index_add_(0, tok, y)
 
-        fetch_and_compute(provider, mlp.layer, uniq, h, compute, early if single else None)
+        fetch_and_compute(provider, mlp.layer, uniq, h, compute, early)
         if not single:
             if dense is not None:
                 ext.ffn_block(total, h, EMPTY_IDS, EMPTY, [], [], EMPTY_IDS, dense, ctx.dmt, ctx.i8a, None, True)

@@ -169,21 +169,27 @@ class HostTier(ExpertSource):
         finally:
             self._unpin(key)
 
+    def _read_store(self, key: Key, out: torch.Tensor) -> int:
+        """``key``'s blob read from the store into ``out`` (its digest checked on its first read
+        in this process), counted as an NVMe read; its bytes."""
+        with self.lock:
+            verify = self.verify and key not in self.verified
+        t0 = time.perf_counter()
+        n = len(self.store.read_expert(*key, out=out, verify=verify))
+        dt = time.perf_counter() - t0
+        with self.lock:
+            if verify:
+                self.verified.add(key)
+            self.nvme.hits += 1
+            self.nvme.bytes_in += n
+            self.nvme.seconds += dt
+        return n
+
     def _load(self, key: Key, slot: int, fut: Future) -> None:
-        layer, expert = key
         try:
+            n = self._read_store(key, self.buf[slot])
             with self.lock:
-                verify = self.verify and key not in self.verified
-            t0 = time.perf_counter()
-            view = self.store.read_expert(layer, expert, out=self.buf[slot], verify=verify)
-            dt = time.perf_counter() - t0
-            with self.lock:
-                if verify:
-                    self.verified.add(key)
-                self.nvme.hits += 1
-                self.nvme.bytes_in += len(view)
-                self.nvme.seconds += dt
-                self.ram.bytes_in += len(view)
+                self.ram.bytes_in += n
                 self.table.loaded(key)
             fut.set_result(slot)
         except BaseException as e:
@@ -192,19 +198,6 @@ class HostTier(ExpertSource):
                 self.slot_freed.notify()
             fut.set_exception(e)
             raise
-
-    def _read_around(self, key: Key, out: torch.Tensor, verify: bool) -> None:
-        """A miss read straight into ``out`` (read_around), counted as an NVMe read."""
-        t0 = time.perf_counter()
-        view = self.store.read_expert(*key, out=out, verify=verify)
-        dt = time.perf_counter() - t0
-        with self.lock:
-            if verify:
-                self.verified.add(key)
-            self.ram.misses += 1
-            self.nvme.hits += 1
-            self.nvme.bytes_in += len(view)
-            self.nvme.seconds += dt
 
     def likely_in_ram(self, key: Key) -> bool:
         return self.table.resident(key)
@@ -215,9 +208,10 @@ class HostTier(ExpertSource):
             hit = self.table.resident(key)
             around = (self.read_around and not out.is_cuda and key not in self.table.slot_of
                       and out.data_ptr() % ALIGN == 0)
-            verify = self.verify and key not in self.verified
+            if around:  # read_around: straight into ``out``, no RAM slot
+                self.ram.misses += 1
         if around:
-            self._read_around(key, out, verify)
+            self._read_store(key, out)
             return "nvme"
         with self.host_view(key) as view:
             n = self.store.entry(*key).nbytes
