@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
             tmp.cleanup()
 
 
-FILES_VERSION = 2  # bumped when the written files change for one shape (2: zero-mean Q4_K blocks)
+FILES_VERSION = 3  # bumped when the written files change for one shape (2: zero-mean Q4_K blocks; 3: xxh3 blob checks)
 
 
 def run_bench(shape, work: Path, args) -> None:

@@ -50,11 +50,13 @@ class RequestValidationError(MoestreamError, ValueError):
 class ChecksumError(MoestreamError):
     """An expert blob's digest does not match the store manifest."""
 
-    def __init__(self, layer: int, expert: int, path: object, expected: str, actual: str) -> None:
+    def __init__(self, layer: int, expert: int, path: object, expected: str, actual: str,
+                 kind: str = "sha256") -> None:
         self.layer, self.expert = layer, expert
         super().__init__(
             f"checksum mismatch for layer {layer} expert {expert} in {path}: "
-            f"manifest says sha256 {expected[:16]}..., data has {actual[:16]}..."
+            f"manifest says {kind} {expected[:16]}{'...' if len(expected) > 16 else ''}, "
+            f"data has {actual[:16]}{'...' if len(actual) > 16 else ''}"
         )
 
 

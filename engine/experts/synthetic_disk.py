@@ -26,8 +26,8 @@ import torch
 from engine.errors import ConfigError
 from engine.store.manifest import (
     BLOB_ALIGN, DENSE_NAME, MANIFEST_NAME, SCHEMA_VERSION, ConversionInfo, DataFile, DenseInfo, ExpertEntry,
-    QuantInfo, SourceInfo, StoreManifest, StoreTotals, align_up, blob_digest, check_manifest, layer_file_name,
-    sha256_file,
+    QuantInfo, SourceInfo, StoreManifest, StoreTotals, align_up, blob_check, blob_digest, check_manifest,
+    layer_file_name, sha256_file,
 )
 from engine.store.outdir import TMP_SUFFIX, store_name, tmp_name
 
@@ -176,6 +176,7 @@ class SyntheticDiskStore:
                 blob = self.source.blob((layer, e)).numpy().tobytes()
                 entries.append(ExpertEntry(layer=layer, expert=e, file=name, offset=offset, nbytes=len(blob),
                                            sha256=blob_digest(layer, e, fmt.name, fmt.group_size, blob),
+                                           xxh3=blob_check(layer, e, fmt.name, fmt.group_size, blob),
                                            layout=self.store.layout))
                 f.write(blob)
                 padded = align_up(len(blob), BLOB_ALIGN)

@@ -12,7 +12,10 @@ A store is one directory::
 Each blob's digest binds its identity: ``sha256(blob_identity(layer, expert, quant) + blob)``
 (:func:`blob_digest`), so a manifest that swaps two experts' offsets and digests is caught like
 a flipped byte. Stores of schema 1 (digests over the bytes alone) are refused with a
-"re-convert" error.
+"re-convert" error. Each blob also has a check, ``xxh3_64`` over the same identity and bytes
+(:func:`blob_check`): what a read verifies, at ~50 GB/s on one core against sha256's ~1.6 GB/s
+(hashing a 2.65 MB expert took 1.6 ms, as long as reading it). The sha256 stays for ``moestream
+verify`` and for stores written before the check (their reads fall back to it).
 
 Invariants checked by :func:`check_manifest` (every failure is a ``ModelFormatError`` naming the
 manifest and the problem, raised before any data file is opened and before anything
@@ -46,6 +49,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional
 
+import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import ConfigError, ModelFormatError, MoestreamError, quote
@@ -81,6 +85,15 @@ def blob_identity(layer: int, expert: int, quant_format: str, group_size: int) -
 def blob_digest(layer: int, expert: int, quant_format: str, group_size: int, data: Any) -> str:
     """sha256 over the blob's identity and its bytes: intact *and* the expert it claims to be."""
     h = hashlib.sha256(blob_identity(layer, expert, quant_format, group_size))
+    h.update(data)
+    return h.hexdigest()
+
+
+def blob_check(layer: int, expert: int, quant_format: str, group_size: int, data: Any) -> str:
+    """xxh3_64 over the blob's identity and its bytes (:func:`blob_digest`'s input): the check a
+    read makes. Not a cryptographic digest: it catches corruption and a misplaced blob, as the
+    manifest beside it cannot vouch against a deliberate change either."""
+    h = xxhash.xxh3_64(blob_identity(layer, expert, quant_format, group_size))
     h.update(data)
     return h.hexdigest()
 
@@ -124,6 +137,10 @@ class ExpertEntry(_Model):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$",
                         description="blob_digest: sha256 of the blob's identity (layer, expert, quant "
                                     "format) followed by its nbytes bytes.")
+    xxh3: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$",
+                             description="blob_check: xxh3_64 of the same identity and bytes, what a "
+                                         "read verifies; absent in stores written before it (reads "
+                                         "verify the sha256 then).")
     layout: dict[str, Any] = Field(
         description="The layout dict engine.quant.expert_blob.pack_expert returned for this blob "
                     "(format, per-projection part offsets, dtypes and shapes).")
@@ -190,6 +207,10 @@ class StoreManifest(_Model):
     def digest_of(self, layer: int, expert: int, data: Any) -> str:
         """:func:`blob_digest` of ``data`` as the blob of (layer, expert) in this store's format."""
         return blob_digest(layer, expert, self.quant.format, self.quant.group_size, data)
+
+    def check_of(self, layer: int, expert: int, data: Any) -> str:
+        """:func:`blob_check` of ``data`` as the blob of (layer, expert) in this store's format."""
+        return blob_check(layer, expert, self.quant.format, self.quant.group_size, data)
 
 
 def plain_name(name: object) -> bool:
@@ -457,7 +478,7 @@ def load_manifest(store_dir: str | os.PathLike[str]) -> StoreManifest:
 __all__ = [
     "BLOB_ALIGN", "DENSE_NAME", "MANIFEST_NAME", "SCHEMA_VERSION", "TOKENIZER_DIR",
     "ConversionInfo", "DataFile", "DenseInfo", "ExpertEntry", "QuantInfo", "SourceInfo",
-    "StoreManifest", "StoreTotals", "align_up", "blob_digest", "blob_identity", "check_manifest",
+    "StoreManifest", "StoreTotals", "align_up", "blob_check", "blob_digest", "blob_identity", "check_manifest",
     "layer_file_name", "load_manifest", "parse_manifest", "parse_model_config",
     "plain_name",
 ]

@@ -114,7 +114,8 @@ def _check_blob(rep: VerifyReport, m: StoreManifest, path: Path, fd: int, e: Exp
     if len(data) < e.nbytes:
         rep.add(f"{where}: only {len(data)} bytes there (file truncated)")
         return
-    if m.digest_of(e.layer, e.expert, data) != e.sha256:
+    if m.digest_of(e.layer, e.expert, data) != e.sha256 or \
+            (e.xxh3 is not None and m.check_of(e.layer, e.expert, data) != e.xxh3):
         rep.add(f"{where}: digest mismatch: the bytes are corrupted or are another expert's")
         return
     try:

@@ -40,8 +40,8 @@ from engine.errors import ConfigError, ModelFormatError, TokenizerNotFoundError
 from engine.store import outdir
 from engine.store.manifest import (
     BLOB_ALIGN, DENSE_NAME, MANIFEST_NAME, SCHEMA_VERSION, TOKENIZER_DIR, ConversionInfo, DataFile,
-    DenseInfo, ExpertEntry, PLETableEntry, QuantInfo, SourceInfo, StoreManifest, StoreTotals, align_up, blob_digest,
-    check_manifest, layer_file_name, sha256_file,
+    DenseInfo, ExpertEntry, PLETableEntry, QuantInfo, SourceInfo, StoreManifest, StoreTotals, align_up, blob_check,
+    blob_digest, check_manifest, layer_file_name, sha256_file,
 )
 from engine.store.outdir import LOCK_NAME, PROGRESS_NAME, TMP_SUFFIX, fsync_dir
 from engine.store.ple_store import (PLE_DTYPES, PLE_SHARD, check_row_files, ple_file_name, ple_shards,
@@ -492,6 +492,7 @@ def _write_layer(out: Path, source, layer: int, n_exp: int, fmt, bar,
             blob, layout = pack_expert(*w, fmt)
             entries.append(ExpertEntry(layer=layer, expert=j, file=name, offset=offset, nbytes=len(blob),
                                        sha256=blob_digest(layer, j, fmt.name, fmt.group_size, blob),
+                                       xxh3=blob_check(layer, j, fmt.name, fmt.group_size, blob),
                                        layout=layout))
             f.write(blob)
             padded = align_up(len(blob), BLOB_ALIGN)

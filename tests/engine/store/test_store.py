@@ -192,10 +192,16 @@ def test_tokenizer_is_saved(ckpts, stores):
 
 # ----------------------------------------------------------------------------- faults
 
-def test_flipped_byte_is_a_checksum_error_naming_the_expert(stores, tmp_path):
+@pytest.mark.parametrize("kind", ["xxh3", "sha256"])
+def test_flipped_byte_is_a_checksum_error_naming_the_expert(stores, tmp_path, kind):
+    """A read checks the blob's xxh3; a store written before the check (no xxh3 in its manifest)
+    is checked by the sha256 instead, as thoroughly."""
     root = _copy_store(stores[("mixtral", "int4")], tmp_path / "s")
+    if kind == "sha256":
+        _edit_manifest(root, lambda m: [e.pop("xxh3") for e in m["experts"]])
     with ExpertStore(root) as store:
         e = store.entry(1, 2)
+        assert (e.xxh3 is None) == (kind == "sha256")
         good = bytes(store.read_expert(1, 2))
     with open(root / e.file, "r+b") as f:
         f.seek(e.offset + e.nbytes // 2)
@@ -203,13 +209,42 @@ def test_flipped_byte_is_a_checksum_error_naming_the_expert(stores, tmp_path):
         f.seek(e.offset + e.nbytes // 2)
         f.write(bytes([b[0] ^ 0x01]))
     with ExpertStore(root) as store:
-        with pytest.raises(ChecksumError, match=r"layer 1 expert 2 in .*experts-L001\.bin") as ei:
+        with pytest.raises(ChecksumError, match=rf"layer 1 expert 2 in .*experts-L001\.bin: manifest says {kind} ") as ei:
             store.read_expert(1, 2)
         assert (ei.value.layer, ei.value.expert) == (1, 2)
         for k in [(e.layer, e.expert) for e in store.manifest.experts if (e.layer, e.expert) != (1, 2)]:
             store.read_expert(*k)
         bad = bytes(store.read_expert(1, 2, verify=False))
         assert bad != good and sum(x != y for x, y in zip(bad, good)) == 1
+
+
+def test_a_blob_at_another_experts_place_fails_its_check(stores, tmp_path):
+    """The check covers the blob's identity: a manifest that swaps two experts' places, digests
+    and checks reads each blob as the other expert and fails, where a check over the bytes alone
+    would pass."""
+    root = _copy_store(stores[("mixtral", "int4")], tmp_path / "s")
+
+    def swap(m):
+        a, b = _exp(m, 1, 2), _exp(m, 1, 3)
+        for f in ("offset", "nbytes", "sha256", "xxh3"):
+            a[f], b[f] = b[f], a[f]
+    _edit_manifest(root, swap)
+    with ExpertStore(root) as store:
+        for expert in (2, 3):
+            with pytest.raises(ChecksumError, match=rf"layer 1 expert {expert} .*manifest says xxh3"):
+                store.read_expert(1, expert)
+        store.read_expert(1, 0)
+
+
+def test_blob_check_is_xxh3_of_identity_and_bytes():
+    """The check's definition is part of the store format: stores on disk depend on it."""
+    from engine.store.manifest import blob_check, blob_identity
+
+    assert blob_check(3, 7, "int4", 64, b"moestream") == "eace40d5e08c33c7"
+    assert blob_identity(3, 7, "int4", 64).startswith(b"moestream expert blob v2\n")
+    assert len({blob_check(3, 7, "int4", 64, b"x"), blob_check(3, 8, "int4", 64, b"x"),
+                blob_check(4, 7, "int4", 64, b"x"), blob_check(3, 7, "int8", 64, b"x"),
+                blob_check(3, 7, "int4", 32, b"x"), blob_check(3, 7, "int4", 64, b"y")}) == 6
 
 
 def test_truncated_data_file(stores, tmp_path):
