@@ -42,6 +42,8 @@ K <= 16384); bf16 input is converted to float32 first.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -49,7 +51,7 @@ import os
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -106,7 +108,9 @@ def _cache_dir(isa: str, flags: list[str]) -> Path:
     h = hashlib.sha256()
     for f in [*_sources(isa), *(CSRC / n for n in HEADERS)]:
         h.update(f.read_bytes())
-    h.update(" ".join([torch.__version__, *flags, _cpu_flags()]).encode())
+    # the sources' directory too: two checkouts would otherwise rebuild in each other's directory
+    # (torch's build file names the sources by path), in turn, on every switch
+    h.update(" ".join([torch.__version__, *flags, _cpu_flags(), str(CSRC.resolve())]).encode())
     return extension_dir(f"moestream_{isa}_{h.hexdigest()[:12]}")
 
 
@@ -149,8 +153,27 @@ def _build(isa: str, flags: list[str], verbose: bool) -> Any:
 
     d = _cache_dir(isa, flags)
     d.mkdir(parents=True, exist_ok=True)
-    return load(name=d.name, sources=[str(p) for p in _sources(isa)], extra_cflags=flags,
-                extra_include_paths=[str(CSRC)], build_directory=str(d), verbose=verbose)
+    with build_lock(d):
+        return load(name=d.name, sources=[str(p) for p in _sources(isa)], extra_cflags=flags,
+                    extra_include_paths=[str(CSRC)], build_directory=str(d), verbose=verbose)
+
+
+@contextlib.contextmanager
+def build_lock(d: Path) -> Iterator[None]:
+    """The build directory ``d`` to this process alone: an ``flock``, which the kernel drops when
+    its holder dies. torch's own lock is a file that a build killed half-way (OOM-killed in a
+    memory-limited cgroup, Ctrl-C) leaves behind, and every later process then waits on it
+    forever; whoever holds this lock removes such a file, since no build can be running."""
+    with open(d / ".moestream-build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = d / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a native build that did not finish; building again", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load_extension(verbose: bool = False) -> Any:

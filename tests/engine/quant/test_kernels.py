@@ -332,3 +332,46 @@ def test_pool_resizes_back_to_back_never_hang():
             "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_a_native_build_killed_half_way_blocks_no_later_build(tmp_path, caplog):
+    """A process that dies inside build_lock (a first build OOM-killed in a memory-limited cgroup,
+    or a Ctrl-C) leaves torch's lock file behind, on which every later torch build would wait
+    forever; the kernel drops the dead holder's flock and the next build_lock removes the file."""
+    import fcntl
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, time\nfrom pathlib import Path\nfrom engine.quant.kernels import build_lock\n"
+            "d = Path(sys.argv[1])\nwith build_lock(d):\n"
+            "    (d / 'lock').touch()  # as torch's FileBaton does while it builds\n"
+            "    print('building', flush=True)\n    time.sleep(120)\n")
+    root = Path(__file__).resolve().parents[3]
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "building"
+        with open(tmp_path / ".moestream-build.flock") as f:  # held: a second builder would wait
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        p.kill()
+        p.wait()
+    assert (tmp_path / "lock").exists()
+    with caplog.at_level("WARNING", logger="engine.quant.kernels"), K.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert "did not finish" in caplog.text
+
+
+def test_two_checkouts_build_in_two_directories(monkeypatch, tmp_path):
+    """The build directory's name covers the sources' path: two checkouts of the same sources
+    (a CI clone beside a working tree) do not rebuild in each other's directory, in turn."""
+    import shutil
+
+    names = []
+    for checkout in ("a", "b", "a"):
+        if not (tmp_path / checkout).exists():
+            shutil.copytree(K.CSRC, tmp_path / checkout)
+        monkeypatch.setattr(K, "CSRC", tmp_path / checkout)
+        names.append(K._cache_dir("avx512", ["-O3"]).name)
+    assert names[0] != names[1] and names[0] == names[2]
