@@ -345,6 +345,9 @@ def main(argv: list[str] | None = None) -> None:
 
     shape = ISSUE_SHAPE if args.shape == "issue" else qwen3_30b_like(args.size * 1e9)
     args.vocab = shape.vocab
+    from engine.quant.kernels import load_extension
+
+    load_extension()  # built here if need be: a compiler in a child's memory-limited cgroup is OOM-killed
     tmp = None
     if args.dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="beyond_ram_", dir=os.environ.get("TMPDIR"))
