@@ -1,6 +1,6 @@
 """moestream against llama.cpp on this CPU: prefill and decode tokens/s on the same weights, in one
 run, beside the memory-bandwidth roofline of each format; then the dispatcher ops and native calls
-moestream spends per decoded token.
+moestream spends per decoded token, and where its decode time goes, phase by phase.
 
     python bench/vs_llama_cpp.py                          # the issue's size (12 layers, 512 + 128)
     python bench/vs_llama_cpp.py --layers 2 --prompt 64 --new 32 --rounds 1   # a quick run
@@ -412,6 +412,30 @@ def op_counts(model, prompt: list[int], steps: int) -> dict:
                 native_by_name={k: v / steps for k, v in native.most_common()})
 
 
+def phase_breakdown(model, prompt: list[int], new: int) -> dict | None:
+    """Milliseconds per decoded token in each phase of the native step (engine/csrc/phases.h,
+    timed on the calling thread), the wall time per token and what is left: Python and the
+    native calls' own overhead. None without the native kernels."""
+    from engine.layers.sampler import SamplingConfig
+    from engine.quant.kernels import load_extension
+    from engine.runner import stream_request
+
+    ext = load_extension()
+    if ext is None or not hasattr(ext, "phase_times"):
+        return None
+    gen = stream_request(model, prompt, SamplingConfig(max_tokens=new + 1, temperature=0.0, ignore_eos=True))
+    next(gen)  # prefill + first token: not timed
+    ext.phase_times(True)
+    ext.set_phase_timing(True)
+    try:
+        t, n = time.perf_counter(), sum(1 for _ in gen)
+        wall = (time.perf_counter() - t) / n * 1e3
+    finally:
+        ext.set_phase_timing(False)
+    phases = {k: v / n * 1e3 for k, v in ext.phase_times(True).items()}
+    return dict(wall=wall, phases=phases, rest=wall - sum(phases.values()))
+
+
 # ------------------------------------------------------------------------------------ the bench
 
 @dataclass
@@ -601,6 +625,13 @@ def main(argv: list[str] | None = None) -> None:
                   f"layer), native calls per token: {c['native']:.0f} ({c['native_per_layer']:.1f} per layer)")
             print("    ops: " + ", ".join(f"{k} {v:g}" for k, v in c["top_ops"].items()))
             print("    native: " + ", ".join(f"{k} {v:g}" for k, v in c["native_by_name"].items()))
+        print(f"\nwhere a decoded token's time goes (ms, the step's phases timed on its thread, "
+              f"{args.new} tokens after the prompt):")
+        for dense, model in ours.items():
+            b = phase_breakdown(model, prompt, args.new)
+            if b is not None:
+                print(f"  {dense}: {b['wall']:.2f} per token = " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in b["phases"].items()) + f", Python and call overhead {b['rest']:.2f}")
 
 
 if __name__ == "__main__":

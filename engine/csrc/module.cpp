@@ -1,6 +1,7 @@
 // Python bindings of the native kernels (built by engine/quant/kernels.py:load_extension).
 #include "deltanet.h"
 #include "deepseek.h"
+#include "phases.h"
 #include "pool.h"
 #include "quant.h"
 #include "step.h"
@@ -62,6 +63,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return ms::Layers{attn, ffn, router, top_k, normalize};
       }));
   m.attr("SLOT_ROW") = ms::SLOT_ROW;
+  m.def("set_phase_timing", [](bool on) { ms::g_phase_timing.store(on); },
+        "time the step's phases on the calling thread (phases.h)");
+  m.def("phase_times", [](bool reset) {
+    py::dict out;
+    for (int p = 0; p < ms::PH_COUNT; p++) {
+      out[ms::PHASE_NAMES[p]] = ms::g_phase_seconds[p];
+      if (reset) ms::g_phase_seconds[p] = 0.0;
+    }
+    return out;
+  }, "seconds spent in each phase of the step since the last reset", py::arg("reset") = false);
   m.def("set_threads", &ms::set_threads, "threads (caller included) of the native worker pool");
   m.def("num_threads", &ms::num_threads, "threads of the native worker pool");
   m.def("attn_block", &ms::attn_block, "x += attention block; returns the post-attention norm of x");

@@ -17,6 +17,7 @@
 // over the native worker pool (pool.cpp). An OpenMP build of the row kernels was measured slower
 // inside a decode step on 2 cores (demo store 39.8 -> 19.8 tok/s).
 #include "quant.h"
+#include "phases.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -581,6 +582,7 @@ void linears(std::vector<LinearJob>& jobs, int64_t direct_max_t, bool i8a) {
 }
 
 void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
+  PhaseClock clk;
   const size_t J = jobs.size();
   static thread_local std::vector<ExpertState> mine;
   std::vector<ExpertState>& st = mine;
@@ -610,6 +612,7 @@ void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
                         jb.bg ? jb.bg + rb : nullptr, jb.bu ? jb.bu + rb : nullptr);
     });
   });
+  clk.mark(PH_GATE_UP);
   for (size_t j = 0; j < J; j++)  // the hidden activations, as the down projections take them
     st[j].hid.set(acts_for(jobs[j].d, i8a), st[j].g.data(), jobs[j].T, jobs[j].d);
   const std::vector<int64_t> sd = unit_starts(jobs, hidden_rows);
@@ -622,6 +625,7 @@ void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
           for (int64_t r = rb; r < re; r++) jb.out[t * jb.d.N + r] += jb.bd[r];
     });
   });
+  clk.mark(PH_DOWN);
 }
 
 void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, bool i8a) {

@@ -15,6 +15,7 @@
 // case NB = 1, BS = capacity); tables [S, max blocks] int32; cos, sin [T, D].
 // Numbers: the same operations in the same order as the torch layers (engine/layers), float32
 // throughout; only summation order differs (tests compare the two on random inputs).
+#include "phases.h"
 #include "pool.h"
 #include "rows.h"
 #include "simd.h"
@@ -34,6 +35,9 @@
 #include <vector>
 
 namespace ms {
+
+std::atomic<bool> g_phase_timing{false};
+double g_phase_seconds[PH_COUNT] = {};
 
 namespace {
 
@@ -285,12 +289,14 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
   const auto st = storage.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "KV storage dtype");
   pybind11::gil_scoped_release no_gil;
+  PhaseClock clk;
   std::vector<float> hn(T * H), q(T * qw), gate(a.gated ? T * nh * d : 0), k(T * row), v(T * row), o(T * nh * d), y(T * H);
   const float eps = (float)a.eps;
   for (int64_t t = 0; t < T; t++) rmsnorm(xp + t * H, a.ln1.data_ptr<float>(), H, eps, hn.data() + t * H);
   std::vector<LinearJob> qkv{{a.q.w, hn.data(), T, q.data()}, {a.k.w, hn.data(), T, k.data()},
                              {a.v.w, hn.data(), T, v.data()}};
   linears(qkv, dmt, i8a);  // one parallel region for the three
+  clk.mark(PH_NORM_QKV);
   add_bias(q.data(), a.q.bias, T, a.q.w.N);
   add_bias(k.data(), a.k.bias, T, a.k.w.N);
   add_bias(v.data(), a.v.bias, T, a.v.w.N);
@@ -307,6 +313,7 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
     rope(q.data() + t * nh * d, nh, d, rd, cp + p * rd, sp + p * rd);
     rope(k.data() + t * row, nkv, d, rd, cp + p * rd, sp + p * rd);
   }
+  clk.mark(PH_ROPE_KV);
   int64_t off = 0;
   for (size_t s = 0; s < qlens.size(); s++) {
     const int64_t n = qlens[s], ctx = ctxs[s];
@@ -320,16 +327,19 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
     off += n;
   }
   TORCH_CHECK(off == T, "query lengths do not add up to the tokens");
+  clk.mark(PH_ATTEND);
   for (size_t i = 0; i < gate.size(); i++) o[i] *= 1.0f / (1.0f + std::exp(-gate[i]));  // gated output
   apply(a.o, o.data(), T, y.data(), dmt, i8a);
   for (int64_t i = 0; i < T * H; i++) xp[i] += y[i];
   for (int64_t t = 0; t < T; t++) rmsnorm(xp + t * H, a.ln2.data_ptr<float>(), H, eps, hp + t * H);
+  clk.mark(PH_O);
   return h;
 }
 
 std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor& h, const at::Tensor& wr,
                                                                int64_t top_k, bool normalize,
                                                                const at::Tensor& bias) {
+  PhaseClock clk;
   const int64_t T = h.size(0), H = h.size(1), E = wr.size(0);
   TORCH_CHECK(!bias.defined() || bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
               bias.numel() == E), "router bias must be float32 [E]");
@@ -361,6 +371,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor&
   std::vector<int64_t> uniq(ip, ip + T * top_k);  // the routed experts, ascending
   std::sort(uniq.begin(), uniq.end());
   uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
+  clk.mark(PH_ROUTE);
   return {ids, w, uniq};
 }
 
@@ -472,9 +483,11 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
   // order within one call. pre: outputs of some experts computed by expert_outputs (while the
   // others were loading), combined here in their place in the order, so the bits are those of
   // one call computing all of them (a job's rows do not depend on the other jobs of a call)
+  PhaseClock clk;
   std::vector<Routed> routed;
   std::vector<ExpertJob> jobs;
   gather(x, h, ids, w, experts, slots, slot_table, act, pre, false, routed, jobs);
+  clk.mark(PH_GATHER);
   const int64_t T = x.size(0), H = x.size(1);
   const float* hp = h.data_ptr<float>();
   float* xp = x.data_ptr<float>();
@@ -486,6 +499,7 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
     jobs.push_back(ExpertJob{dense->g.w, dense->u.w, dense->d.w, hp, T, dense_y.data()});
   }
   ms::experts(jobs, dmt, i8a);
+  clk = PhaseClock{};
   for (Routed& e : routed) {
     const float* ys = e.out();
     for (size_t j = 0; j < e.tok.size(); j++) {
@@ -503,6 +517,7 @@ void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const a
   }
   if (!direct)
     for (int64_t i = 0; i < T * H; i++) xp[i] += acc[i];
+  clk.mark(PH_COMBINE);
 }
 
 at::Tensor head_block(const at::Tensor& x, const std::vector<int64_t>& rows, const at::Tensor& norm,
@@ -515,9 +530,11 @@ at::Tensor head_block(const at::Tensor& x, const std::vector<int64_t>& rows, con
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;
+  PhaseClock clk;
   std::vector<float> hn(R * H);
   for (int64_t i = 0; i < R; i++) rmsnorm(xp + rows[i] * H, norm.data_ptr<float>(), H, (float)eps, hn.data() + i * H);
   apply(head, hn.data(), R, op, dmt, i8a);
+  clk.mark(PH_HEAD);
   return out;
 }
 
