@@ -516,15 +516,18 @@ def main(argv: list[str] | None = None) -> None:
 
         if llama:  # does llama.cpp run the same model? Q8_0 against moestream fp32, on the first build that runs it
             n = min(args.check_tokens, args.new)
-            q8 = next((c for c in (start("Q8_0", b) for b in builds) if c is not None), None)
             q8_path = ggufs.pop("Q8_0")
-            try:
-                q8_logits = q8.prompt_logits(prompt) if q8 else None
-                got = q8.greedy(prompt, n)[0] if q8 else None
-            except LlamaCppDied as e:
-                dead["llama.cpp Q8_0"], got = str(e), None
-            finally:
-                if q8:
+            got = q8_logits = checked_on = None
+            for b in builds:  # the first build whose Q8_0 runs (the wheel's dies of SIGILL on some CPUs)
+                q8 = start("Q8_0", b)
+                if q8 is None:
+                    continue
+                try:
+                    q8_logits, got, checked_on = q8.prompt_logits(prompt), q8.greedy(prompt, n)[0], b
+                    break
+                except LlamaCppDied as e:
+                    dead[f"{b} Q8_0"] = str(e)
+                finally:
                     q8.close()
             if got is None:
                 print(f"llama.cpp Q8_0 check skipped: {'; '.join(dead.values())}", flush=True)
@@ -536,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
                 gc.collect()
                 agree = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), n)
                 same = sum(a == b for a, b in zip(ref, got))
-                print(f"llama.cpp Q8_0 vs moestream fp32, logits after the prompt: "
+                print(f"{checked_on} Q8_0 vs moestream fp32, logits after the prompt: "
                       f"{compare_logits(ref_logits, q8_logits)}\n"
                       f"  greedy: first {agree} of {n} tokens agree ({same}/{n} positions equal)\n"
                       f"  moestream fp32 {ref}\n  llama.cpp Q8_0 {got}", flush=True)

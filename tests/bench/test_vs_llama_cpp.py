@@ -72,8 +72,15 @@ def test_op_counts_see_the_native_step(B, tiny):
     sm = load_from_store(tmp / "store", prefetch_depth=0, dense="int8", warm=True)  # every expert resident
     try:
         c = B.op_counts(sm.model, prompt, 2)
+        b = B.phase_breakdown(sm.model, prompt, 6)
     finally:
         sm.close()
+    # the breakdown: every phase of a decoded token of this model timed, and no more than the wall
+    assert set(b["phases"]) == {"norm_qkv", "rope_kv", "attend", "o_proj", "route", "gather", "gate_up", "down",
+                                "combine", "head"}
+    assert all(b["phases"][k] > 0 for k in ("norm_qkv", "attend", "o_proj", "route", "gate_up", "down", "head"))
+    assert sum(b["phases"].values()) < b["wall"] and b["rest"] == pytest.approx(b["wall"] - sum(b["phases"].values()))
+    assert load_extension().phase_times()["head"] == 0.0  # timing off again, sums reset
     assert c["native_by_name"] == {"run_layers": 1, "head_block": 1}  # a decoded token: all layers, the head
     assert c["native"] == 2
     assert c["ops"] > 0 and c["ops_per_layer"] == c["ops"] / cfg.num_layers
