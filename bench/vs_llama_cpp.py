@@ -450,7 +450,9 @@ class Row:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=ISSUE_SHAPE["num_hidden_layers"])
+    ap.add_argument("--shape", choices=["issue", "tiny"], default="issue",
+                    help="the issue's Qwen3-MoE 1.3B-A0.2B, or a tiny one (a check of the bench itself, seconds)")
+    ap.add_argument("--layers", type=int, default=None, help="layers (default: the shape's)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
@@ -473,7 +475,9 @@ def main(argv: list[str] | None = None) -> None:
     bw = measure_bandwidth()
     print(f"threads {args.threads}, memory read bandwidth {bw / 1e9:.1f} GB/s, prompt {args.prompt} tokens, "
           f"{args.new} new tokens, batch 1, {args.rounds} alternating rounds (median), "
-          f"Qwen3-MoE random weights, {args.layers} layers", flush=True)
+          f"Qwen3-MoE random weights ({args.shape} shape), "
+          f"{args.layers or (TINY_SHAPE if args.shape == 'tiny' else ISSUE_SHAPE)['num_hidden_layers']} layers",
+          flush=True)
     llama = not args.no_llama and have_llama_cpp()
     if not llama and not args.no_llama:
         print(INSTALL_HINT)
@@ -483,7 +487,10 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vs_llama_cpp_")))
         t = time.perf_counter()
-        hf, cfg = build_hf({"num_hidden_layers": args.layers})
+        shape = dict(TINY_SHAPE if args.shape == "tiny" else ISSUE_SHAPE)
+        if args.layers is not None:
+            shape["num_hidden_layers"] = args.layers
+        hf, cfg = build_hf(shape)
         prompt = make_prompt(args.prompt, cfg.vocab_size)
         hf.save_pretrained(tmp / "hf")
         convert(tmp / "hf", tmp / "store", fmt=fmt, progress=False)
@@ -516,7 +523,6 @@ def main(argv: list[str] | None = None) -> None:
 
         if llama:  # does llama.cpp run the same model? Q8_0 against moestream fp32, on the first build that runs it
             n = min(args.check_tokens, args.new)
-            q8_path = ggufs.pop("Q8_0")
             got = q8_logits = checked_on = None
             for b in builds:  # the first build whose Q8_0 runs (the wheel's dies of SIGILL on some CPUs)
                 q8 = start("Q8_0", b)
@@ -543,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{compare_logits(ref_logits, q8_logits)}\n"
                       f"  greedy: first {agree} of {n} tokens agree ({same}/{n} positions equal)\n"
                       f"  moestream fp32 {ref}\n  llama.cpp Q8_0 {got}", flush=True)
-            q8_path.unlink()
+            ggufs.pop("Q8_0").unlink()  # checked: not one of the timed rows
 
         ours = {}
         default_row = None

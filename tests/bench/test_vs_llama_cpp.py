@@ -156,3 +156,25 @@ def test_a_child_loads_the_llama_cpp_build_it_is_given(B, tiny, tmp_path):
         finally:
             lc.close()
     assert got[None] == got[native]
+
+
+def test_the_bench_runs_end_to_end_on_a_tiny_model(B, capsys):
+    """``main`` as a user runs it, on the tiny shape: every moestream row is timed and tabled with
+    its op counts and phases; with llama.cpp installed, the Q8_0 agreement check runs on the first
+    build whose Q8_0 loads (or says why none did) and every format either has a row or a line
+    saying how its child died."""
+    B.main(["--shape", "tiny", "--prompt", "16", "--new", "4", "--rounds", "1", "--check-tokens", "4",
+            "--profile-steps", "2", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "(tiny shape), 2 layers" in out
+    table = [line for line in out.splitlines() if line.startswith("| moestream |")]
+    assert len(table) == len(B.MOESTREAM_ROWS)
+    assert any("(the default)" in line for line in table)
+    assert out.count("native calls per token: 2 ") == len(B.MOESTREAM_ROWS)  # all layers, the head
+    assert out.count("Python and call overhead") == len(B.MOESTREAM_ROWS)
+    if not B.have_llama_cpp():
+        assert "llama.cpp column skipped" in out
+        return
+    assert "Q8_0 vs moestream fp32" in out or "llama.cpp Q8_0 check skipped" in out
+    for fmt in ("Q4_0", "Q4_K_M"):
+        assert f"| llama.cpp | {fmt} (" in out or f"llama.cpp {fmt}: no row" in out, fmt
