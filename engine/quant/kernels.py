@@ -46,6 +46,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import threading
@@ -154,8 +155,31 @@ def _build(isa: str, flags: list[str], verbose: bool) -> Any:
     d = _cache_dir(isa, flags)
     d.mkdir(parents=True, exist_ok=True)
     with build_lock(d):
+        built = _load_built(d)
+        if built is not None:
+            return built
         return load(name=d.name, sources=[str(p) for p in _sources(isa)], extra_cflags=flags,
                     extra_include_paths=[str(CSRC)], build_directory=str(d), verbose=verbose)
+
+
+def _load_built(d: Path) -> Any:
+    """The module already built in ``d``, or None. The directory's name is a hash of the sources'
+    bytes, so its library is theirs whatever their timestamps say: torch's ``load`` asks ninja,
+    which rebuilds when a source's mtime is newer than its object (a checkout or an editor that
+    rewrote a file with the same bytes), and a rebuild inside a memory-limited child (the
+    bigger-than-memory bench's cgroups) was OOM-killed, taking the run with it. A library that
+    does not load (a link killed half-way) is built again."""
+    so = d / f"{d.name}.so"
+    if not so.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(d.name, so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as e:
+        log.info("%s does not load (%s); building it again", so, e)
+        return None
+    return module
 
 
 @contextlib.contextmanager

@@ -375,3 +375,34 @@ def test_two_checkouts_build_in_two_directories(monkeypatch, tmp_path):
         monkeypatch.setattr(K, "CSRC", tmp_path / checkout)
         names.append(K._cache_dir("avx512", ["-O3"]).name)
     assert names[0] != names[1] and names[0] == names[2]
+
+
+def test_a_built_extension_loads_without_asking_ninja():
+    """The build directory is named by a hash of the sources' bytes, so a library built there is
+    loaded as it is: torch's load (ninja) rebuilds whenever a source's mtime is newer than its
+    object, and such a rebuild inside a memory-limited child (bench/beyond_ram.py's cgroups) was
+    OOM-killed. A child whose torch load would fail still gets the kernels."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if K.load_extension() is None:
+        pytest.skip(f"no native kernels here: {K.extension_error()}")
+    code = ("import torch.utils.cpp_extension as C\n"
+            "def refuse(*a, **k):\n    raise RuntimeError('a build was started')\n"
+            "C.load = refuse\n"
+            "from engine.quant import kernels as K\n"
+            "ext = K.load_extension()\n"
+            "print('loaded' if ext is not None and hasattr(ext, 'run_layers') else K.extension_error())\n")
+    root = Path(__file__).resolve().parents[3]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "loaded", (r.stdout, r.stderr[-2000:])
+
+
+def test_a_library_that_does_not_load_is_built_again(tmp_path):
+    """A link killed half-way leaves a truncated library: it is not loaded (None: build it)."""
+    d = tmp_path / "moestream_avx512_000000000000"
+    d.mkdir()
+    assert K._load_built(d) is None  # nothing built yet
+    (d / f"{d.name}.so").write_bytes(b"\x7fELF truncated")
+    assert K._load_built(d) is None
