@@ -471,13 +471,15 @@ def main(argv: list[str] | None = None) -> None:
     from engine.quant.linear import resolve_dense
     from engine.store import convert
 
+    shape = dict(TINY_SHAPE if args.shape == "tiny" else ISSUE_SHAPE)
+    if args.layers is not None:
+        shape["num_hidden_layers"] = args.layers
     torch.set_num_threads(args.threads)
     bw = measure_bandwidth()
     print(f"threads {args.threads}, memory read bandwidth {bw / 1e9:.1f} GB/s, prompt {args.prompt} tokens, "
           f"{args.new} new tokens, batch 1, {args.rounds} alternating rounds (median), "
           f"Qwen3-MoE random weights ({args.shape} shape), "
-          f"{args.layers or (TINY_SHAPE if args.shape == 'tiny' else ISSUE_SHAPE)['num_hidden_layers']} layers",
-          flush=True)
+          f"{shape['num_hidden_layers']} layers", flush=True)
     llama = not args.no_llama and have_llama_cpp()
     if not llama and not args.no_llama:
         print(INSTALL_HINT)
@@ -487,9 +489,6 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vs_llama_cpp_")))
         t = time.perf_counter()
-        shape = dict(TINY_SHAPE if args.shape == "tiny" else ISSUE_SHAPE)
-        if args.layers is not None:
-            shape["num_hidden_layers"] = args.layers
         hf, cfg = build_hf(shape)
         prompt = make_prompt(args.prompt, cfg.vocab_size)
         hf.save_pretrained(tmp / "hf")
