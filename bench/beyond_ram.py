@@ -55,6 +55,7 @@ from llama_child import LlamaCppChild, LlamaCppDied, io_counters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
+BEYOND_TIERS_MB = 300  # what moestream may hold beyond its expert tiers, dense weights and KV
 
 
 # ---- the disk ---------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
     import torch
 
     from engine.errors import HostMemoryError
-    from engine.experts.runtime import load_from_store, store_budgets
+    from engine.experts.runtime import dense_resident_bytes, load_from_store, store_budgets
     from engine.executor import executor_for
     from engine.kv.base import BatchLayout, ContiguousKVCache
     from engine.layers.sampler import SamplingConfig
@@ -153,9 +154,9 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
     io0 = io_counters()
     st = ExpertStore(store)
     cfg = st.config
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (prompt_len + new + 16) * 4
+    kv_budget = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (prompt_len + new + 16) * 4
     try:
-        b = store_budgets(st, device="cpu", dense="int8", kv_bytes=kv)
+        b = store_budgets(st, device="cpu", dense="int8", kv_bytes=kv_budget)
     except HostMemoryError as e:
         st.close()
         return {"refused": str(e)}
@@ -186,7 +187,9 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
         prefill_tps, decode_tps = stats.prefill_tps, stats.decode_tps
     else:  # the prompt, then the fixed continuation one token per step (as the llama.cpp child)
         ex = executor_for(sm.model)
-        kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        # sized to the KV budget the tiers were planned beside (not the cache's 256-token default)
+        kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                               initial_capacity=prompt_len + new + 16)
         with torch.inference_mode():
             t = time.perf_counter()
             ex(torch.tensor(prompt), BatchLayout.single(0, prompt_len, 0), kv)
@@ -224,7 +227,7 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
         "io": [io0, load_io, io_pf, io_end],
         "sim_decode_bytes": full.bytes_missed - pre.bytes_missed, "warmed": warmed,
         "nvme_bytes": counters["nvme"].bytes_in if "nvme" in counters else 0,
-        "maxrss": maxrss,
+        "maxrss": maxrss, "resident": dense_resident_bytes(st, dense="int8") + kv_budget,
     }
     sm.close()
     return out
@@ -304,6 +307,7 @@ def summarise(runs: list[dict], new: int) -> dict:
             out["budgets"] = ok[-1]["budgets"]
             out["tiers"] = ok[-1]["device"] + ok[-1]["ram"]
             out["maxrss"] = median([r["maxrss"] for r in ok])
+            out["resident"] = ok[-1].get("resident")
     return out
 
 
@@ -425,8 +429,9 @@ def run_bench(shape, work: Path, args) -> None:
                       f"{r.get('peak', -1) / MB:.0f} MB, oom kills {r.get('oom', 0)}", flush=True)
 
     print(f"\n| limit | system | decode tok/s | prefill tok/s | MB read / token | simulator MB / token | "
-          f"disk MB/s | roofline tok/s | disk use | cgroup peak MB | RSS peak beyond tiers MB | major faults / token | OOM kills | notes |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"disk MB/s | roofline tok/s | disk use | cgroup peak MB | RSS peak beyond tiers MB | goal MB | major faults / token | "
+          f"OOM kills | notes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     last = None
     for label, lim in limits:
         row = {}
@@ -440,6 +445,8 @@ def run_bench(shape, work: Path, args) -> None:
             # the child's own peak RSS less its tiers (the cgroup's peak counts page cache, which
             # fills any limit under file I/O)
             beyond = (s["maxrss"] - s["tiers"]) / MB if s.get("tiers") and s.get("maxrss") else None
+            # the issue's bound on it: the dense weights + the KV budget + 300 MB
+            goal = (s["resident"] / MB + BEYOND_TIERS_MB) if s.get("resident") else None
             notes = "; ".join(filter(None, [
                 f"refused: {s['refused'][0]}" if s["refused"] else "",
                 f"{len(s['dead'])} of {s['runs']} died: {s['dead'][0]}" if s["dead"] else "",
@@ -449,7 +456,7 @@ def run_bench(shape, work: Path, args) -> None:
                   f"{fmt(sim / MB if sim is not None else None)} | {fmt(s.get('disk_bw') and s['disk_bw'] / MB, '.0f')} | "
                   f"{fmt(roof)} | "
                   f"{fmt(use * 100 if use is not None else None, '.0f')}{'%' if use is not None else ''} | "
-                  f"{fmt(s['peak'] / MB if s['peak'] else None, '.0f')} | {fmt(beyond, '.0f')} | "
+                  f"{fmt(s['peak'] / MB if s['peak'] else None, '.0f')} | {fmt(beyond, '.0f')} | {fmt(goal, '.0f')} | "
                   f"{fmt(s.get('majflt_tok'), '.0f')} | {s['oom']} | {notes} |")
         last = (label, row)
     label, row = last

@@ -98,7 +98,8 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
                                 policy=policy, prefetch_depth=prefetch_depth,
                                 miss_compute=miss_compute, pinned=frozenset(pinned), io_threads=io_threads,
                                 admission=admission)
-        routers = {l: dense_source.get(f"model.layers.{l}.mlp.gate.weight").float() for l in cfg.moe_layers}
+        # as stored (mapped file pages, no copy) until the model's own routers replace them
+        routers = {l: dense_source.get(f"model.layers.{l}.mlp.gate.weight") for l in cfg.moe_layers}
         if device_cache:
             from engine.experts.device_cache import DeviceExpertCache
 
@@ -119,6 +120,8 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
         model.model.embed_tokens = StoredEmbedding(model.model.embed_tokens.weight.detach(), dtype)
     ple = _attach_ple(model, store, cache, ple_budget) if store.manifest.ple_tables else None
     model.to(device)  # the dense weights run where the expert slots live
+    if cache is not None:
+        _share_routers(cache, model)
     _return_freed_heap()
     if warm and cache is not None and not device_cache:
         try:
@@ -148,6 +151,17 @@ def _attach_ple(model, store, cache, budget: int | None):
     if cache is not None:
         cache.metrics.ple = tier.counters
     return tier
+
+
+def _share_routers(cache, model: CausalLM) -> None:
+    """The prefetch predictor's router weights become the model's own tensors: one copy of each
+    router, not two (24 MiB on a 24-layer, 128-expert, 2048-wide model). A router the model
+    holds in another shape (or none) keeps the stored tensor the cache was given."""
+    for block in model.moe_blocks:
+        w = getattr(getattr(block, "gate", None), "weight", None)
+        given = cache.routers.get(block.layer)
+        if isinstance(w, torch.Tensor) and given is not None and w.shape == given.shape:
+            cache.routers[block.layer] = w.detach()
 
 
 def _return_freed_heap() -> None:

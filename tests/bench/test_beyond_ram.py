@@ -98,6 +98,13 @@ def test_moestream_child_decodes_the_fixed_continuation_and_counts_its_reads(M, 
     assert out["decode"] > 0 and out["prefill"] > 0
     assert out["nvme_bytes"] > 0 and out["sim_decode_bytes"] >= 0
     assert out["warmed"] == 0
+    # the footprint bound's base: the dense weights the tiers were planned beside + the KV budget
+    from engine.experts.runtime import dense_resident_bytes
+    from engine.store.reader import ExpertStore
+
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * (4 + 6 + 16) * 4
+    with ExpertStore(tmp_path / "store") as st:
+        assert out["resident"] == dense_resident_bytes(st, dense="int8") + kv > kv
 
 
 def test_disk_use_is_taken_against_the_probes_around_each_run(tmp_path):

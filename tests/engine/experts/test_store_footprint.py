@@ -142,3 +142,23 @@ def test_load_releases_each_converted_weight_and_imports_no_compiler(store):
         want = len(quantized_names(s.dense_source(verify=False), "int8"))
     assert int(n) == int(mapped) == want > 0  # every converted weight was a view of the file
     assert (dynamo, sympy) == ("False", "False")
+
+
+def test_the_prefetch_predictor_reads_the_models_own_routers(store):
+    """One copy of each router: the cache's prefetch predictor and the model's routing read the
+    same tensor (a float32 copy of every router beside the model's was 24 MiB on the 8 GB bench
+    model), and its predictions are the experts the model's own router picks."""
+    from engine.experts.runtime import load_from_store
+
+    with load_from_store(store, dense="int8", prefetch_depth=1) as sm:
+        blocks = sm.model.moe_blocks
+        assert blocks and set(sm.cache.routers) == {b.layer for b in blocks}
+        for b in blocks:
+            w = sm.cache.routers[b.layer]
+            assert w.data_ptr() == b.gate.weight.data_ptr() and w.dtype == b.gate.weight.dtype
+        x = torch.randn(5, sm.model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+        first, second = blocks[0], blocks[1]
+        [(nxt, ids)] = list(sm.cache.predictions(first.layer, x))
+        assert nxt == second.layer
+        want = second.gate(x).ids
+        assert torch.equal(ids.sort(dim=-1).values, want.sort(dim=-1).values)
