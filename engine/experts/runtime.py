@@ -31,6 +31,9 @@ class StoreModel:
 
         if self.ple is not None:
             self.ple.close()
+        emb = getattr(getattr(self.model, "model", None), "embed_tokens", None)
+        if isinstance(emb, StoredEmbedding) and emb.rows is not None:  # its pread descriptor
+            emb.rows.close()
         self.store.close()
 
     def __enter__(self) -> "StoreModel":
@@ -117,7 +120,10 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
         if name in stored and p.dtype != dtype:
             p.data = p.data.to(dtype)
     if embed is not None:  # rows read from the mapped file, converted as looked up
-        model.model.embed_tokens = StoredEmbedding(model.model.embed_tokens.weight.detach(), dtype)
+        table = model.model.embed_tokens.weight.detach()
+        reader = getattr(dense_source, "rows", None)  # rows by pread: none of the file mapped in
+        rows = reader(embed) if reader is not None else None
+        model.model.embed_tokens = StoredEmbedding(table, dtype, rows=rows)
     ple = _attach_ple(model, store, cache, ple_budget) if store.manifest.ple_tables else None
     model.to(device)  # the dense weights run where the expert slots live
     if cache is not None:

@@ -297,6 +297,18 @@ class SafetensorsFile:
         t = t.reshape(e.shape)
         return t.clone() if copy else t
 
+    def rows(self, name: str):
+        """A reader of a 2-D tensor's rows by pread (engine.loading.file_rows.FileRows), or None
+        where the tensor is not 2-D or its offset is not a multiple of its itemsize."""
+        from engine.loading.file_rows import FileRows
+
+        e = self._entry(name)
+        torch_dtype, itemsize, _ = DTYPES[e.st_dtype]
+        offset = self._data_start + e.start
+        if len(e.shape) != 2 or offset % itemsize or e.numel == 0:
+            return None
+        return FileRows(self.path, offset, e.shape, torch_dtype)
+
     def release(self, t: torch.Tensor) -> bool:
         """Drop this process's pages of ``t``, a view of this file's mapping that will not be read
         again soon (a weight just converted to another format, engine.quant.linear.quantize_dense):

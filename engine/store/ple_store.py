@@ -97,6 +97,16 @@ class WithoutPLETables(TensorSource):
             return torch.empty(self.shapes[name], device="meta")
         return self.inner.get(name)
 
+    def release(self, t: torch.Tensor) -> bool:
+        """The inner source's release (a converted weight's file pages leave the process)."""
+        release = getattr(self.inner, "release", None)
+        return bool(release and release(t))
+
+    def rows(self, name: str):
+        """The inner source's pread reader of a table's rows, or None."""
+        rows = getattr(self.inner, "rows", None)
+        return None if rows is None or name in self.shapes else rows(name)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -63,6 +63,10 @@ class StoreDenseSource(TensorSource):
         """Drop the pages of ``t``, a view of the dense file no longer used (SafetensorsFile.release)."""
         return self._file.release(t)
 
+    def rows(self, name: str):
+        """A pread reader of a 2-D tensor's rows (SafetensorsFile.rows), or None."""
+        return self._file.rows(name)
+
     def close(self) -> None:
         self._file.close()
 

@@ -45,6 +45,7 @@ def test_stored_table_equals_a_float_copy_of_it(store, dense):
     with load_from_store(store, dense=dense, prefetch_depth=0) as sm:
         emb = sm.model.model.embed_tokens
         assert isinstance(emb, StoredEmbedding) and emb.weight.dtype == torch.bfloat16
+        assert emb.rows is not None  # rows read by pread, not through the mapping
         assert compute_dtype(sm.model) == torch.float32
         if load_extension() is not None:  # the native step takes a bf16 table with fp32 compute
             assert NativeStep.for_model(sm.model) is not None

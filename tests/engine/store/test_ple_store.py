@@ -122,3 +122,25 @@ def test_verify_checks_row_files_and_reconvert_is_a_no_op(stores, tmp_path):
     rep = verify_store(bad)
     assert not rep.ok and rep.ple_files_checked == 1
     assert any(f"page {lay.num_pages - 1}" in p for p in rep.problems), rep.problems
+
+
+def test_a_ple_stores_dense_source_releases_converted_weights(stores, monkeypatch):
+    """The PLE store's dense source (its tables as meta stand-ins) passes on what the plain one
+    does: a quantized weight's file pages are released after conversion (it once hid the
+    release: every converted weight's pages stayed mapped)."""
+    from engine.quant import linear
+
+    released = []
+    real = linear.quantize_dense
+
+    def spy(model, dense, head=None, release=None):
+        def counting(t):
+            ok = release(t)
+            released.append(ok)
+            return ok
+        return real(model, dense, head=head, release=counting if release else None)
+
+    monkeypatch.setattr("engine.experts.runtime.quantize_dense", spy)
+    with load_from_store(stores["int8"], dense="int8", prefetch_depth=0) as sm:
+        assert released and all(released)
+        _run(sm, prompt(sm.model.config.vocab_size, 6), n=2)  # released pages fault back in if read: still runs
