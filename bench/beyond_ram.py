@@ -118,6 +118,14 @@ def measure_disk(paths: list[Path], seconds: float = 2.0) -> dict[str, float]:
             os.close(fd)
 
 
+def peak_rss() -> int:
+    """This process's peak RSS so far, bytes (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
 # ---- the moestream child ------------------------------------------------------------------------
 
 def make_prompt(vocab: int, n: int) -> list[int]:
@@ -176,6 +184,7 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
         blk.observers.append(observe)
     prompt = make_prompt(cfg.vocab_size, prompt_len)
     load_io = io_counters()
+    hwm = [peak_rss()]  # the process's peak after load, prefill, decode
     if greedy:
         stats, io_pf = None, None
         with torch.inference_mode():
@@ -195,12 +204,14 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
             ex(torch.tensor(prompt), BatchLayout.single(0, prompt_len, 0), kv)
             prefill_tps = prompt_len / (time.perf_counter() - t)
             io_pf = io_counters()
+            hwm.append(peak_rss())
             t = time.perf_counter()
             for i, tok in enumerate(continuation(cfg.vocab_size, new)):
                 pos["t"] = prompt_len + i
                 ex(torch.tensor([tok]), BatchLayout.single(0, 1, prompt_len + i), kv)
             decode_tps = (new - 1) / (time.perf_counter() - t) if new > 1 else 0.0
     io_end = io_counters()
+    hwm.append(peak_rss())
     # the run's own peak, before the simulator below (the bench's analysis, not moestream) allocates
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     from engine.experts.simulate import simulate
@@ -227,7 +238,7 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
         "io": [io0, load_io, io_pf, io_end],
         "sim_decode_bytes": full.bytes_missed - pre.bytes_missed, "warmed": warmed,
         "nvme_bytes": counters["nvme"].bytes_in if "nvme" in counters else 0,
-        "maxrss": maxrss, "resident": dense_resident_bytes(st, dense="int8") + kv_budget,
+        "maxrss": maxrss, "peaks": hwm, "resident": dense_resident_bytes(st, dense="int8") + kv_budget,
     }
     sm.close()
     return out
@@ -425,6 +436,11 @@ def run_bench(shape, work: Path, args) -> None:
                         f"{per_token(r, args.new)[0] / MB:.1f} MB read/token, disk {before / MB:.0f} -> "
                         f"{after / MB:.0f} MB/s" if "decode" in r
                         else r.get("refused") or r.get("dead"))
+                if "maxrss" in r:
+                    tiers = r["device"] + r["ram"]
+                    what += (f", RSS beyond tiers {(r['maxrss'] - tiers) / MB:.0f} MB (after load, prefill, "
+                             f"decode: {', '.join(f'{(p - tiers) / MB:.0f}' for p in r['peaks'])})")
+
                 print(f"round {k + 1}/{args.rounds} limit {label} {name}: {what}; cgroup peak "
                       f"{r.get('peak', -1) / MB:.0f} MB, oom kills {r.get('oom', 0)}", flush=True)
 
@@ -440,7 +456,9 @@ def run_bench(shape, work: Path, args) -> None:
             row[name] = s
             sim = s.get("sim_bytes_tok")
             run_bw = s.get("disk_bw") or bw  # the disk around these runs
-            roof = run_bw / sim if sim else (run_bw / s["bytes_tok"] if s.get("bytes_tok") else None)
+            # no disk roofline for a run that reads (next to) nothing per token: a few KiB of
+            # metadata reads gave llama.cpp "2,578,096 tok/s" with everything resident
+            roof = run_bw / sim if sim else (run_bw / s["bytes_tok"] if (s.get("bytes_tok") or 0) >= 0.1 * MB else None)
             use = s.get("use")
             # the child's own peak RSS less its tiers (the cgroup's peak counts page cache, which
             # fills any limit under file I/O)

@@ -98,6 +98,9 @@ def test_moestream_child_decodes_the_fixed_continuation_and_counts_its_reads(M, 
     assert out["decode"] > 0 and out["prefill"] > 0
     assert out["nvme_bytes"] > 0 and out["sim_decode_bytes"] >= 0
     assert out["warmed"] == 0
+    # the process's peak RSS after load, prefill and decode: never falls, and the run's peak is the last
+    assert len(out["peaks"]) == 3 and out["peaks"] == sorted(out["peaks"]) and out["peaks"][0] > 0
+    assert abs(out["maxrss"] - out["peaks"][-1]) <= 4 << 20
     # the footprint bound's base: the dense weights the tiers were planned beside + the KV budget
     from engine.experts.runtime import dense_resident_bytes
     from engine.store.reader import ExpertStore
