@@ -42,6 +42,28 @@ def libc_madvise():
     return f
 
 
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def return_freed_heap() -> None:
+    """Give the pages of freed heap memory back to the OS (glibc ``malloc_trim``; elsewhere
+    nothing). glibc keeps what a burst of large temporaries freed once its mmap threshold has
+    risen (it rises with every large block freed): under a memory limit that memory still counts
+    as ours. Converting the 1.3B bench store's dense weights left 60-150 MB of it, more or less
+    from run to run as torch's threads picked their heaps (bench/beyond_ram.py, OOM-killed at a
+    600 MB limit in one run of several)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def advise_huge(t: torch.Tensor) -> bool:
     """Ask for 2 MiB pages over the whole 2 MiB-aligned part of ``t``'s memory (before it is first
     written: pages already touched stay small). True if the kernel took the advice."""

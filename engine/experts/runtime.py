@@ -9,6 +9,7 @@ import torch
 from engine.errors import TokenizerNotFoundError
 from engine.experts.cache import CacheConfig, ExpertCache
 from engine.experts.tiers import ExpertSource, HostTier
+from engine.hugepages import return_freed_heap
 from engine.layers.embedding import StoredEmbedding
 from engine.models.base import CausalLM
 from engine.models.load import build_model
@@ -128,7 +129,7 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     model.to(device)  # the dense weights run where the expert slots live
     if cache is not None:
         _share_routers(cache, model)
-    _return_freed_heap()
+    return_freed_heap()  # what the model's build left, before the slots are filled
     if warm and cache is not None and not device_cache:
         try:
             cache.warm()
@@ -168,17 +169,6 @@ def _share_routers(cache, model: CausalLM) -> None:
         given = cache.routers.get(block.layer)
         if isinstance(w, torch.Tensor) and given is not None and w.shape == given.shape:
             cache.routers[block.layer] = w.detach()
-
-
-def _return_freed_heap() -> None:
-    """Give the heap the quantizer's temporaries left back to the OS (glibc ``malloc_trim``):
-    under a memory limit freed-but-kept heap counts as ours (measured ~80 MB on the 1.3B store)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def stored_embedding_name(source, cfg, dense: str, head: str | None, dtype: torch.dtype) -> str | None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.errors import ConfigError
+from engine.hugepages import return_freed_heap
 from engine.quant.formats import QuantFormat, QuantizedTensor
 
 DENSE_FORMATS = ("fp32", "bf16", "int8")
@@ -127,5 +128,6 @@ def quantize_dense(model, fmt_name: str, group_size: int = DENSE_GROUP, head: st
         setattr(parent, name, QuantLinear.from_linear(linear, use))
         if release is not None:
             release(linear.weight.data)
+        return_freed_heap()  # the conversion's temporaries, before the next weight's (a peak otherwise)
     model.modules_changed()
     return model

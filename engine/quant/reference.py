@@ -108,9 +108,21 @@ def quantize_by_rows(w: torch.Tensor, fmt: QuantFormat, rows: int = 1024) -> Qua
     n = w.shape[0]
     if n <= rows:
         return quantize(w, fmt)
-    blocks = [quantize(w[i:i + rows], fmt) for i in range(0, n, rows)]
-    return QuantizedTensor(fmt, tuple(w.shape), {name: torch.cat([b.parts[name] for b in blocks])
-                                                 for name in blocks[0].parts})
+    first = quantize(w[:rows], fmt)
+    # each block's parts land in the whole's, allocated once: no list of blocks beside a
+    # concatenated copy (the head's int8 codes twice), and each block's temporaries are freed
+    # before the next block allocates its own
+    per_row = {name: p.shape[0] // rows for name, p in first.parts.items()}  # a part's leading entries per row
+    parts = {name: torch.empty((n * per_row[name], *p.shape[1:]), dtype=p.dtype) for name, p in first.parts.items()}
+    for name, p in first.parts.items():
+        parts[name][:p.shape[0]] = p
+    del first
+    for i in range(rows, n, rows):
+        block = quantize(w[i:i + rows], fmt)
+        for name, p in block.parts.items():
+            parts[name][i * per_row[name]:i * per_row[name] + p.shape[0]] = p
+        del block
+    return QuantizedTensor(fmt, tuple(w.shape), parts)
 
 
 # E2M1 (4-bit float: sign, 2 exponent bits, 1 mantissa bit), indexed by code; the OCP MX order
