@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -477,15 +478,26 @@ def run_bench(shape, work: Path, args) -> None:
                   f"{fmt(s['peak'] / MB if s['peak'] else None, '.0f')} | {fmt(beyond, '.0f')} | {fmt(goal, '.0f')} | "
                   f"{fmt(s.get('majflt_tok'), '.0f')} | {s['oom']} | {notes} |")
         last = (label, row)
-    label, row = last
+    print(summary_line(*last))
+
+
+def summary_line(label: str, row: dict) -> str:
+    """The run's last line: the last limit's moestream and fastest llama.cpp decode, their ratio
+    and moestream's disk use (``row``: system name -> summarise's dict)."""
     ours = row["moestream"]
     d_o = ours.get("decode")
     d_t = max((row[n]["decode"] for n in row if n.startswith("llama") and row[n].get("decode")), default=None)
     ratio = f"{d_o / d_t:.1f}x" if d_o and d_t else "n/a"
     use = ours.get("use")
-    print(f"beyond-ram {label}: moestream {fmt(d_o, '.2f', 'none (' + (ours['refused'] or ours['dead'] or ['?'])[0][:60] + ')')} "
-          f"tok/s, llama.cpp {fmt(d_t, '.2f', 'none')} tok/s ({ratio}), disk use "
-          f"{fmt(use * 100 if use is not None else None, '.0f', 'n/a')}% of bandwidth")
+    if d_o:
+        mine = f"{d_o:.2f} tok/s"
+    elif ours["refused"]:  # the typed error's minimum, not its path-long opening
+        need = re.search(r"needs at least ([0-9.]+ \w+)", ours["refused"][0])
+        mine = f"refused (needs at least {need.group(1)})" if need else f"refused ({ours['refused'][0][:60]})"
+    else:
+        mine = f"none ({(ours['dead'] or ['?'])[0][:60]})"
+    return (f"beyond-ram {label}: moestream {mine}, llama.cpp {fmt(d_t, '.2f', 'none')} tok/s ({ratio}), disk use "
+            f"{fmt(use * 100 if use is not None else None, '.0f', 'n/a')}% of bandwidth")
 
 
 if __name__ == "__main__":

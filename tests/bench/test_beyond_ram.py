@@ -130,3 +130,23 @@ def test_disk_use_is_taken_against_the_probes_around_each_run(tmp_path):
             {"decode": 1.0, "prefill": 1.0, "io": [(0, 0), (0, 0), (0, 0), (4 * 100, 0)], "disk_bw": 100.0}]
     s = M.summarise(runs, new)  # 100 bytes per decoded token: uses 0.5, 2.0, 1.0
     assert s["use"] == pytest.approx(1.0) and s["disk_bw"] == 200.0
+
+
+def test_the_summary_line_names_a_refusals_minimum_and_the_ratio():
+    """The last line: moestream's decode against the faster llama.cpp row that ran, or, where
+    moestream refused the limit, the minimum its typed error named (not the cgroup's path)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        M = importlib.import_module("beyond_ram")
+    finally:
+        sys.path.remove(str(BENCH))
+    llama = {"llama.cpp": {"refused": [], "dead": ["killed by SIGKILL"]},
+             "llama.cpp mmap": {"refused": [], "dead": [], "decode": 4.0}}
+    ran = {"moestream": {"refused": [], "dead": [], "decode": 10.0, "use": 0.71}, **llama}
+    assert M.summary_line("50%", ran) == ("beyond-ram 50%: moestream 10.00 tok/s, llama.cpp 4.00 tok/s (2.5x), "
+                                          "disk use 71% of bandwidth")
+    refused = {"moestream": {"refused": ["cgroup limit 381.47 MiB (/sys/fs/cgroup/memory/x/memory.limit_in_bytes) "
+                                         "cannot hold this model: it needs at least 459.36 MiB (481675264 B): ..."],
+                             "dead": []}, **llama}
+    assert M.summary_line("400 MB", refused) == ("beyond-ram 400 MB: moestream refused (needs at least 459.36 MiB), "
+                                                 "llama.cpp 4.00 tok/s (n/a), disk use n/a% of bandwidth")
