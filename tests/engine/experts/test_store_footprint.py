@@ -209,3 +209,32 @@ def test_quantize_dense_trims_the_heap_after_each_weight(monkeypatch):
                         lambda: converted.append(sum(isinstance(x, linear_mod.QuantLinear) for x in model)))
     linear_mod.quantize_dense(model, "int8", group_size=32)
     assert converted == [1, 2, 3]
+
+
+def test_cpu_auto_budgets_keep_one_unwritten_ram_slot_and_give_the_rest_to_the_slots(store):
+    """On a CPU both tiers are host memory: a miss is read straight into its slot (the RAM tier
+    is read around), so "auto" keeps the RAM tier at the one slot it is built with, never written,
+    and every other byte of the limit goes to the slots experts are computed from."""
+    from engine.experts.runtime import _slot_bytes, dense_resident_bytes, load_from_store, store_budgets
+    from engine.store.reader import ExpertStore
+
+    with ExpertStore(store) as st:
+        slot, total = _slot_bytes(st), st.num_experts_total * _slot_bytes(st)
+        resident = dense_resident_bytes(st, dense="int8") + 4096
+    usable = 5 * slot  # well under every expert (the store has 16)
+    b = store_budgets(store, device="cpu", dense="int8", kv_bytes=4096, headroom=0,
+                      host_available=resident + usable)
+    assert usable < total and (b.device, b.ram) == (usable - slot, slot)
+    sm = load_from_store(store, device_budget=b.device, ram_budget=b.ram, dense="int8", prefetch_depth=0)
+    try:
+        src = sm.cache.source
+        assert src.read_around and src.num_slots == 1
+        from engine.layers.sampler import SamplingConfig
+        from engine.runner import stream_request
+
+        with torch.inference_mode():
+            list(stream_request(sm.model, [1, 2, 3, 4, 5], SamplingConfig(max_tokens=4, temperature=0.0,
+                                                                            ignore_eos=True)))
+        assert src.ram.misses > 0 and not src.table.slot_of  # every miss read around it: nothing kept
+    finally:
+        sm.close()
