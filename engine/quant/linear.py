@@ -43,12 +43,14 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = q.shape[1], q.shape[0]
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt: QuantFormat) -> "QuantLinear":
+    def from_linear(cls, linear: nn.Linear, fmt: QuantFormat,
+                    release: Callable[[torch.Tensor], object] | None = None) -> "QuantLinear":
+        """``release``: handed each block of the weight's rows once quantized (quantize_by_rows)."""
         from engine.quant.reference import quantize_by_rows
 
         # by blocks of rows from the weight as it is (a bf16 view of the store's file when the
         # model was built with as_stored): no float32 copy of the whole weight
-        return cls(quantize_by_rows(linear.weight.detach(), fmt), linear.bias)
+        return cls(quantize_by_rows(linear.weight.detach(), fmt, release=release), linear.bias)
 
     def _apply(self, fn, recurse=True):
         """``module.to(device)`` / ``.cuda()`` move the quantized weight too (it is neither a
@@ -125,8 +127,8 @@ def quantize_dense(model, fmt_name: str, group_size: int = DENSE_GROUP, head: st
             continue
         fmt = QuantFormat(want, group_size)
         use = fmt if not fmt.grouped or linear.in_features % group_size == 0 else fallback
-        setattr(parent, name, QuantLinear.from_linear(linear, use))
-        if release is not None:
+        setattr(parent, name, QuantLinear.from_linear(linear, use, release))
+        if release is not None:  # the pages the blocks' releases left (those across their boundaries)
             release(linear.weight.data)
         return_freed_heap()  # the conversion's temporaries, before the next weight's (a peak otherwise)
     model.modules_changed()

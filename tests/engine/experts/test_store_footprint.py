@@ -17,10 +17,13 @@ def test_quantize_by_rows_is_quantize_bit_for_bit(name, group, dtype):
     g = torch.Generator().manual_seed(7)
     w = (torch.randn(50, 128, generator=g) * 0.05).to(dtype)
     fmt = QuantFormat(name, group)
-    whole, blocks = quantize(w.float(), fmt), quantize_by_rows(w, fmt, rows=7)
+    released = []  # each block of w's rows is handed back once quantized, in order
+    whole, blocks = quantize(w.float(), fmt), quantize_by_rows(w, fmt, rows=7, release=released.append)
     assert blocks.shape == whole.shape and blocks.parts.keys() == whole.parts.keys()
     for k in whole.parts:
         assert torch.equal(blocks.parts[k], whole.parts[k]), k
+    assert [b.shape[0] for b in released] == [7] * 7 + [1]
+    assert [(b.data_ptr() - w.data_ptr()) // w.stride(0) // w.element_size() for b in released] == list(range(0, 50, 7))
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +47,9 @@ def test_dense_weights_reach_the_quantizer_as_stored_not_in_float32(store, monke
     seen: list[torch.dtype] = []
     real = linear.QuantLinear.from_linear.__func__
 
-    def spy(cls, lin, fmt):
+    def spy(cls, lin, fmt, release=None):
         seen.append(lin.weight.dtype)
-        return real(cls, lin, fmt)
+        return real(cls, lin, fmt, release)
 
     monkeypatch.setattr(linear.QuantLinear, "from_linear", classmethod(spy))
     with load_from_store(store, dense="int8", prefetch_depth=0) as sm:
@@ -140,7 +143,7 @@ def test_load_releases_each_converted_weight_and_imports_no_compiler(store):
 
     with ExpertStore(store) as s:
         want = len(quantized_names(s.dense_source(verify=False), "int8"))
-    assert int(n) == int(mapped) == want > 0  # every converted weight was a view of the file
+    assert int(mapped) == int(n) >= want > 0  # every converted weight (or block of its rows) was a view of the file
     assert (dynamo, sympy) == ("False", "False")
 
 
