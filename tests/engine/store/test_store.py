@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -322,6 +323,53 @@ def test_manifest_not_json_and_missing(stores, tmp_path):
     (root / MANIFEST_NAME).unlink()
     with pytest.raises(ModelFormatError, match="incomplete store: manifest.json missing; re-run moestream convert"):
         ExpertStore(root)
+
+
+def test_equal_layouts_are_one_object_and_the_manifest_the_same(stores):
+    """The manifest's equal nested objects are parsed once (engine.store.manifest._load_shared):
+    every expert of a store with one layout shares that layout's tensors, the parsed manifest is
+    the one plain JSON parsing validates to, and NaN (not JSON) is refused."""
+    from engine.store.manifest import StoreManifest, parse_manifest
+
+    root = stores[("mixtral", "int4")]
+    text = (root / MANIFEST_NAME).read_text()
+    m = parse_manifest(text, root / MANIFEST_NAME)
+    assert m == StoreManifest.model_validate_json(text)
+    assert len(m.experts) > 1 and len({id(e.layout["tensors"]) for e in m.experts}) == 1
+    with pytest.raises(ModelFormatError, match="NaN is not JSON"):
+        parse_manifest(re.sub(r'"offset":\s*0', '"offset": NaN', text, count=1), root / MANIFEST_NAME)
+
+
+def test_shared_parsing_keeps_distinct_values_apart():
+    """1, 1.0 and true are equal in Python but not as JSON: objects holding them stay distinct, and
+    arbitrary JSON parses to what json.loads gives."""
+    import random
+
+    from engine.store.manifest import _load_shared
+
+    doc = {"a": [{"x": 1}, {"x": 1.0}, {"x": True}, {"x": [1, 2]}, {"x": [1, 2]}, {"x": {"y": None}}]}
+    out = _load_shared(json.dumps(doc))
+    xs = [o["x"] for o in out["a"]]
+    assert [type(x) for x in xs[:3]] == [int, float, bool] and out["a"][3] is out["a"][4]
+    rng = random.Random(11)
+
+    def value(depth):
+        pick = rng.randrange(6 if depth < 4 else 4)
+        if pick == 0:
+            return rng.choice([0, 1, -7, 2**40])
+        if pick == 1:
+            return rng.choice([0.5, 1.0, -2.25])
+        if pick == 2:
+            return rng.choice(["", "a", "layout"])
+        if pick == 3:
+            return rng.choice([True, False, None])
+        if pick == 4:
+            return [value(depth + 1) for _ in range(rng.randrange(4))]
+        return {rng.choice("abcd"): value(depth + 1) for _ in range(rng.randrange(4))}
+
+    for _ in range(200):
+        text = json.dumps(value(0))
+        assert _load_shared(text) == json.loads(text)
 
 
 # ----------------------------------------------------------------------------- convert runs
