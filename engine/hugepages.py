@@ -28,28 +28,26 @@ MADV_HUGEPAGE = 14  # <sys/mman.h>
 
 
 @functools.lru_cache(maxsize=1)
-def libc_madvise():
-    """libc's madvise(addr, length, advice) -> int, or None off Linux."""
+def _libc():
+    """The C library (ctypes), or None off Linux or where it cannot be loaded."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def libc_madvise():
+    """libc's madvise(addr, length, advice) -> int, or None off Linux."""
+    libc = _libc()
+    if libc is None:
         return None
     f = libc.madvise
     f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     f.restype = ctypes.c_int
     return f
-
-
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
 
 
 def return_freed_heap() -> None:
@@ -59,7 +57,7 @@ def return_freed_heap() -> None:
     as ours. Converting the 1.3B bench store's dense weights left 60-150 MB of it, more or less
     from run to run as torch's threads picked their heaps (bench/beyond_ram.py, OOM-killed at a
     600 MB limit in one run of several)."""
-    trim = _malloc_trim()
+    trim = getattr(_libc(), "malloc_trim", None)  # glibc's own: absent from other C libraries
     if trim is not None:
         trim(0)
 

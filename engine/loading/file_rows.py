@@ -9,6 +9,7 @@ of the file is mapped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -52,7 +53,6 @@ class FileRows:
             self._fd = None
 
     def __del__(self) -> None:
-        try:
+        # a failed __init__ left no _fd; a destructor raises nothing
+        with contextlib.suppress(OSError, AttributeError):
             self.close()
-        except Exception:
-            pass

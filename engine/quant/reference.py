@@ -113,19 +113,17 @@ def quantize_by_rows(w: torch.Tensor, fmt: QuantFormat, rows: int = 1024,
     n = w.shape[0]
     if n <= rows:
         return quantize(w, fmt)
-    first = quantize(w[:rows], fmt)
-    if release is not None:
-        release(w[:rows])
-    # each block's parts land in the whole's, allocated once: no list of blocks beside a
-    # concatenated copy (the head's int8 codes twice), and each block's temporaries are freed
-    # before the next block allocates its own
-    per_row = {name: p.shape[0] // rows for name, p in first.parts.items()}  # a part's leading entries per row
-    parts = {name: torch.empty((n * per_row[name], *p.shape[1:]), dtype=p.dtype) for name, p in first.parts.items()}
-    for name, p in first.parts.items():
-        parts[name][:p.shape[0]] = p
-    del first
-    for i in range(rows, n, rows):
+    # each block's parts land in the whole's, allocated at the first block: no list of blocks
+    # beside a concatenated copy (the head's int8 codes twice), and each block's temporaries are
+    # freed before the next block allocates its own
+    parts: dict[str, torch.Tensor] = {}
+    per_row: dict[str, int] = {}  # a part's leading entries per row of w
+    for i in range(0, n, rows):
         block = quantize(w[i:i + rows], fmt)
+        if not parts:
+            per_row = {name: p.shape[0] // rows for name, p in block.parts.items()}
+            parts = {name: torch.empty((n * per_row[name], *p.shape[1:]), dtype=p.dtype)
+                     for name, p in block.parts.items()}
         for name, p in block.parts.items():
             parts[name][i * per_row[name]:i * per_row[name] + p.shape[0]] = p
         del block
