@@ -75,6 +75,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "seconds spent in each phase of the step since the last reset", py::arg("reset") = false);
   m.def("set_threads", &ms::set_threads, "threads (caller included) of the native worker pool");
   m.def("num_threads", &ms::num_threads, "threads of the native worker pool");
+  m.def("parallel_selfcheck", [](int64_t jobs, int64_t n) {
+    py::gil_scoped_release no_gil;
+    return ms::parallel_selfcheck(jobs, n);
+  }, "the worker pool's self-check: items not run exactly `jobs` times in `jobs` parallel calls");
   m.def("attn_block", &ms::attn_block, "x += attention block; returns the post-attention norm of x");
   m.def("deltanet_block", &ms::deltanet_block, "x += Gated DeltaNet of a step's rows (any kind); returns the post-attention norm");
   m.def("deltanet_step", &ms::deltanet_step, "Gated DeltaNet: conv step + delta-rule update of one token");

@@ -4,7 +4,8 @@
 // workers take from one atomic counter, so a worker the OS has not scheduled yet (a busy or
 // oversubscribed machine) costs nothing: the others take its chunks. The job lives on the
 // caller's stack; workers reach it through `current` only while counted in `inside`, and the
-// caller returns only after clearing `current` and seeing `inside` at zero.
+// caller returns only after clearing `current` and seeing `inside` at zero (a sequentially
+// consistent handshake: see run()).
 #include "pool.h"
 
 #include <immintrin.h>
@@ -66,8 +67,10 @@ struct Pool {
       }
       seen = g;
       if (stop.load(std::memory_order_acquire)) return;
-      inside.fetch_add(1, std::memory_order_acq_rel);
-      if (Job* j = current.load(std::memory_order_acquire)) j->take_chunks();
+      // seq_cst pairs with run()'s clear-then-check (a store then a load on each side: with
+      // release/acquire alone x86 may let both threads read the other's old value)
+      inside.fetch_add(1, std::memory_order_seq_cst);
+      if (Job* j = current.load(std::memory_order_seq_cst)) j->take_chunks();
       inside.fetch_sub(1, std::memory_order_acq_rel);
     }
   }
@@ -95,8 +98,15 @@ struct Pool {
     job.take_chunks();
     in_job = false;
     while (job.done.load(std::memory_order_acquire) < job.chunks) _mm_pause();
-    current.store(nullptr, std::memory_order_release);
-    while (inside.load(std::memory_order_acquire) != 0) _mm_pause();
+    // Dekker's handshake with work(): this thread clears `current` then reads `inside`, a worker
+    // bumps `inside` then reads `current`. Both sequentially consistent, so either this thread
+    // sees the worker inside and waits, or the worker sees no job. With a release store and an
+    // acquire load (as before) the store could wait in this core's store buffer while the load
+    // read 0, the worker read the finished job's address, and then worked on whatever this stack
+    // held next: the next job half made (a chunk taken from it, its count lost: this loop spun
+    // forever, seen once at a 50% memory limit under O_DIRECT reads), or other data.
+    current.store(nullptr, std::memory_order_seq_cst);
+    while (inside.load(std::memory_order_seq_cst) != 0) _mm_pause();
   }
 
   ~Pool() { resize(1); }
@@ -132,6 +142,18 @@ void parallel(int64_t n, int64_t align, int64_t min_share, const std::function<v
   job.units = (n + align - 1) / align;
   job.chunks = std::min<int64_t>(job.units, t * CHUNKS_PER_THREAD);
   p.run(job);
+}
+
+int64_t parallel_selfcheck(int64_t jobs, int64_t n) {
+  std::vector<std::atomic<int64_t>> count(n);
+  for (auto& c : count) c.store(0);
+  const std::function<void(int64_t, int64_t)> f = [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; i++) count[i].fetch_add(1, std::memory_order_relaxed);
+  };
+  for (int64_t j = 0; j < jobs; j++) parallel(n, 1, 1, f);
+  int64_t wrong = 0;
+  for (auto& c : count) wrong += c.load() != jobs;
+  return wrong;
 }
 
 }  // namespace ms

@@ -18,5 +18,9 @@ int num_threads();
 // f(begin, end) over [0, n) in chunks of multiples of `align` items; `min_share`: fewer threads
 // when a thread's share would be below this many items.
 void parallel(int64_t n, int64_t align, int64_t min_share, const std::function<void(int64_t, int64_t)>& f);
+// The pool's self-check: `jobs` back-to-back parallel() calls over `n` items each, every item
+// counted where it ran; returns how many items were not run exactly `jobs` times (0 when sound).
+// Tiny jobs, one after another, are where a worker could still reach a finished job.
+int64_t parallel_selfcheck(int64_t jobs, int64_t n);
 
 }  // namespace ms

@@ -399,7 +399,9 @@ class ExpertCache(ExpertProvider):
         in_ram, nvme = [], []
         for f in fills:
             (in_ram if self.source.likely_in_ram(f[0]) else nvme).append(f)
-        overlap = ready is not None and bool(hits) and bool(nvme)
+        # hits compute while anything this acquire waits for is in flight: its own NVMe reads, or
+        # a prefetch of one of its experts that has not landed yet (a late prefetch)
+        overlap = ready is not None and bool(hits) and (bool(nvme) or any(not f.done() for _, f in waits))
         pooled = len(nvme) if overlap else len(nvme) - 1
         order = nvme[:pooled] + in_ram + nvme[pooled:]
         started = 0

@@ -334,6 +334,29 @@ def test_pool_resizes_back_to_back_never_hang():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+def test_pool_runs_every_item_once_over_many_tiny_jobs():
+    """The pool's contract, job after job: 100,000 parallel() calls of 8 items (a worker still
+    arriving at a job the caller has finished is most likely here) and 2,000 of 4,096, at 2 and
+    3 threads (3 on 2 cores: a worker preempted mid-job): every item runs exactly once per job.
+    A caller that returned while a worker could still reach its finished job (the handshake in
+    pool.cpp's run()) lets that worker take a chunk of the next job on the same stack and lose
+    its count: a hang here, a wrong count or a crash. In a child with a timeout, so a hang fails
+    the test instead of the run."""
+    import subprocess
+    import sys
+
+    code = ("from engine.quant import kernels as K\n"
+            "ext = K.load_extension()\n"
+            "for t in (2, 3):\n"
+            "    ext.set_threads(t)\n"
+            "    print(ext.parallel_selfcheck(100000, 8), ext.parallel_selfcheck(2000, 4096))\n"
+            "ext.set_threads(1)\n"
+            "print(ext.parallel_selfcheck(10, 100))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["0"] * 5, r.stdout
+
+
 def test_a_native_build_killed_half_way_blocks_no_later_build(tmp_path, caplog):
     """A process that dies inside build_lock (a first build OOM-killed in a memory-limited cgroup,
     or a Ctrl-C) leaves torch's lock file behind, on which every later torch build would wait
