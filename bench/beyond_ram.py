@@ -193,7 +193,7 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
                     max_tokens=new, temperature=0.0, ignore_eos=True))):
                 pos["t"] = prompt_len + i  # the next step decodes token prompt_len + i
                 if i == 0:
-                    io_pf = io_counters()
+                    io_pf, m_pf = io_counters(), sm.cache.metrics.total()
         prefill_tps, decode_tps = stats.prefill_tps, stats.decode_tps
     else:  # the prompt, then the fixed continuation one token per step (as the llama.cpp child)
         ex = executor_for(sm.model)
@@ -204,14 +204,14 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
             t = time.perf_counter()
             ex(torch.tensor(prompt), BatchLayout.single(0, prompt_len, 0), kv)
             prefill_tps = prompt_len / (time.perf_counter() - t)
-            io_pf = io_counters()
+            io_pf, m_pf = io_counters(), sm.cache.metrics.total()
             hwm.append(peak_rss())
             t = time.perf_counter()
             for i, tok in enumerate(continuation(cfg.vocab_size, new)):
                 pos["t"] = prompt_len + i
                 ex(torch.tensor([tok]), BatchLayout.single(0, 1, prompt_len + i), kv)
             decode_tps = (new - 1) / (time.perf_counter() - t) if new > 1 else 0.0
-    io_end = io_counters()
+    io_end, m_end = io_counters(), sm.cache.metrics.total()
     hwm.append(peak_rss())
     # the run's own peak, before the simulator below (the bench's analysis, not moestream) allocates
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -240,6 +240,10 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
         "sim_decode_bytes": full.bytes_missed - pre.bytes_missed, "warmed": warmed,
         "nvme_bytes": counters["nvme"].bytes_in if "nvme" in counters else 0,
         "maxrss": maxrss, "peaks": hwm, "resident": dense_resident_bytes(st, dense="int8") + kv_budget,
+        # where the decode's time went: waiting for expert reads (after the hits computed while
+        # they ran) and the rest, over the decode steps after the prefill
+        "wait": {f: getattr(m_end, f) - getattr(m_pf, f)
+                 for f in ("stall_s", "misses", "hits", "overlapped", "late_prefetch")},
     }
     sm.close()
     return out
@@ -437,6 +441,8 @@ def run_bench(shape, work: Path, args) -> None:
                         f"{per_token(r, args.new)[0] / MB:.1f} MB read/token, disk {before / MB:.0f} -> "
                         f"{after / MB:.0f} MB/s" if "decode" in r
                         else r.get("refused") or r.get("dead"))
+                if "wait" in r:
+                    what += ", a token: " + token_split(r, args.new)
                 if "maxrss" in r:
                     tiers = r["device"] + r["ram"]
                     what += (f", RSS beyond tiers {(r['maxrss'] - tiers) / MB:.0f} MB (after load, prefill, "
@@ -479,6 +485,17 @@ def run_bench(shape, work: Path, args) -> None:
                   f"{fmt(s.get('majflt_tok'), '.0f')} | {s['oom']} | {notes} |")
         last = (label, row)
     print(summary_line(*last))
+
+
+def token_split(r: dict, new: int) -> str:
+    """A moestream run's decoded token split into waiting for expert reads (after computing the
+    hits that were resident while they ran) and everything else, with the misses behind it."""
+    w, n = r["wait"], max(new - 1, 1)
+    token = 1e3 / r["decode"] if r.get("decode") else 0.0
+    stall = w["stall_s"] / n * 1e3
+    late = f" ({w['late_prefetch'] / n:.1f} of them prefetches still landing)" if w["late_prefetch"] else ""
+    return (f"{token:.0f} ms = {stall:.0f} ms waiting for reads + {token - stall:.0f} ms computing; "
+            f"{w['misses'] / n:.1f} misses{late}, {w['overlapped'] / n:.1f} hits computed while reads ran")
 
 
 def summary_line(label: str, row: dict) -> str:

@@ -98,6 +98,13 @@ def test_moestream_child_decodes_the_fixed_continuation_and_counts_its_reads(M, 
     assert out["decode"] > 0 and out["prefill"] > 0
     assert out["nvme_bytes"] > 0 and out["sim_decode_bytes"] >= 0
     assert out["warmed"] == 0
+    # the decode's cache counters: a cold cache misses in the decode steps too, and the split of a
+    # token names them
+    w = out["wait"]
+    assert w["misses"] > 0 and w["misses"] + w["hits"] == 5 * shape.layers * shape.top_k
+    assert w["stall_s"] >= 0 and w["late_prefetch"] == 0
+    split = B.token_split(out, 6)
+    assert split.startswith(f"{1e3 / out['decode']:.0f} ms = ") and f"{w['misses'] / 5:.1f} misses" in split
     # the process's peak RSS after load, prefill and decode: never falls, and the run's peak is the last
     assert len(out["peaks"]) == 3 and out["peaks"] == sorted(out["peaks"]) and out["peaks"][0] > 0
     assert abs(out["maxrss"] - out["peaks"][-1]) <= 4 << 20
@@ -145,6 +152,10 @@ def test_the_summary_line_names_a_refusals_minimum_and_the_ratio():
     ran = {"moestream": {"refused": [], "dead": [], "decode": 10.0, "use": 0.71}, **llama}
     assert M.summary_line("50%", ran) == ("beyond-ram 50%: moestream 10.00 tok/s, llama.cpp 4.00 tok/s (2.5x), "
                                           "disk use 71% of bandwidth")
+    split = M.token_split({"decode": 10.0, "wait": {"stall_s": 0.6, "misses": 30, "hits": 90, "overlapped": 60,
+                                                    "late_prefetch": 6}}, 7)
+    assert split == ("100 ms = 100 ms waiting for reads + 0 ms computing; 5.0 misses (1.0 of them prefetches "
+                     "still landing), 10.0 hits computed while reads ran")
     refused = {"moestream": {"refused": ["cgroup limit 381.47 MiB (/sys/fs/cgroup/memory/x/memory.limit_in_bytes) "
                                          "cannot hold this model: it needs at least 459.36 MiB (481675264 B): ..."],
                              "dead": []}, **llama}
