@@ -103,8 +103,9 @@ struct Pool {
     // sees the worker inside and waits, or the worker sees no job. With a release store and an
     // acquire load (as before) the store could wait in this core's store buffer while the load
     // read 0, the worker read the finished job's address, and then worked on whatever this stack
-    // held next: the next job half made (a chunk taken from it, its count lost: this loop spun
-    // forever, seen once at a 50% memory limit under O_DIRECT reads), or other data.
+    // held next (a later job half made, or other data: chunk counts and ranges from garbage).
+    // Seen once, a decode at a 50% memory limit under O_DIRECT reads: the caller spinning in
+    // this function and the worker spinning in its loop, for minutes, until killed.
     current.store(nullptr, std::memory_order_seq_cst);
     while (inside.load(std::memory_order_seq_cst) != 0) _mm_pause();
   }

@@ -339,9 +339,10 @@ def test_pool_runs_every_item_once_over_many_tiny_jobs():
     arriving at a job the caller has finished is most likely here) and 2,000 of 4,096, at 2 and
     3 threads (3 on 2 cores: a worker preempted mid-job): every item runs exactly once per job.
     A caller that returned while a worker could still reach its finished job (the handshake in
-    pool.cpp's run()) lets that worker take a chunk of the next job on the same stack and lose
-    its count: a hang here, a wrong count or a crash. In a child with a timeout, so a hang fails
-    the test instead of the run."""
+    pool.cpp's run()) lets that worker work on whatever the stack holds next: a hang here, a
+    wrong count or a crash (this test did not catch that race in 120 million jobs on the 2-core
+    dev machine: it is a check of the contract, the memory-order argument in pool.cpp is the
+    fix's proof). In a child with a timeout, so a hang fails the test instead of the run."""
     import subprocess
     import sys
 
