@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -31,10 +32,16 @@ def test_a_big_buffer_is_backed_by_huge_pages_once_written():
     t = huge_empty(8 * HUGE)
     t.fill_(1)
     assert huge_kib_at(t.data_ptr() + 4 * HUGE) >= 2048
-    plain = torch.empty(8 * HUGE, dtype=torch.uint8)  # not advised: 4 KiB pages where THP is madvise
+    # not advised: 4 KiB pages where THP is madvise. A fresh mapping, not torch.empty: the heap
+    # torch's allocator draws from may hold ranges that an earlier test advised (the advice stays
+    # with the range after a free), which gave this buffer huge pages in one CI run
+    m = mmap.mmap(-1, 8 * HUGE)
+    plain = torch.frombuffer(m, dtype=torch.uint8)
     plain.fill_(1)
     if "[madvise]" in THP.read_text() and not os.environ.get("THP_MEM_ALLOC_ENABLE"):  # torch's own switch
         assert huge_kib_at(plain.data_ptr() + 4 * HUGE) == 0
+    del plain
+    m.close()
 
 
 def test_buffers_without_a_whole_huge_page_are_left_alone():
