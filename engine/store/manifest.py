@@ -415,7 +415,8 @@ def parse_manifest(text: str | bytes, path: object = MANIFEST_NAME) -> StoreMani
         first = e.errors(include_url=False, include_context=False, include_input=False)[0]
         loc = ".".join(str(p) for p in first["loc"]) or "<top>"
         if loc == "schema_version":
-            raise ModelFormatError(path, _schema_problem(_peek_schema_version(text))) from None
+            version = raw.get("schema_version") if isinstance(raw, dict) else None
+            raise ModelFormatError(path, _schema_problem(version)) from None
         n = e.error_count()
         more = f" (and {n - 1} more problems)" if n > 1 else ""
         raise ModelFormatError(path, f"invalid manifest: {loc}: {first['msg']}{more}") from None
@@ -459,14 +460,6 @@ def _load_shared(text: str | bytes) -> Any:
         raise ValueError(f"{name} is not JSON")
 
     return json.loads(text, object_pairs_hook=obj, parse_constant=constant)
-
-
-def _peek_schema_version(text: str | bytes) -> object:
-    try:
-        raw = json.loads(text)
-        return raw.get("schema_version") if isinstance(raw, dict) else None
-    except (ValueError, TypeError, RecursionError):
-        return None
 
 
 def _file_sizes(root: Path) -> dict[str, int]:
