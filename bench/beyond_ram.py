@@ -4,9 +4,9 @@
     python bench/beyond_ram.py --size 1 --limits 50  # 1 GB of experts, one limit
     python bench/beyond_ram.py --shape issue --limits-mb 1200,1000,900,700   # issue 27's first look
 
-The model (bench/beyond_ram_model.py): random 4-bit blocks written straight to moestream's
-expert store (int4 g64 experts, bf16 dense read as int8) and to a qwen3moe GGUF (Q4_K
-everywhere 2-D), the same shapes at 4.5 bits per expert weight. ``--shape qwen3`` (default):
+The model (bench/beyond_ram_model.py): random 4-bit blocks written straight to a qwen3moe GGUF
+(Q4_K everywhere 2-D), and moestream's expert store converted from it (int4 g64 experts, bf16
+dense read as int8 at load): the same weights in both systems, 4.5 bits per expert weight. ``--shape qwen3`` (default):
 Qwen3-30B-A3B's layer (hidden 2048, 128 experts top-8 of width 768, 32/4 heads of 128, vocab
 32000), as many layers as ``--size`` GB of experts; ``--shape issue``: the 1.3B-A0.2B model.
 
@@ -244,6 +244,7 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
         # they ran) and the rest, over the decode steps after the prefill
         "wait": {f: getattr(m_end, f) - getattr(m_pf, f)
                  for f in ("stall_s", "misses", "hits", "overlapped", "late_prefetch")},
+        "routing": routing_stats(routed, nl),
     }
     sm.close()
     return out
@@ -382,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
             tmp.cleanup()
 
 
-FILES_VERSION = 3  # bumped when the written files change for one shape (2: zero-mean Q4_K blocks; 3: xxh3 blob checks)
+FILES_VERSION = 4  # bumped when the written files change for one shape (2: zero-mean Q4_K blocks; 3: xxh3 blob
+# checks; 4: the store converted from the GGUF, the same weights, and the embedding's scale)
 
 
 def run_bench(shape, work: Path, args) -> None:
@@ -393,8 +395,8 @@ def run_bench(shape, work: Path, args) -> None:
         t = time.perf_counter()
         for p in (gguf, stamp):
             p.unlink(missing_ok=True)
-        write_store(shape, store)
         write_gguf(shape, gguf)
+        write_store(gguf, store, progress=sys.stderr.isatty())
         stamp.write_text(want)
         print(f"model files written in {time.perf_counter() - t:.0f} s", flush=True)
     files = sorted(p for p in store.iterdir() if p.is_file())
@@ -443,6 +445,9 @@ def run_bench(shape, work: Path, args) -> None:
                         else r.get("refused") or r.get("dead"))
                 if "wait" in r:
                     what += ", a token: " + token_split(r, args.new)
+                    if "routing" in r:
+                        what += (f"; routing: {r['routing']['distinct']:.0f} experts per layer over the run, "
+                                 f"{r['routing']['new']:.0%} of a token's new against the previous token's")
                 if "maxrss" in r:
                     tiers = r["device"] + r["ram"]
                     what += (f", RSS beyond tiers {(r['maxrss'] - tiers) / MB:.0f} MB (after load, prefill, "
@@ -485,6 +490,24 @@ def run_bench(shape, work: Path, args) -> None:
                   f"{fmt(s.get('majflt_tok'), '.0f')} | {s['oom']} | {notes} |")
         last = (label, row)
     print(summary_line(*last))
+
+
+def routing_stats(routed: list[tuple[int, int, list[int]]], layers: int) -> dict:
+    """How hard the run's routing is on a cache: ``distinct``, the experts each sparse layer routed
+    to over the run (mean over layers); ``new``, the share of a token's experts its previous
+    token did not route to in the same layer (mean). ``routed``: (token, layer ordinal, experts)."""
+    per: dict[tuple[int, int], set[int]] = {}
+    for t, layer, row in routed:
+        per.setdefault((t, layer), set()).update(row)
+    seen = [set() for _ in range(layers)]
+    fresh, pairs = 0.0, 0
+    for (t, layer), ids in per.items():
+        seen[layer] |= ids
+        prev = per.get((t - 1, layer))
+        if prev is not None and ids:
+            fresh += len(ids - prev) / len(ids)
+            pairs += 1
+    return {"distinct": sum(len(s) for s in seen) / max(layers, 1), "new": fresh / pairs if pairs else 0.0}
 
 
 def token_split(r: dict, new: int) -> str:

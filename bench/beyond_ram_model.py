@@ -1,19 +1,26 @@
 """The model bench/beyond_ram.py runs: a Qwen3-MoE shape whose weights are random 4-bit blocks
-written straight to both systems' files (no fp32 model ever exists, so an 8 GB model needs no
-8 GB of RAM to make).
+written straight to a GGUF (no fp32 model ever exists, so an 8 GB model needs no 8 GB of RAM to
+make), and moestream's store converted from that GGUF by ``moestream convert`` (what a user with a
+GGUF does): **both systems run the same weights**.
 
-- moestream: an expert store (engine.store format, int4 g64 experts: fp16 scale + fp16 min per 64
-  weights, 4.5 bits/weight; bf16 dense) written by engine.experts.synthetic_disk from one layer of
-  random blobs at a time.
 - llama.cpp: a qwen3moe GGUF whose every 2-D weight is Q4_K (144-byte blocks of 256 weights:
   fp16 d and dmin, twelve 6-bit scale/min bytes, 128 bytes of 4-bit codes: 4.5 bits/weight);
   norms and the router F32. The prebuilt llama-cpp-python 0.3.36 wheel runs Q4_K on this CPU,
   while its Q4_0 and Q8_0 paths die of SIGILL, so Q4_K is the format both the wheel and a native
   build run.
+- moestream: the GGUF converted to an expert store (int4 g64 experts: fp16 scale + fp16 min per
+  64 weights, 4.5 bits/weight; the dense tensors bf16). The blocks are written so that the
+  conversion loses nothing: every 64 weights of an expert share one scale and one min that fp16
+  holds exactly and contain codes 0 and 15, so int4 g64 gives back the same codes; the dense Q4_K
+  values and the router are bf16 numbers. moestream then quantizes its dense weights to int8 at
+  load (its default), llama.cpp reads them as Q4_K.
 
-The two files hold the same shapes at the same 4.5 bits per expert weight, not the same
-numbers (the formats' blocks differ). The dense parts differ as each system runs them:
-moestream quantizes its bf16 dense weights to int8 at load, llama.cpp reads Q4_K.
+Until 2026-12-04 the store was written from random blobs of its own while the GGUF held other
+random numbers: two different models. Their routing differed as much as their bytes per token
+(the GGUF's hidden states lost the token's identity with depth: ~30 of 128 experts per layer
+over 200 tokens and 20% of a token's experts new against the previous token's, the store's ~120 and
+85%), so llama.cpp ran a far easier workload. The token embedding's scale (EMBED_SCALE) now keeps
+the token's identity through the layers, as a trained model's hidden states do.
 """
 
 from __future__ import annotations
@@ -75,54 +82,23 @@ def model_config(shape: Shape):
                       norm_topk_prob=True))
 
 
-# ---- moestream: the expert store ------------------------------------------------------------
-
-class LayerBlobs:
-    """The blobs of a random int4 g64 store, one layer in RAM at a time (the source
-    engine.experts.synthetic_disk.SyntheticDiskStore writes from): a real quantized expert
-    gives the layout, fp16 scales and mins; every expert's codes are random bytes."""
-
-    def __init__(self, shape: Shape, seed: int = 0) -> None:
-        from engine.costmodel import ModelShape
-        from engine.experts.synthetic_store import SyntheticExpertStore
-
-        ms = ModelShape(name=shape.name, layers=shape.layers, hidden=shape.hidden, experts=shape.experts,
-                        expert_width=shape.width, top_k=shape.top_k, shared_width=0, vocab=shape.vocab,
-                        heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim)
-        self.store = SyntheticExpertStore(ms, seed=seed, group_size=64)
-        self.store.config = model_config(shape)  # Qwen3-MoE (q/k norms, no shared expert)
-        self.seed = seed
-        self._layer, self._buf = -1, None
-
-    def blob(self, key) -> torch.Tensor:
-        layer, expert = key
-        if layer != self._layer:
-            s = self.store
-            buf = s.prototype.repeat(s.shape.experts, 1)
-            rng = np.random.default_rng(self.seed * 100_003 + layer)
-            for off, nb in s.code_spans:
-                codes = np.frombuffer(rng.bytes(s.shape.experts * nb), dtype=np.uint8)
-                buf[:, off:off + nb] = torch.from_numpy(codes.reshape(s.shape.experts, nb).copy())
-            self._layer, self._buf = layer, buf
-        return self._buf[expert]
-
-
-def write_store(shape: Shape, out: Path, seed: int = 0) -> Path:
-    """The store at ``out`` (a new or empty directory), kept after this returns."""
-    from engine.experts.synthetic_disk import SyntheticDiskStore
-
-    return SyntheticDiskStore(LayerBlobs(shape, seed), out).write()
-
-
 # ---- llama.cpp: the GGUF --------------------------------------------------------------------
 
-# Q4_K sub-block of 32: w = D * sc * q - DMIN * m, q = 0..15 uniform. sc in {4, 8} with
-# m = 3.75 * sc (15, 30) puts every sub-block's mean at exactly 0 and its step at 0.0039 or
-# 0.0078: zero-mean weights of std ~0.027, as the store's random int4 experts (step ~0.0063,
-# min ~ -7.5 steps) and its normal(0, 0.02) dense weights. Random bytes as scales (the first
-# version) gave every block a positive mean: hidden states all leaning one way, so the GGUF routed
-# far fewer distinct experts than the store and read ~3x fewer bytes per token for that reason.
+# Q4_K sub-block of 32: w = D * sc * q - DMIN * m, q = 0..15 uniform. sc = 4 and m = 15 in every
+# sub-block put its mean at exactly 0 (D * 4 * 7.5 = DMIN * 15) and its step at 2^-8: zero-mean
+# weights of std ~0.018, near the normal(0, 0.02) of a random dense layer. One scale and min for the
+# whole block: every 64 weights are codes times 2^-8 from -30 * 2^-10, which int4 g64 (fp16 scale
+# and min) holds exactly once the group spans codes 0..15 (_q4k puts a 0 and a 15 in each). Random
+# bytes as scales (the first version) gave every block a positive mean: hidden states all leaning
+# one way.
 Q4K_D, Q4K_DMIN = 2.0 ** -10, 2.0 ** -9
+Q4K_SC, Q4K_M = 4, 15
+# The token embedding's blocks are scaled by this (std ~0.59): at the layers' own scale the residual
+# stream forgets which token it started from within a few layers, and every token routes to the
+# same few experts (the 1.3B shape over 200 tokens: ~30 of 64 experts per layer, 20% of a token's
+# experts new against the previous token's; at 32x: 63 of 64 and 80%, as the store the bench wrote
+# before 2026-12-04 routed). bench/beyond_ram.py prints both figures for every moestream run.
+EMBED_SCALE = 32
 
 
 def q4k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -136,22 +112,27 @@ def q4k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     return out
 
 
-def _q4k(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+def _q4k(rng: np.random.Generator, rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
     """``rows`` x ``cols`` weights as random Q4_K blocks (uint8, rows x cols/256*144): random
-    codes, zero-mean sub-blocks (Q4K_D, Q4K_DMIN above)."""
+    codes, zero-mean sub-blocks (Q4K_D, Q4K_DMIN above, times ``scale``: a power of two), and in
+    every 64 weights one random position whose pair of codes is (0, 15): a code 0 in the first
+    sub-block of 32, a 15 in the second, at a position drawn per group (a fixed position would be
+    one column pattern shared by every row)."""
     if cols % Q4K_BLOCK:
         raise ValueError(f"Q4_K needs rows of a multiple of {Q4K_BLOCK} weights, got {cols}")
     nb = rows * cols // Q4K_BLOCK
     blocks = np.frombuffer(rng.bytes(nb * Q4K_BYTES), dtype=np.uint8).reshape(nb, Q4K_BYTES).copy()
-    blocks[:, 0:4] = np.array([Q4K_D, Q4K_DMIN], dtype=np.float16).view(np.uint8)
-    sc = np.where(rng.random((nb, 8)) < 0.5, 4, 8)
-    blocks[:, 4:16] = q4k_scales(sc, sc * 15 // 4)
+    blocks[:, 0:4] = np.array([Q4K_D * scale, Q4K_DMIN * scale], dtype=np.float16).view(np.uint8)
+    blocks[:, 4:16] = q4k_scales(np.full((nb, 8), Q4K_SC), np.full((nb, 8), Q4K_M))
+    # qs: 4 runs of 32 bytes, run j = weights 64j..64j+63 (low nibbles the first 32, high the rest)
+    at = 16 + 32 * np.arange(4)[None, :] + rng.integers(0, 32, (nb, 4))
+    blocks[np.arange(nb)[:, None], at] = 0xF0
     return blocks.reshape(rows, cols // Q4K_BLOCK * Q4K_BYTES)
 
 
 def gguf_tensors(shape: Shape):
-    """(name, numpy shape of the weights, kind) in file order; kind "q4k" or "f32" (F32 vectors
-    of ones for norms, random normal(0, 0.02) for the router, as the store's dense weights)."""
+    """(name, numpy shape of the weights, kind) in file order; kind "q4k", "ones" (F32 norms) or
+    "router" (F32, random normal(0, 0.02) rounded to bf16)."""
     h, s = shape.hidden, shape
     yield "token_embd.weight", (s.vocab, h), "q4k"
     for l in range(s.layers):
@@ -195,11 +176,27 @@ def write_gguf(shape: Shape, path: Path, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed + 7)
     for name, shp, kind in specs:
         if kind == "q4k":
-            data = _q4k(rng, math.prod(shp[:-1]), shp[-1]).reshape(*shp[:-1], -1)
+            scale = EMBED_SCALE if name == "token_embd.weight" else 1.0
+            data = _q4k(rng, math.prod(shp[:-1]), shp[-1], scale).reshape(*shp[:-1], -1)
         elif kind == "ones":
             data = np.ones(shp, dtype=np.float32)
         else:
-            data = (rng.standard_normal(shp, dtype=np.float32) * 0.02).astype(np.float32)
+            # bf16 numbers stored as F32: the store's bf16 dense file holds the same router
+            data = (torch.from_numpy(rng.standard_normal(shp, dtype=np.float32) * 0.02)
+                    .to(torch.bfloat16).float().numpy())
         w.write_tensor_data(data)
     w.close()
     return path
+
+
+# ---- moestream: the store, converted from the GGUF -------------------------------------------
+
+def write_store(gguf_path: Path, out: Path, progress: bool = False) -> Path:
+    """The expert store at ``out`` converted from the GGUF at ``gguf_path`` (engine.store.convert,
+    as ``moestream convert GGUF --out OUT --dense-dtype bf16``): int4 g64 experts, bf16 dense."""
+    from engine.quant.formats import QuantFormat
+    from engine.store import convert
+
+    convert(gguf_path, out, fmt=QuantFormat("int4", 64), dense_dtype="bf16", progress=progress,
+            overwrite=True)
+    return out

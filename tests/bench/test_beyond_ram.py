@@ -1,6 +1,6 @@
-"""bench/beyond_ram.py's parts on a tiny shape: the synthesised store runs in moestream, the
-GGUF holds Q4_K blocks of the same shapes that llama.cpp's reader parses, and a child in a
-limited cgroup has its peak and OOM kill counted (skipped where cgroups cannot be written)."""
+"""bench/beyond_ram.py's parts on a tiny shape: the GGUF holds Q4_K blocks that llama.cpp's
+reader parses and the store converted from it the same weights, which run in moestream; a child
+in a limited cgroup has its peak and OOM kill counted (skipped where cgroups cannot be written)."""
 
 from __future__ import annotations
 
@@ -26,21 +26,21 @@ def M():
         sys.path.remove(str(BENCH))
 
 
-def test_store_runs_and_gguf_has_the_same_shapes_in_q4_k(M, tmp_path):
+def test_the_store_converted_from_the_gguf_holds_the_same_weights(M, tmp_path):
+    """Both systems run one model: the GGUF's Q4_K blocks come back bit for bit from the store's
+    int4 g64 experts and bf16 dense file (a store written from other random numbers routed unlike
+    the GGUF, and llama.cpp ran an easier workload for it)."""
     import gguf
+    import torch
+    from gguf.quants import dequantize
+    from safetensors import safe_open
 
     from engine.experts.runtime import load_from_store
+    from engine.quant.reference import dequantize as dequantize_ours
 
     shape = M.Shape(**TINY)
-    M.write_store(shape, tmp_path / "store")
     M.write_gguf(shape, tmp_path / "m.gguf")
-    with load_from_store(tmp_path / "store", dense="int8", prefetch_depth=0) as sm:
-        cfg = sm.model.config
-        assert (cfg.arch, cfg.num_layers, cfg.moe.num_experts, cfg.moe.top_k) == ("qwen3_moe", 2, 8, 2)
-        assert sm.store.num_experts_total == 16
-        a = sm.store.read_expert(0, 0, verify=True).tobytes()
-        b = sm.store.read_expert(1, 3, verify=True).tobytes()
-        assert a != b  # each expert its own random codes
+    M.write_store(tmp_path / "m.gguf", tmp_path / "store")
     r = gguf.GGUFReader(str(tmp_path / "m.gguf"))
     ts = {t.name: t for t in r.tensors}
     exps = ts["blk.1.ffn_down_exps.weight"]
@@ -48,20 +48,48 @@ def test_store_runs_and_gguf_has_the_same_shapes_in_q4_k(M, tmp_path):
     assert list(exps.shape) == [shape.width, shape.hidden, shape.experts]  # GGUF order: innermost first
     assert int(exps.n_bytes) == shape.experts * shape.hidden * shape.width * 9 // 16  # 4.5 bits/weight
     assert ts["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
-    d = np.asarray(ts["blk.0.attn_q.weight"].data).reshape(-1, 144)[:, :4].copy().view(np.float16)
-    assert np.all(d == np.array([M.Q4K_D, M.Q4K_DMIN], dtype=np.float16))  # finite block scales, as written
-    # zero-mean weights of the store's spread (a positive mean per block made the GGUF's hidden
-    # states lean one way and route to far fewer experts than the store)
-    from gguf.quants import dequantize
-
-    w = dequantize(np.asarray(exps.data)[0], gguf.GGMLQuantizationType.Q4_K)
-    assert abs(float(w.mean())) < 0.002 and 0.02 < float(w.std()) < 0.035
-    from engine.quant.reference import dequantize as dequantize_ours
-
     with load_from_store(tmp_path / "store", dense="int8", prefetch_depth=0) as sm:
-        g, _, _ = sm.store.expert_tensors(0, 0, sm.store.read_expert(0, 0))
-        ours = dequantize_ours(g).float()
-    assert abs(float(ours.mean())) < 0.002 and 0.02 < float(ours.std()) < 0.035
+        cfg = sm.model.config
+        assert (cfg.arch, cfg.num_layers, cfg.moe.num_experts, cfg.moe.top_k) == ("qwen3_moe", 2, 8, 2)
+        st = sm.store
+        assert st.fmt.name == "int4" and st.fmt.group_size == 64
+        seen = []
+        for layer, e in ((0, 0), (1, 3), (1, 7)):
+            mine = st.expert_tensors(layer, e, st.read_expert(layer, e, verify=True))
+            for name, ours in zip(("gate", "up", "down"), mine):
+                want = dequantize(np.asarray(ts[f"blk.{layer}.ffn_{name}_exps.weight"].data)[e],
+                                  gguf.GGMLQuantizationType.Q4_K)
+                got = dequantize_ours(ours).float().numpy()
+                np.testing.assert_array_equal(got, want)
+            # zero-mean, the spread of a random dense layer (a positive mean per block made the
+            # hidden states lean one way)
+            assert abs(float(want.mean())) < 0.002 and 0.015 < float(want.std()) < 0.025
+            seen.append(got)
+        assert not np.array_equal(seen[1], seen[2])  # each expert its own random codes
+    with safe_open(str(tmp_path / "store" / "dense.safetensors"), "pt") as f:
+        for ours, theirs in (("model.embed_tokens.weight", "token_embd.weight"),
+                             ("model.layers.0.self_attn.q_proj.weight", "blk.0.attn_q.weight"),
+                             ("model.layers.1.mlp.gate.weight", "blk.1.ffn_gate_inp.weight")):
+            got = f.get_tensor(ours)
+            assert got.dtype == torch.bfloat16
+            t = ts[theirs]
+            want = dequantize(np.asarray(t.data), t.tensor_type).reshape(got.shape)
+            np.testing.assert_array_equal(got.float().numpy(), want)
+    want = dequantize(np.asarray(ts["token_embd.weight"].data), gguf.GGMLQuantizationType.Q4_K)
+    assert 0.4 < float(want.std()) < 0.8  # EMBED_SCALE x the layers' spread
+
+
+def test_routing_stats_count_experts_per_layer_and_the_new_share():
+    sys.path.insert(0, str(BENCH))
+    try:
+        B = importlib.import_module("beyond_ram")
+    finally:
+        sys.path.remove(str(BENCH))
+    # layer 0: tokens 0, 1 route {1, 2} then {2, 3}: 3 experts, half of token 1's new;
+    # layer 1: {4, 5} twice: 2 experts, none new
+    routed = [(0, 0, [1, 2]), (0, 1, [4, 5]), (1, 0, [2, 3]), (1, 1, [5, 4])]
+    assert B.routing_stats(routed, 2) == {"distinct": 2.5, "new": 0.25}
+    assert B.routing_stats([], 2) == {"distinct": 0.0, "new": 0.0}
 
 
 def test_a_child_over_its_limit_is_counted_as_an_oom_kill():
@@ -91,7 +119,8 @@ def test_moestream_child_decodes_the_fixed_continuation_and_counts_its_reads(M, 
     finally:
         sys.path.remove(str(BENCH))
     shape = M.Shape(**TINY)
-    M.write_store(shape, tmp_path / "store")
+    M.write_gguf(shape, tmp_path / "m.gguf")
+    M.write_store(tmp_path / "m.gguf", tmp_path / "store")
     cont = B.continuation(shape.vocab, 6)
     assert cont == B.continuation(shape.vocab, 6) and len(cont) == 5 and len(set(cont)) > 1
     out = B.moestream_child(str(tmp_path / "store"), 4, 6, 1, 2, warm=False)
@@ -103,6 +132,8 @@ def test_moestream_child_decodes_the_fixed_continuation_and_counts_its_reads(M, 
     w = out["wait"]
     assert w["misses"] > 0 and w["misses"] + w["hits"] == 5 * shape.layers * shape.top_k
     assert w["stall_s"] >= 0 and w["late_prefetch"] == 0
+    # the run's routing: at most every expert of a layer, and top_k of them at least
+    assert shape.top_k <= out["routing"]["distinct"] <= shape.experts and 0 <= out["routing"]["new"] <= 1
     split = B.token_split(out, 6)
     assert split.startswith(f"{1e3 / out['decode']:.0f} ms = ") and f"{w['misses'] / 5:.1f} misses" in split
     # the process's peak RSS after load, prefill and decode: never falls, and the run's peak is the last
