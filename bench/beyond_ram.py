@@ -41,6 +41,7 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,7 +51,7 @@ import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from beyond_ram_model import ISSUE_SHAPE, qwen3_30b_like, write_gguf, write_store  # noqa: E402
+from beyond_ram_model import EMBED_SCALE, ISSUE_SHAPE, qwen3_30b_like, write_gguf, write_store  # noqa: E402
 from cgroup_limit import LimitedGroup, NoCgroup, evict  # noqa: E402
 from llama_child import LlamaCppChild, LlamaCppDied, io_counters  # noqa: E402
 
@@ -218,20 +219,28 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
     from engine.experts.simulate import simulate
     from engine.experts.trace import TraceRecorder
 
-    # token by token (the prefill's layer-at-a-time order sorted into it): the order the
-    # simulator's policies replay
+    # the accesses in the order the live cache saw them: the load's fill, the prefill as it ran
+    # (one step, layer by layer, each layer's distinct experts acquired once, ascending), then
+    # the decode token by token (replaying the prefill token by token instead counted an expert
+    # once per prompt token that routed to it, which the cache never did: its frequencies, hence
+    # its choices after the prefill, differed, and at 64 prompt tokens the decode read 1.33x
+    # the prediction)
     rec = TraceRecorder(len(cfg.moe_layers), cfg.moe.num_experts, cfg.moe.top_k)
     k, nl = cfg.moe.top_k, len(cfg.moe_layers)
     fill = -(-warmed // (k * nl)) if warm else 0  # ExpertCache.warm's order: expert e of every layer, e = 0, 1, ...
     for c in range(fill):
         for layer in range(nl):
             rec.record(c, layer, [(c * k + j) % cfg.moe.num_experts for j in range(k)])
-    for t, layer, row in sorted(routed, key=lambda r: (r[0], r[1])):
+    prompt_rows = [(layer, row) for t, layer, row in routed if t < prompt_len]
+    for layer, row in prefill_records(prompt_rows, nl, k):
+        rec.record(fill, layer, row)
+    n_pre = len(rec)
+    for t, layer, row in sorted((r for r in routed if r[0] >= prompt_len), key=lambda r: (r[0], r[1])):
         rec.record(fill + t, layer, row)
     trace = rec.trace()
     cap = sm.cache.num_slots
     full = simulate(trace, "sweep", cap, expert_bytes=slot)
-    pre = simulate(trace[:(fill + prompt_len) * nl], "sweep", cap, expert_bytes=slot)
+    pre = simulate(trace[:n_pre], "sweep", cap, expert_bytes=slot)
     counters = sm.cache.source.counters()
     out = {
         "prefill": prefill_tps, "decode": decode_tps, "budgets": b.line,
@@ -341,6 +350,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--embed-scale", type=int, default=EMBED_SCALE,
+                    help="the token embedding's scale against the layers' weights (a power of two): how "
+                         "much of the token's identity the hidden states keep, i.e. how local the routing "
+                         "is (printed per run); higher: more experts per token change")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--io-threads", type=int, default=8, help="moestream's expert reads in flight (queue depth)")
     ap.add_argument("--prefetch", type=int, default=0,
@@ -390,12 +403,14 @@ FILES_VERSION = 4  # bumped when the written files change for one shape (2: zero
 def run_bench(shape, work: Path, args) -> None:
     store, gguf = work / "store", work / "model.gguf"
     stamp = work / "shape.json"
-    want = json.dumps({**vars(shape), "files": FILES_VERSION}, sort_keys=True)
+    want = json.dumps({**vars(shape), "files": FILES_VERSION, "embed_scale": args.embed_scale}, sort_keys=True)
     if not (stamp.exists() and stamp.read_text() == want and (store / "manifest.json").exists() and gguf.exists()):
         t = time.perf_counter()
         for p in (gguf, stamp):
             p.unlink(missing_ok=True)
-        write_gguf(shape, gguf)
+        if store.is_dir():  # the bench's own store of an earlier shape or version: converted anew
+            shutil.rmtree(store)
+        write_gguf(shape, gguf, embed_scale=args.embed_scale)
         write_store(gguf, store, progress=sys.stderr.isatty())
         stamp.write_text(want)
         print(f"model files written in {time.perf_counter() - t:.0f} s", flush=True)
@@ -406,7 +421,8 @@ def run_bench(shape, work: Path, args) -> None:
     print(f"model: {shape.name}: {shape.layers} layers, hidden {shape.hidden}, {shape.experts} experts top-"
           f"{shape.top_k} of width {shape.width}, {shape.heads}/{shape.kv_heads} heads of {shape.head_dim}, "
           f"vocab {shape.vocab}\n  moestream store {store_bytes / MB:.0f} MB ({expert_bytes / MB:.0f} MB experts, "
-          f"int4 g64), llama.cpp GGUF {gguf.stat().st_size / MB:.0f} MB (Q4_K)\n  {args.prompt} random prompt ids + "
+          f"int4 g64, converted from the GGUF: the same weights), llama.cpp GGUF {gguf.stat().st_size / MB:.0f} MB (Q4_K); "
+          f"token embedding {args.embed_scale}x the layers' scale\n  {args.prompt} random prompt ids + "
           f"{args.new} {'greedy' if args.greedy else 'forced (the same fixed continuation)'} tokens, {args.threads} threads, moestream io threads {args.io_threads}, "
           f"{args.rounds} alternating rounds (medians), pages evicted before each run", flush=True)
     disk = measure_disk(layer_files)
@@ -490,6 +506,21 @@ def run_bench(shape, work: Path, args) -> None:
                   f"{fmt(s.get('majflt_tok'), '.0f')} | {s['oom']} | {notes} |")
         last = (label, row)
     print(summary_line(*last))
+
+
+def prefill_records(rows: list[tuple[int, list[int]]], layers: int, top_k: int) -> list[tuple[int, list[int]]]:
+    """A prefill's routing as the expert cache sees it, for the simulator: layer by layer, the
+    distinct experts its rows routed to, ascending, in records of ``top_k`` (a trace's record
+    width; the last one topped up with the layer's first experts, which are resident by then:
+    hits). ``rows``: (layer ordinal, experts) of every prompt row."""
+    out = []
+    for layer in range(layers):
+        ids = sorted({e for l, row in rows if l == layer for e in row})
+        for i in range(0, len(ids), top_k):
+            part = ids[i:i + top_k]
+            part += [e for e in ids if e not in part][:top_k - len(part)]
+            out.append((layer, part))
+    return out
 
 
 def routing_stats(routed: list[tuple[int, int, list[int]]], layers: int) -> dict:

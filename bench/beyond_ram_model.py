@@ -93,12 +93,15 @@ def model_config(shape: Shape):
 # one way.
 Q4K_D, Q4K_DMIN = 2.0 ** -10, 2.0 ** -9
 Q4K_SC, Q4K_M = 4, 15
-# The token embedding's blocks are scaled by this (std ~0.59): at the layers' own scale the residual
+# The token embedding's blocks are scaled by this (std ~1.2): at the layers' own scale the residual
 # stream forgets which token it started from within a few layers, and every token routes to the
 # same few experts (the 1.3B shape over 200 tokens: ~30 of 64 experts per layer, 20% of a token's
-# experts new against the previous token's; at 32x: 63 of 64 and 80%, as the store the bench wrote
-# before 2026-12-04 routed). bench/beyond_ram.py prints both figures for every moestream run.
-EMBED_SCALE = 32
+# experts new against the previous token's). On the 8 GB shape over a 64 + 64-token run: 32x routes
+# to 48 of 128 experts per layer, 37% new per token; 64x to 76 of 128, 61% new: the default, the
+# harder of the two for a cache and nearer what trained fine-grained MoEs are reported to do (most
+# experts used over a sequence, about half of a token's experts kept from the previous token).
+# bench/beyond_ram.py prints both figures for every moestream run; --embed-scale picks another.
+EMBED_SCALE = 64
 
 
 def q4k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -153,8 +156,11 @@ def gguf_tensors(shape: Shape):
     yield "output.weight", (s.vocab, h), "q4k"
 
 
-def write_gguf(shape: Shape, path: Path, seed: int = 0) -> Path:
-    """The qwen3moe GGUF at ``path``, written one tensor at a time."""
+def write_gguf(shape: Shape, path: Path, seed: int = 0, embed_scale: int = EMBED_SCALE) -> Path:
+    """The qwen3moe GGUF at ``path``, written one tensor at a time; ``embed_scale``: the token
+    embedding's scale against the layers' (a power of two; EMBED_SCALE)."""
+    if embed_scale < 1 or embed_scale & (embed_scale - 1):
+        raise ValueError(f"embed_scale must be a power of two >= 1 (exact in fp16 and bf16), got {embed_scale}")
     import gguf
 
     from vs_llama_cpp import gguf_writer
@@ -176,7 +182,7 @@ def write_gguf(shape: Shape, path: Path, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed + 7)
     for name, shp, kind in specs:
         if kind == "q4k":
-            scale = EMBED_SCALE if name == "token_embd.weight" else 1.0
+            scale = embed_scale if name == "token_embd.weight" else 1.0
             data = _q4k(rng, math.prod(shp[:-1]), shp[-1], scale).reshape(*shp[:-1], -1)
         elif kind == "ones":
             data = np.ones(shp, dtype=np.float32)
