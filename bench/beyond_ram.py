@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from beyond_ram_model import EMBED_SCALE, ISSUE_SHAPE, qwen3_30b_like, write_gguf, write_store  # noqa: E402
+from beyond_ram_model import EMBED_SCALE, ISSUE_SHAPE, TINY_SHAPE, qwen3_30b_like, write_gguf, write_store  # noqa: E402
 from cgroup_limit import LimitedGroup, NoCgroup, evict  # noqa: E402
 from llama_child import LlamaCppChild, LlamaCppDied, io_counters  # noqa: E402
 
@@ -343,7 +343,9 @@ def fmt(x, spec=".1f", none="-"):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=["qwen3", "issue"], default="qwen3")
+    ap.add_argument("--shape", choices=["qwen3", "issue", "tiny"], default="qwen3",
+                    help="qwen3: Qwen3-30B-A3B's layer, --size GB of experts; issue: the 1.3B-A0.2B; tiny: a "
+                         "2-layer smoke test that runs in seconds")
     ap.add_argument("--size", type=float, default=8.0, help="GB of 4.5-bit experts (--shape qwen3)")
     ap.add_argument("--limits", default="25,50,75", help="memory limits, percent of the store's bytes")
     ap.add_argument("--limits-mb", default=None, help="memory limits in MB (instead of --limits)")
@@ -377,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
                                          args.prefetch, args.warm, args.greedy)))
         return
 
-    shape = ISSUE_SHAPE if args.shape == "issue" else qwen3_30b_like(args.size * 1e9)
+    shape = {"issue": ISSUE_SHAPE, "tiny": TINY_SHAPE}.get(args.shape) or qwen3_30b_like(args.size * 1e9)
     args.vocab = shape.vocab
     from engine.quant.kernels import load_extension
 
@@ -408,8 +410,8 @@ def run_bench(shape, work: Path, args) -> None:
         t = time.perf_counter()
         for p in (gguf, stamp):
             p.unlink(missing_ok=True)
-        if store.is_dir():  # the bench's own store of an earlier shape or version: converted anew
-            shutil.rmtree(store)
+        if (store / "manifest.json").is_file():  # the bench's store of an earlier shape or version (its
+            shutil.rmtree(store)  # files, an older writer's extra ones too, go): converted anew
         write_gguf(shape, gguf, embed_scale=args.embed_scale)
         write_store(gguf, store, progress=sys.stderr.isatty())
         stamp.write_text(want)

@@ -71,6 +71,10 @@ def qwen3_30b_like(size_bytes: float) -> Shape:
 ISSUE_SHAPE = Shape("qwen3-moe 1.3B-A0.2B", 12, 1024, 64, 8, 512, 16, 4, 64)
 
 
+# A smoke-test shape (tests/bench/test_beyond_ram.py runs the whole bench on it in seconds)
+TINY_SHAPE = Shape("tiny", 2, 256, 8, 2, 256, 4, 2, 64, vocab=512)
+
+
 def model_config(shape: Shape):
     from engine.config import ModelConfig, MoEConfig
 

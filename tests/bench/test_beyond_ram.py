@@ -211,3 +211,24 @@ def test_the_summary_line_names_a_refusals_minimum_and_the_ratio():
                              "dead": []}, **llama}
     assert M.summary_line("400 MB", refused) == ("beyond-ram 400 MB: moestream refused (needs at least 459.36 MiB), "
                                                  "llama.cpp 4.00 tok/s (n/a), disk use n/a% of bandwidth")
+
+
+def test_the_whole_bench_runs_on_the_tiny_shape(tmp_path):
+    """bench/beyond_ram.py end to end on a 2-layer model (GGUF written, store converted, disk
+    probed, one moestream run in a limited cgroup, the table and the summary line), so a broken
+    bench fails here and not an hour into a run; skipped where cgroups cannot be written."""
+    import os
+
+    cmd = [sys.executable, str(BENCH / "beyond_ram.py"), "--shape", "tiny", "--limits-mb", "2000", "--rounds", "1",
+           "--prompt", "4", "--new", "4", "--no-llama", "--timeout", "120", "--dir", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    if r.returncode != 0 and "beyond-ram: " in r.stderr and "cgroup" in r.stderr:
+        pytest.skip(r.stderr.strip()[-200:])
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "converted from the GGUF: the same weights" in out and "token embedding 64x" in out
+    assert "routing: " in out and "| 2000 MB (2000 MB) | moestream |" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("beyond-ram 2000 MB: moestream ") and "tok/s" in last
+    assert (tmp_path / "store" / "manifest.json").is_file() and (tmp_path / "model.gguf").is_file()
