@@ -427,6 +427,10 @@ def run_bench(shape, work: Path, args) -> None:
           f"token embedding {args.embed_scale}x the layers' scale\n  {args.prompt} random prompt ids + "
           f"{args.new} {'greedy' if args.greedy else 'forced (the same fixed continuation)'} tokens, {args.threads} threads, moestream io threads {args.io_threads}, "
           f"{args.rounds} alternating rounds (medians), pages evicted before each run", flush=True)
+    ra = readahead_kb(gguf)
+    print(f"page-cache readahead of the model's filesystem: {fmt(ra, 'd', 'unknown')} KiB (llama.cpp's mmap mode "
+          f"reads that much around a fault on a cold page; the kernel's default is 128, this figure decides much of "
+          f"its row: docs/benchmarks.md)", flush=True)
     disk = measure_disk(layer_files)
     bw = disk["seq_bytes_s"]
     print(f"disk (O_DIRECT, store files): sequential 1 MiB {bw / MB:.0f} MB/s; 4 KiB random QD1 "
@@ -508,6 +512,17 @@ def run_bench(shape, work: Path, args) -> None:
                   f"{fmt(s.get('majflt_tok'), '.0f')} | {s['oom']} | {notes} |")
         last = (label, row)
     print(summary_line(*last))
+
+
+def readahead_kb(path: Path) -> int | None:
+    """The page cache's readahead (KiB) of the filesystem holding ``path``
+    (/sys/class/bdi/MAJ:MIN/read_ahead_kb), None where it cannot be read. llama.cpp's mmap mode
+    reads this much around every page fault of a cold page; moestream reads with O_DIRECT."""
+    try:
+        dev = path.stat().st_dev
+        return int(Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def prefill_records(rows: list[tuple[int, list[int]]], layers: int, top_k: int) -> list[tuple[int, list[int]]]:

@@ -229,6 +229,27 @@ def test_the_whole_bench_runs_on_the_tiny_shape(tmp_path):
     out = r.stdout
     assert "converted from the GGUF: the same weights" in out and "token embedding 64x" in out
     assert "routing: " in out and "| 2000 MB (2000 MB) | moestream |" in out
+    assert "page-cache readahead of the model's filesystem: " in out
     last = out.strip().splitlines()[-1]
     assert last.startswith("beyond-ram 2000 MB: moestream ") and "tok/s" in last
     assert (tmp_path / "store" / "manifest.json").is_file() and (tmp_path / "model.gguf").is_file()
+
+
+def test_readahead_is_read_from_the_filesystems_backing_device(tmp_path, monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    try:
+        B = importlib.import_module("beyond_ram")
+    finally:
+        sys.path.remove(str(BENCH))
+    f = tmp_path / "x"
+    f.write_bytes(b"x")
+    import os
+
+    dev = f.stat().st_dev
+    want = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+    got = B.readahead_kb(f)
+    if want.is_file():
+        assert got == int(want.read_text())
+    else:
+        assert got is None
+    assert B.readahead_kb(tmp_path / "missing") is None
