@@ -17,13 +17,24 @@ TINY = dict(name="tiny", layers=2, hidden=256, experts=8, top_k=2, width=256, he
             vocab=512)
 
 
-@pytest.fixture(scope="module")
-def M():
+def _from_bench(name: str):
+    """bench/NAME.py as a module, bench/ on sys.path while it is in use (its functions import
+    their bench neighbours when called)."""
     sys.path.insert(0, str(BENCH))
     try:
-        yield importlib.import_module("beyond_ram_model")
+        yield importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def B():
+    yield from _from_bench("beyond_ram")
+
+
+@pytest.fixture(scope="module")
+def M():
+    yield from _from_bench("beyond_ram_model")
 
 
 def test_the_store_converted_from_the_gguf_holds_the_same_weights(M, tmp_path):
@@ -84,26 +95,16 @@ def test_the_store_converted_from_the_gguf_holds_the_same_weights(M, tmp_path):
         M.write_gguf(shape, tmp_path / "e3.gguf", embed_scale=3)
 
 
-def test_prefill_records_replay_each_layer_once_as_the_cache_acquired_it():
+def test_prefill_records_replay_each_layer_once_as_the_cache_acquired_it(B):
     """The simulator sees a prefill as the expert cache did: per layer, each distinct expert once
     (a prompt routing expert 2 from every row still counts one access), ascending, in records of
     top_k, the last topped up with experts already read (hits), layers in order."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        B = importlib.import_module("beyond_ram")
-    finally:
-        sys.path.remove(str(BENCH))
     rows = [(0, [2, 1]), (1, [5, 4]), (0, [2, 3]), (0, [2, 1]), (1, [4, 5])]
     assert B.prefill_records(rows, 2, 2) == [(0, [1, 2]), (0, [3, 1]), (1, [4, 5])]
     assert B.prefill_records(rows, 3, 2)[-1] == (1, [4, 5])  # a layer no row reached: no record
 
 
-def test_routing_stats_count_experts_per_layer_and_the_new_share():
-    sys.path.insert(0, str(BENCH))
-    try:
-        B = importlib.import_module("beyond_ram")
-    finally:
-        sys.path.remove(str(BENCH))
+def test_routing_stats_count_experts_per_layer_and_the_new_share(B):
     # layer 0: tokens 0, 1 route {1, 2} then {2, 3}: 3 experts, half of token 1's new;
     # layer 1: {4, 5} twice: 2 experts, none new
     routed = [(0, 0, [1, 2]), (0, 1, [4, 5]), (1, 0, [2, 3]), (1, 1, [5, 4])]
@@ -128,15 +129,10 @@ def test_a_child_over_its_limit_is_counted_as_an_oom_kill():
         assert r.returncode == -9 and g.oom_kills() == 1
 
 
-def test_moestream_child_decodes_the_fixed_continuation_and_counts_its_reads(M, tmp_path):
+def test_moestream_child_decodes_the_fixed_continuation_and_counts_its_reads(M, tmp_path, B):
     """The moestream child (no limit here: every budget fits) feeds the prompt and then the fixed
     continuation one token per step, the one the llama.cpp child feeds; the simulator replays the
     run's own routing (misses after a cold start: at least every expert routed to once)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        B = importlib.import_module("beyond_ram")
-    finally:
-        sys.path.remove(str(BENCH))
     shape = M.Shape(**TINY)
     M.write_gguf(shape, tmp_path / "m.gguf")
     M.write_store(tmp_path / "m.gguf", tmp_path / "store")
@@ -167,49 +163,39 @@ def test_moestream_child_decodes_the_fixed_continuation_and_counts_its_reads(M, 
         assert out["resident"] == dense_resident_bytes(st, dense="int8") + kv > kv
 
 
-def test_disk_use_is_taken_against_the_probes_around_each_run(tmp_path):
+def test_disk_use_is_taken_against_the_probes_around_each_run(tmp_path, B):
     """sequential_bandwidth reads the files it is given with O_DIRECT; summarise's disk use is
     each run's decode bytes/s over the bandwidth probed around that run (the median over runs)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        M = importlib.import_module("beyond_ram")
-    finally:
-        sys.path.remove(str(BENCH))
     f = tmp_path / "blob"
     f.write_bytes(bytes(range(256)) * (4 << 12))  # 4 MiB
     try:
-        assert M.sequential_bandwidth([f], 0.2) > 0
+        assert B.sequential_bandwidth([f], 0.2) > 0
     except OSError as e:  # a filesystem without O_DIRECT (tmpfs)
         pytest.skip(f"no O_DIRECT here: {e}")
     new = 5
     runs = [{"decode": 2.0, "prefill": 1.0, "io": [(0, 0), (0, 0), (0, 0), (4 * 100, 0)], "disk_bw": 400.0},
             {"decode": 4.0, "prefill": 1.0, "io": [(0, 0), (0, 0), (0, 0), (4 * 100, 0)], "disk_bw": 200.0},
             {"decode": 1.0, "prefill": 1.0, "io": [(0, 0), (0, 0), (0, 0), (4 * 100, 0)], "disk_bw": 100.0}]
-    s = M.summarise(runs, new)  # 100 bytes per decoded token: uses 0.5, 2.0, 1.0
+    s = B.summarise(runs, new)  # 100 bytes per decoded token: uses 0.5, 2.0, 1.0
     assert s["use"] == pytest.approx(1.0) and s["disk_bw"] == 200.0
 
 
-def test_the_summary_line_names_a_refusals_minimum_and_the_ratio():
+def test_the_summary_line_names_a_refusals_minimum_and_the_ratio(B):
     """The last line: moestream's decode against the faster llama.cpp row that ran, or, where
     moestream refused the limit, the minimum its typed error named (not the cgroup's path)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        M = importlib.import_module("beyond_ram")
-    finally:
-        sys.path.remove(str(BENCH))
     llama = {"llama.cpp": {"refused": [], "dead": ["killed by SIGKILL"]},
              "llama.cpp mmap": {"refused": [], "dead": [], "decode": 4.0}}
     ran = {"moestream": {"refused": [], "dead": [], "decode": 10.0, "use": 0.71}, **llama}
-    assert M.summary_line("50%", ran) == ("beyond-ram 50%: moestream 10.00 tok/s, llama.cpp 4.00 tok/s (2.5x), "
+    assert B.summary_line("50%", ran) == ("beyond-ram 50%: moestream 10.00 tok/s, llama.cpp 4.00 tok/s (2.5x), "
                                           "disk use 71% of bandwidth")
-    split = M.token_split({"decode": 10.0, "wait": {"stall_s": 0.6, "misses": 30, "hits": 90, "overlapped": 60,
+    split = B.token_split({"decode": 10.0, "wait": {"stall_s": 0.6, "misses": 30, "hits": 90, "overlapped": 60,
                                                     "late_prefetch": 6}}, 7)
     assert split == ("100 ms = 100 ms waiting for reads + 0 ms computing; 5.0 misses (1.0 of them prefetches "
                      "still landing), 10.0 hits computed while reads ran")
     refused = {"moestream": {"refused": ["cgroup limit 381.47 MiB (/sys/fs/cgroup/memory/x/memory.limit_in_bytes) "
                                          "cannot hold this model: it needs at least 459.36 MiB (481675264 B): ..."],
                              "dead": []}, **llama}
-    assert M.summary_line("400 MB", refused) == ("beyond-ram 400 MB: moestream refused (needs at least 459.36 MiB), "
+    assert B.summary_line("400 MB", refused) == ("beyond-ram 400 MB: moestream refused (needs at least 459.36 MiB), "
                                                  "llama.cpp 4.00 tok/s (n/a), disk use n/a% of bandwidth")
 
 
@@ -235,12 +221,7 @@ def test_the_whole_bench_runs_on_the_tiny_shape(tmp_path):
     assert (tmp_path / "store" / "manifest.json").is_file() and (tmp_path / "model.gguf").is_file()
 
 
-def test_readahead_is_read_from_the_filesystems_backing_device(tmp_path, monkeypatch):
-    sys.path.insert(0, str(BENCH))
-    try:
-        B = importlib.import_module("beyond_ram")
-    finally:
-        sys.path.remove(str(BENCH))
+def test_readahead_is_read_from_the_filesystems_backing_device(tmp_path, B):
     f = tmp_path / "x"
     f.write_bytes(b"x")
     import os
