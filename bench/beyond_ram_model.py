@@ -102,8 +102,9 @@ Q4K_SC, Q4K_M = 4, 15
 # same few experts (the 1.3B shape over 200 tokens: ~30 of 64 experts per layer, 20% of a token's
 # experts new against the previous token's). On the 8 GB shape over a 64 + 64-token run: 32x routes
 # to 48 of 128 experts per layer, 37% new per token; 64x to 76 of 128, 61% new: the default, the
-# harder of the two for a cache and nearer what trained fine-grained MoEs are reported to do (most
-# experts used over a sequence, about half of a token's experts kept from the previous token).
+# harder of the two for a cache and nearer our reading of published analyses of trained fine-grained
+# MoEs (most experts used over a sequence, about half of a token's experts kept from the previous
+# token; no trained model's trace is at hand offline to check it).
 # bench/beyond_ram.py prints both figures for every moestream run; --embed-scale picks another.
 EMBED_SCALE = 64
 
