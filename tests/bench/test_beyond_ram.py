@@ -59,10 +59,13 @@ def test_the_store_converted_from_the_gguf_holds_the_same_weights(M, tmp_path):
     assert list(exps.shape) == [shape.width, shape.hidden, shape.experts]  # GGUF order: innermost first
     assert int(exps.n_bytes) == shape.experts * shape.hidden * shape.width * 9 // 16  # 4.5 bits/weight
     assert ts["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    d = np.asarray(ts["blk.0.attn_q.weight"].data).reshape(-1, 144)[:, :4].copy().view(np.float16)
+    assert np.all(d == np.array([M.Q4K_D, M.Q4K_DMIN], dtype=np.float16))  # finite block scales, as written
     with load_from_store(tmp_path / "store", dense="int8", prefetch_depth=0) as sm:
         cfg = sm.model.config
         assert (cfg.arch, cfg.num_layers, cfg.moe.num_experts, cfg.moe.top_k) == ("qwen3_moe", 2, 8, 2)
         st = sm.store
+        assert st.num_experts_total == 16
         assert st.fmt.name == "int4" and st.fmt.group_size == 64
         seen = []
         for layer, e in ((0, 0), (1, 3), (1, 7)):
