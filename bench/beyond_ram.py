@@ -465,11 +465,10 @@ def run_bench(shape, work: Path, args) -> None:
                         f"{per_token(r, args.new)[0] / MB:.1f} MB read/token, disk {before / MB:.0f} -> "
                         f"{after / MB:.0f} MB/s" if "decode" in r
                         else r.get("refused") or r.get("dead"))
-                if "wait" in r:
-                    what += ", a token: " + token_split(r, args.new)
-                    if "routing" in r:
-                        what += (f"; routing: {r['routing']['distinct']:.0f} experts per layer over the run, "
-                                 f"{r['routing']['new']:.0%} of a token's new against the previous token's")
+                if "wait" in r:  # a moestream run (its child reports the split and the routing together)
+                    what += (", a token: " + token_split(r, args.new) + f"; routing: {r['routing']['distinct']:.0f} "
+                             f"experts per layer over the run, {r['routing']['new']:.0%} of a token's new against "
+                             f"the previous token's")
                 if "maxrss" in r:
                     tiers = r["device"] + r["ram"]
                     what += (f", RSS beyond tiers {(r['maxrss'] - tiers) / MB:.0f} MB (after load, prefill, "
