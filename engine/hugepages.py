@@ -78,20 +78,23 @@ def advise_huge(t: torch.Tensor) -> bool:
 def huge_empty(*shape: int, dtype: torch.dtype = torch.uint8, device: torch.device | str = "cpu") -> torch.Tensor:
     """``torch.empty(shape)`` whose CPU memory starts on a 4 KiB page (an O_DIRECT read can land
     in it: the expert cache's slots, engine.experts.tiers.HostTier.read_around) and is advised to
-    2 MiB pages before its first write. A buffer of a huge page or more is a fresh private
-    anonymous mapping starting on a 2 MiB boundary (malloc may hand back heap memory touched
+    2 MiB pages before its first write. It is a fresh private anonymous mapping, starting on a
+    2 MiB boundary when it holds a huge page or more (malloc may hand back heap memory touched
     before, whose small pages stay small; a shared one would be shmem, whose huge pages are off
-    by default), returned to the system when the tensor is freed."""
+    by default), returned to the system when the tensor is freed; its storage starts where its
+    data does."""
     if torch.device(device).type != "cpu":
         return torch.empty(*shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    if nbytes >= HUGE:
-        raw = torch.frombuffer(mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
-                               dtype=torch.uint8)
-        skip = (-raw.data_ptr()) % HUGE
-    else:
-        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-        skip = (-raw.data_ptr()) % PAGE
-    t = raw[skip: skip + nbytes].view(dtype).view(*shape)
+    if nbytes == 0:
+        return torch.empty(*shape, dtype=dtype)
+    # A mapping starts on a page; a huge one is over-allocated by a huge page to start on one.
+    # The tensor's storage begins where its data does (frombuffer's offset, not a slice of a
+    # larger storage): torch's is_pinned() looks up the storage's start, so a slice of a bigger
+    # block registered from the slice's start (engine.experts.pinning) reads as unpinned, and a
+    # CUDA graph capture then refuses copies from it (seen on an H200).
+    mm = mmap.mmap(-1, nbytes + (HUGE if nbytes >= HUGE else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    skip = (-torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()) % HUGE if nbytes >= HUGE else 0
+    t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=skip).view(dtype).view(*shape)
     advise_huge(t)
     return t

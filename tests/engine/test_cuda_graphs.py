@@ -110,12 +110,12 @@ def check_model(store, factory, device: str) -> None:
     reqs = [(prompt, 6), (prompt[:4], 4), ([7, 7, 2, 50, 11], 2)]
 
     def run(graphs: bool):
-        sm = _load(store, slots=12)
+        sm = _load(store, slots=12, device=device)
         try:
             gs = CG.enable(sm.model, factory) if graphs else CG.disable(sm.model)
             c = sm.model.config
             kv = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim)
-            logits = executor_for(sm.model)(torch.tensor(prompt), BatchLayout.single(0, len(prompt), 0), kv,
+            logits = executor_for(sm.model)(torch.tensor(prompt, device=device), BatchLayout.single(0, len(prompt), 0), kv,
                                             all_logits=True)
             engine = Engine.for_requests(sm.model, None, len(prompt) + 8, seqs=3)
             out = engine.generate([Request(p, SamplingConfig(max_tokens=n, ignore_eos=True)) for p, n in reqs])

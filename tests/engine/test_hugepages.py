@@ -57,3 +57,13 @@ def test_buffers_start_on_a_4k_page_for_o_direct_reads(shape, dtype):
         assert t.data_ptr() % 4096 == 0
         t.fill_(1)  # the whole view is writable memory of its own
         assert t.float().sum().item() == t.numel()
+
+
+@pytest.mark.parametrize("nbytes", [3 * 4096, 3 * HUGE + 4096])
+def test_the_storage_starts_where_the_data_does(nbytes):
+    """torch's is_pinned() (and a CUDA graph capture's check of a host buffer) looks up the
+    storage's first byte: a buffer registered from its data pointer must not be the slice of a
+    larger, unaligned storage (an H200 run refused captures reading the RAM tier for that)."""
+    t = huge_empty(nbytes)
+    assert t.untyped_storage().data_ptr() == t.data_ptr() and t.untyped_storage().nbytes() == nbytes
+    assert t.data_ptr() % (HUGE if nbytes >= HUGE else 4096) == 0

@@ -87,20 +87,12 @@ def run_device(store, monkeypatch, prefetch: int = 0, break_with=None, slots: in
                factory=CG.RecordedGraph):
     """Batched greedy decode with the device cache and one graph per decode step; returns the
     outputs (tokens, step logits), the host synchronisations and misses of each step that ran as
-    one graph, every slot each expert was seen in, the graph set and the cache's counts."""
+    one graph, every slot each expert held after a step, the graph set and the cache's counts."""
     sm = _load(store, slots, device, prefetch=prefetch, device_cache=True)
     cache = sm.cache
     if break_with is not None:
         break_with(cache, monkeypatch)
     seen: dict = {}
-    real_acquire = cache.device_acquire
-
-    def acquire(layer, ids):
-        real_acquire(layer, ids)
-        for key, slot in cache.dpolicy.slot_of().items():
-            seen.setdefault(key, set()).add(slot)
-
-    cache.device_acquire = acquire
     steps = []
     real_run = step_graph.run_step
 
@@ -110,6 +102,10 @@ def run_device(store, monkeypatch, prefetch: int = 0, break_with=None, slots: in
             out = real_run(*args, **kw)
         if out is not None:
             steps.append((c.total, cache.device_counts()["misses"] - before))
+        # the slots after each step, read outside it: a reader inside the step would be a host
+        # synchronisation, which a CUDA graph capture refuses
+        for key, slot in cache.dpolicy.slot_of().items():
+            seen.setdefault(key, set()).add(slot)
         return out
 
     monkeypatch.setattr("engine.executor.run_step", run)
