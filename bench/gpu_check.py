@@ -348,6 +348,29 @@ def step_table(device: str, tokens: int, paths=None) -> list[dict]:
     return rows
 
 
+def shape_step_table(device: str, shape, share: float, dense: str, warmup: int, tokens: int) -> list[dict]:
+    """The decode step paths of bench/step_syncs.py at the headline's shape (``shape``: a
+    reduced-layer run of it, its routing the headline's synthetic one, ``share`` of its experts in
+    device slots, every expert in pinned RAM), with tok/s scaled per layer to the whole shape."""
+    import step_syncs
+
+    from engine.costmodel import SHAPES
+    from engine.experts.synthetic import synthetic_trace
+
+    trace = synthetic_trace(warmup + tokens + 2, shape.layers, shape.experts, shape.top_k, zipf=1.0,
+                            locality=0.3, seed=0)
+    rows = [step_syncs.measure(p, tokens, device, share, shape=shape, trace=trace, dense=dense, warmup=warmup)
+            for p in step_syncs.PATHS]
+    print(step_syncs.table(rows))
+    whole = SHAPES[shape.name.split("-L")[0]].layers if "-L" in shape.name else shape.layers
+    print(f"| path | decode tok/s ({shape.layers} layers) | scaled to {whole} layers |")
+    print("|---|---|---|")
+    for r in rows:
+        tps = 1e3 / r["ms"]
+        print(f"| {r['path']} | {tps:.1f} | {tps * shape.layers / whole:.2f} |")
+    return rows
+
+
 def headline_dry_run(args) -> int:
     """No GPU needed: the list of figures a GPU run measures, and the host synchronisations per
     decoded token the CPU seam counts for the per-layer path and the one-graph path."""
@@ -411,6 +434,14 @@ def headline_check(args) -> int:
           f"{f['slot_bytes'] / 2**30:.2f} / {f['peak'] / 2**30:.2f} of {f['budget'] / 2**30:.0f} | |")
     for p in f["predictions"]:
         print(f"| full shape on {p['target']} | | {p['tok_s']:.1f} tok/s ({p['note']}) |")
+    from engine.costmodel import SHAPES
+
+    shape = SHAPES["full-runnable"].with_layers(args.headline_layers) if cuda else SHAPES["tiny"]
+    share = f["slot_bytes"] / (shape.num_experts_total * shape.slot_bytes)
+    warmup, tokens = (8, 32) if cuda else (1, 2)
+    print(f"\nDECODE STEP PATHS AT THE HEADLINE'S SHAPE ({shape.name}, {share:.1%} of the experts in "
+          f"device slots, the headline's routing, {tokens} tokens after {warmup} warm-up)")
+    shape_step_table(device.type, shape, share, "bf16" if cuda else "fp32", warmup, tokens)
     print("ALL OK")
     return 0
 

@@ -40,9 +40,14 @@ DEMO = ROOT / "tests" / "data" / "smollm2_demo_generate.npz"
 PATHS = ("eager", "per-layer graphs", "one graph per step")
 
 
-def measure(path: str, tokens: int = 8, device: str = "cpu", slots_share: float = 1 / 3) -> dict:
+def measure(path: str, tokens: int = 8, device: str = "cpu", slots_share: float = 1 / 3, *,
+            shape=None, trace=None, dense: str = "fp32", warmup: int = 0) -> dict:
     """Decode ``tokens`` tokens of one sequence through ``path`` (module docstring); per token:
-    host syncs (total and by reason), graph launches, device-cache launches, misses, ms."""
+    host syncs (total and by reason), graph launches, device-cache launches, misses, ms.
+    ``shape`` and ``trace`` (both or neither): another synthetic shape (engine.costmodel) routed
+    by that trace (at least ``warmup + tokens + 1`` tokens), dense weights in ``dense``; the
+    first ``warmup`` tokens after the first fill the cache and are not timed. Default: the demo
+    trace's shape, fp32."""
     from engine import cuda_graphs as CG
     from engine.costmodel import ModelShape
     from engine.cuda_graphs.syncs import counting
@@ -55,16 +60,21 @@ def measure(path: str, tokens: int = 8, device: str = "cpu", slots_share: float 
 
     if path not in PATHS:
         raise ValueError(f"path {path!r}; allowed: {', '.join(PATHS)}")
-    trace = RoutingTrace.load(DEMO)
-    shape = ModelShape(name="demo-trace", layers=trace.num_layers, hidden=64, experts=trace.num_experts,
-                       expert_width=64, top_k=trace.top_k, shared_width=0, vocab=64, heads=2, kv_heads=1,
-                       head_dim=32)
+    if (shape is None) != (trace is None):
+        raise ValueError("measure: give both shape and trace, or neither")
+    if shape is None:
+        trace = RoutingTrace.load(DEMO)
+        shape = ModelShape(name="demo-trace", layers=trace.num_layers, hidden=64, experts=trace.num_experts,
+                           expert_width=64, top_k=trace.top_k, shared_width=0, vocab=64, heads=2, kv_heads=1,
+                           head_dim=32)
+    if trace.num_tokens < warmup + tokens + 1:
+        raise ValueError(f"measure: the trace has {trace.num_tokens} tokens, the run decodes {warmup + tokens + 1}")
     store = SyntheticExpertStore(shape)
     slot_bytes = store.read_nbytes
     budget = max(int(shape.layers * shape.experts * slots_share), shape.top_k) * slot_bytes
     device_cache = path == "one graph per step"
     prev = configure(int8_activations=False, fused_step=False)
-    sm = build_synthetic_model(shape, device_budget=budget, device=device, dense="fp32", trace=trace,
+    sm = build_synthetic_model(shape, device_budget=budget, device=device, dense=dense, trace=trace,
                                source=store.ram_source(), device_cache=device_cache, trace_on_device=True)
     try:
         model, cache = sm.model, sm.cache
@@ -73,13 +83,15 @@ def measure(path: str, tokens: int = 8, device: str = "cpu", slots_share: float 
         gs = (CG.disable(model) if path == "eager" else
               CG.enable(model, factory, buckets=(1,), whole_step=device_cache))
         c = model.config
-        kv = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=4, block_size=16,
-                          dtype=torch.float32, device=device)
-        kv.allocate(0, tokens + 2)
+        n = warmup + tokens + 2
+        kv = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=-(-n // 16), block_size=16,
+                          dtype=model.model.embed_tokens.weight.dtype, device=device)
+        kv.allocate(0, n)
         run = executor_for(model)
         tok = torch.tensor([1])
-        logits = run(tok, BatchLayout.single(0, 1, 0), kv)  # the first token (and the captures)
-        tok = logits.argmax(-1).cpu()
+        for i in range(1 + warmup):  # the first token (and the captures), then the cache's warm-up
+            logits = run(tok, BatchLayout.single(0, 1, i), kv)
+            tok = logits.argmax(-1).cpu()
         launches0 = _cache_launches(cache)
         replays0 = gs.counters.replays if gs else 0
         misses0 = _misses(cache)
@@ -89,7 +101,7 @@ def measure(path: str, tokens: int = 8, device: str = "cpu", slots_share: float 
         t0 = time.perf_counter()
         with counting() as sync:
             for i in range(tokens):
-                logits = run(tok, BatchLayout.single(0, 1, i + 1), kv)
+                logits = run(tok, BatchLayout.single(0, 1, warmup + i + 1), kv)
                 tok = logits.argmax(-1).cpu()  # the sampler's read: after the step, not counted in it
         dt = time.perf_counter() - t0
         return {
