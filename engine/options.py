@@ -13,8 +13,8 @@ the CLI). Code that caches something per setting (a bound kernel) compares :func
 | fused_step | MOESTREAM_FUSED_STEP | 1 | decode through the native per-layer calls (engine.step) where the model allows |
 | cpu_isa | MOESTREAM_CPU_ISA | auto | native kernels for avx512 or avx2 (auto: the best this CPU has) |
 | native_threads | MOESTREAM_NATIVE_THREADS | 0 | threads of the native kernels' worker pool (0: every core of the process) |
-| cuda_graphs | MOESTREAM_CUDA_GRAPHS | 0 | per-layer CUDA graphs of the feed-forward half on CUDA (engine.cuda_graphs; opt-in until bench/gpu_check.py has verified them on a GPU) |
-| step_graph | MOESTREAM_STEP_GRAPH | 0 | with cuda_graphs: one CUDA graph per pure decode step where every layer can (engine.cuda_graphs.step_graph; needs the device expert cache; opt-in until a GPU run has verified it) |
+| cuda_graphs | MOESTREAM_CUDA_GRAPHS | 1 | per-layer CUDA graphs (attention and feed-forward halves) on CUDA (engine.cuda_graphs; verified against the eager layers on an H200 by bench/gpu_check.py, 2026-12-04; 0 turns them off) |
+| step_graph | MOESTREAM_STEP_GRAPH | 1 | with cuda_graphs: one CUDA graph per pure decode step where every layer can (engine.cuda_graphs.step_graph; needs the device expert cache, ``--device-cache``; verified on an H200, 2026-12-04) |
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class RuntimeOptions:
     fused_step: bool = True
     cpu_isa: str = "auto"
     native_threads: int = 0
-    cuda_graphs: bool = False
-    step_graph: bool = False
+    cuda_graphs: bool = True
+    step_graph: bool = True
 
     def __post_init__(self) -> None:
         if self.cpu_isa not in CPU_ISAS:
@@ -82,8 +82,8 @@ class RuntimeOptions:
         return cls(quant_kernel=kernel, int8_activations=flag("MOESTREAM_INT8_ACTIVATIONS", "1"),
                    decode_threads=threads, fused_step=flag("MOESTREAM_FUSED_STEP", "1"), cpu_isa=isa,
                    native_threads=count("MOESTREAM_NATIVE_THREADS", "0", 0),
-                   cuda_graphs=flag("MOESTREAM_CUDA_GRAPHS", "0"),
-                   step_graph=flag("MOESTREAM_STEP_GRAPH", "0"))
+                   cuda_graphs=flag("MOESTREAM_CUDA_GRAPHS", "1"),
+                   step_graph=flag("MOESTREAM_STEP_GRAPH", "1"))
 
 
 _state: dict = {"opts": None, "gen": 0}

@@ -66,9 +66,9 @@ def main() -> None:
                    "fills the page cache), so the first tokens do not miss on every expert's first use.")
 @click.option("--device-cache", is_flag=True, default=False,
               help="The expert cache's lookups, evictions and miss copies on the device (no host "
-                   "round trip in a decode step; with MOESTREAM_CUDA_GRAPHS=1 MOESTREAM_STEP_GRAPH=1 one "
-                   "CUDA graph per step). Needs --ram-budget to hold every expert (read at load); "
-                   "policies sweep and lru. Opt-in: no GPU has run it yet (docs/gpu.md).")
+                   "round trip in a decode step: one CUDA graph per step, unless MOESTREAM_STEP_GRAPH=0). "
+                   "Needs --ram-budget to hold every expert (read at load); policies sweep and lru "
+                   "(docs/gpu.md).")
 @click.option("--address", default=None,
               help="Generate through a running deployment (moestream serve): 'auto' for a driver "
                    "on the cluster, ray://HOST:10001 for the Ray client.")

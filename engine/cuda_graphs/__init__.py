@@ -57,9 +57,9 @@ pool shared by all graphs of a model: they replay one after another on one strea
 :class:`RecordedGraph` is the CPU seam the tests use: it records the callable at capture and
 re-runs it at replay. The callables communicate only through static buffers and tensors bound
 at capture (the slot pool, the slot map row), never through Python values computed per step, so
-what the seam replays is what a CUDA graph would. Opt-in on CUDA (``cuda_graphs`` option,
-``MOESTREAM_CUDA_GRAPHS=1``) until a GPU run of bench/gpu_check.py has verified the capture; off
-elsewhere unless :func:`enable` says otherwise.
+what the seam replays is what a CUDA graph would. On by default on CUDA (``cuda_graphs`` option,
+``MOESTREAM_CUDA_GRAPHS=0`` turns them off; bench/gpu_check.py verified the capture against the
+eager layers on an H200, 2026-12-04); off elsewhere unless :func:`enable` says otherwise.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def reset(model) -> None:
 
 def prepare(model, device: torch.device) -> GraphSet | None:
     """Called by engine.executor before a torch-layers step: the graphs in force (enable / disable win; otherwise on for
-    CUDA when the ``cuda_graphs`` option is on (opt-in), and off elsewhere)."""
+    CUDA when the ``cuda_graphs`` option is on (the default), and off elsewhere)."""
     from engine.options import generation, options
 
     gs = model.__dict__.get("_graph_set")

@@ -30,6 +30,17 @@ def test_buckets_cover_decode_and_verify_shapes():
         CG.decode_buckets(8, drafts=(0,))
 
 
+def test_graphs_are_on_by_default_for_cuda():
+    """Verified against the eager layers on an H200 (docs/gpu.md): the per-layer graphs and, with
+    the device cache, one graph per decode step are the default; 0 turns each off."""
+    from engine.options import RuntimeOptions
+
+    assert RuntimeOptions.from_env({}).cuda_graphs and RuntimeOptions.from_env({}).step_graph
+    assert RuntimeOptions() == RuntimeOptions.from_env({})
+    off = RuntimeOptions.from_env({"MOESTREAM_CUDA_GRAPHS": "0", "MOESTREAM_STEP_GRAPH": "0"})
+    assert not off.cuda_graphs and not off.step_graph
+
+
 def test_graphs_are_off_on_the_cpu_unless_enabled():
     from engine.options import configure
 
