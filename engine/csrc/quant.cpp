@@ -445,23 +445,31 @@ static void quant_into(const float* x, int64_t T, int64_t K, std::vector<QAct16>
 }
 
 
-// Every token of `acts`, three at a time (the VNNI kernels' register tile): f(tile, acts, out).
+// Every token of `acts`, TILE at a time (the VNNI kernels' register tile), then the rest as one
+// smaller tile: f(tile, acts, out).
+constexpr int TILE = 6;
+template <int N, typename A, typename F>
+static void rest_tile(int64_t n, const A* a, float* o, F& f) {
+  if constexpr (N > 0) {
+    if (n == N) f(std::integral_constant<int, N>{}, a, o);
+    else rest_tile<N - 1>(n, a, o, f);
+  }
+}
 template <typename A, typename F>
-static void by_triples(const std::vector<A>& acts, float* out, int64_t ldo, F&& f) {
+static void by_tiles(const std::vector<A>& acts, float* out, int64_t ldo, F&& f) {
   const int64_t T = (int64_t)acts.size();
   int64_t t = 0;
-  for (; t + 3 <= T; t += 3) f(std::integral_constant<int, 3>{}, acts.data() + t, out + t * ldo);
-  if (T - t == 2) f(std::integral_constant<int, 2>{}, acts.data() + t, out + t * ldo);
-  if (T - t == 1) f(std::integral_constant<int, 1>{}, acts.data() + t, out + t * ldo);
+  for (; t + TILE <= T; t += TILE) f(std::integral_constant<int, TILE>{}, acts.data() + t, out + t * ldo);
+  rest_tile<TILE - 1>(T - t, acts.data() + t, out + t * ldo, f);
 }
 
 // rows [nb, ne) of an int8 / int4 weight for tokens whose activations are already quantized
 static void rows_i16a_int8(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct16>& acts, float* out, int64_t ldo) {
-  by_triples(acts, out, ldo, [&](auto tt, const QAct16* a, float* o) { rows_int8_i16a<tt.value>(w, nb, ne, a, o, ldo); });
+  by_tiles(acts, out, ldo, [&](auto tt, const QAct16* a, float* o) { rows_int8_i16a<tt.value>(w, nb, ne, a, o, ldo); });
 }
 
 static void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct>& acts, float* out, int64_t ldo) {
-  by_triples(acts, out, ldo, [&](auto tt, const QAct* a, float* o) { rows_int4_i8a<tt.value>(w, nb, ne, a, o, ldo); });
+  by_tiles(acts, out, ldo, [&](auto tt, const QAct* a, float* o) { rows_int4_i8a<tt.value>(w, nb, ne, a, o, ldo); });
 }
 
 // into per-thread buffers (slot 0: an input, 1: an expert's hidden activation), reused across
