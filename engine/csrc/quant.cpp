@@ -313,7 +313,7 @@ static void quant_act(const float* x, int64_t K, int64_t G, QAct& a) {
 
 template <int TT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")))
-static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* acts, float* out, int64_t ldo) {
+static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts, float* out, int64_t ldo) {
   const int64_t K = w.K, G = w.G, NG = K / G, C = (K + 127) / 128, full = K / 128;
   const int tail_bytes = (int)((K % 128) / 2);
   const int spc = G >= 128 ? 1 : (int)(128 / G);  // scales per full chunk
@@ -345,7 +345,7 @@ static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* acts,
       const __m512i lo = _mm512_and_si512(v, m4);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
       for (int t = 0; t < TT; t++) {
-        const QAct& a = acts[t];
+        const QAct& a = *acts[t];
         __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(a.q.data() + c * 128));
         acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(a.q.data() + c * 128 + 64));
         facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, _mm512_loadu_ps(a.dx.data() + c * 16)),
@@ -357,7 +357,7 @@ static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* acts,
       const __mmask16 mk = NG - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (NG - g)) - 1);
       const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mrow + g));
       for (int t = 0; t < TT; t++)
-        facc[t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, acts[t].xg.data() + g), facc[t]);
+        facc[t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, acts[t]->xg.data() + g), facc[t]);
     }
     for (int t = 0; t < TT; t++) out[t * ldo + n] = _mm512_reduce_add_ps(facc[t]);
   }
@@ -468,8 +468,9 @@ static void rows_i16a_int8(const QW& w, int64_t nb, int64_t ne, const std::vecto
   by_tiles(acts, out, ldo, [&](auto tt, const QAct16* a, float* o) { rows_int8_i16a<tt.value>(w, nb, ne, a, o, ldo); });
 }
 
-static void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct>& acts, float* out, int64_t ldo) {
-  by_tiles(acts, out, ldo, [&](auto tt, const QAct* a, float* o) { rows_int4_i8a<tt.value>(w, nb, ne, a, o, ldo); });
+static void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<const QAct*>& acts, float* out,
+                     int64_t ldo) {
+  by_tiles(acts, out, ldo, [&](auto tt, const QAct* const* a, float* o) { rows_int4_i8a<tt.value>(w, nb, ne, a, o, ldo); });
 }
 
 // into per-thread buffers (slot 0: an input, 1: an expert's hidden activation), reused across
@@ -534,17 +535,36 @@ struct Input {
   const float* x = nullptr;
   int64_t T = 0;
   std::vector<QAct> a4;
+  std::vector<const QAct*> p4;  // each row's int8 activation: into a4, or a table shared by jobs
   std::vector<QAct16> a16;
+  std::vector<float> picked;    // the float rows of a job with row indices
 
   void set(Acts k, const float* xs, int64_t t, const QW& w) {
     kind = k, x = xs, T = t;
     if (k == INT16_ACTS) quant_into(x, T, w.K, a16);
-    else if (k == INT4_ACTS) quant_into(x, T, w.K, w.G, a4);
+    else if (k == INT4_ACTS) {
+      quant_into(x, T, w.K, w.G, a4);
+      p4.resize(T);
+      for (int64_t i = 0; i < T; i++) p4[i] = &a4[i];
+    }
+  }
+  // int8 activations of source rows rows[i] from a table of them (row r at table[r], quantized
+  // as set() would)
+  void shared_rows(const int64_t* rows, int64_t t, const std::vector<QAct>& table) {
+    kind = INT4_ACTS, x = nullptr, T = t;
+    p4.resize(T);
+    for (int64_t i = 0; i < T; i++) p4[i] = &table[rows[i]];
+  }
+  // rows x[rows[i]] of a [*, K] source, copied, then as set()
+  void set_rows(Acts k, const float* src, const int64_t* rows, int64_t t, const QW& w) {
+    picked.resize(t * w.K);
+    for (int64_t i = 0; i < t; i++) std::copy(src + rows[i] * w.K, src + (rows[i] + 1) * w.K, picked.data() + i * w.K);
+    set(k, picked.data(), t, w);
   }
   // rows [rb, re) of out[T, w.N] = input @ w.T
   void rows(const QW& w, int64_t rb, int64_t re, float* out, int64_t direct_max_t) const {
     if (kind == INT16_ACTS) rows_i16a_int8(w, rb, re, a16, out, w.N);
-    else if (kind == INT4_ACTS) rows_i8a(w, rb, re, a4, out, w.N);
+    else if (kind == INT4_ACTS) rows_i8a(w, rb, re, p4, out, w.N);
     else rows_dispatch(w, rb, re, x, T, out, w.N, direct_max_t);
   }
 };
@@ -553,6 +573,48 @@ struct Input {
 struct ExpertState {
   Input in, hid;
   std::vector<float> g, u;
+};
+
+// gate and up (same shape) take int8 activations together, sharing the quantized x
+Acts input_kind(const ExpertJob& jb, bool i8a) {
+  return acts_for(jb.g, i8a) == acts_for(jb.u, i8a) && jb.g.G == jb.u.G ? acts_for(jb.g, i8a) : FLOAT_ACTS;
+}
+
+// The int8 activations of the rows that jobs with row indices read: each row of their source
+// quantized once (in parallel), however many experts it was routed to. One source and one (K, G)
+// per call (a MoE layer's routed experts all read its hidden state at one format); a job on
+// another source or format quantizes its own copy of its rows.
+struct SharedActs {
+  std::vector<QAct> table;
+  std::vector<char> need;
+  const float* src = nullptr;
+  int64_t K = 0, G = 0;
+
+  bool covers(const ExpertJob& jb, bool i8a) const {
+    return jb.rows != nullptr && input_kind(jb, i8a) == INT4_ACTS && jb.x == src && jb.g.K == K && jb.g.G == G;
+  }
+  void quantize(const std::vector<ExpertJob>& jobs, bool i8a) {
+    src = nullptr;
+    for (const ExpertJob& jb : jobs)
+      if (jb.rows != nullptr && input_kind(jb, i8a) == INT4_ACTS) {
+        src = jb.x, K = jb.g.K, G = jb.g.G;
+        break;
+      }
+    if (src == nullptr) return;
+    int64_t n = 0;
+    for (const ExpertJob& jb : jobs)
+      if (covers(jb, i8a))
+        for (int64_t i = 0; i < jb.T; i++) n = std::max(n, jb.rows[i] + 1);
+    if ((int64_t)table.size() < n) table.resize(n);
+    need.assign(n, 0);
+    for (const ExpertJob& jb : jobs)
+      if (covers(jb, i8a))
+        for (int64_t i = 0; i < jb.T; i++) need[jb.rows[i]] = 1;
+    parallel(n, 1, 8, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; r++)
+        if (need[r]) quant_act(src + r * K, K, G, table[r]);
+    });
+  }
 };
 
 int64_t out_rows(const LinearJob& j) { return j.w.N; }
@@ -595,12 +657,16 @@ void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
   static thread_local std::vector<ExpertState> mine;
   std::vector<ExpertState>& st = mine;
   st.resize(J);
+  static thread_local SharedActs shared_mine;
+  SharedActs& shared = shared_mine;
+  shared.quantize(jobs, i8a);
   int64_t work = 0;
   for (size_t j = 0; j < J; j++) {
     const ExpertJob& jb = jobs[j];
-    // gate and up (same shape) take int8 activations together, sharing the quantized x
-    const Acts kind = acts_for(jb.g, i8a) == acts_for(jb.u, i8a) && jb.g.G == jb.u.G ? acts_for(jb.g, i8a) : FLOAT_ACTS;
-    st[j].in.set(kind, jb.x, jb.T, jb.g);
+    const Acts kind = input_kind(jb, i8a);
+    if (shared.covers(jb, i8a)) st[j].in.shared_rows(jb.rows, jb.T, shared.table);
+    else if (jb.rows != nullptr) st[j].in.set_rows(kind, jb.x, jb.rows, jb.T, jb.g);
+    else st[j].in.set(kind, jb.x, jb.T, jb.g);
     st[j].g.resize(jb.T * jb.g.N);
     st[j].u.resize(jb.T * jb.g.N);
     work += jb.g.N * jb.g.K;

@@ -58,6 +58,9 @@ struct ExpertJob {
   const float* x;
   int64_t T;
   float* out;
+  // rows: the job's T input rows are x[rows[0..T-1]] (a MoE layer's routed tokens, read in place:
+  // jobs on one x share each row's quantized activation), else x's first T rows
+  const int64_t* rows = nullptr;
   int act = ACT_SILU;
   float alpha = 0.f, limit = 0.f;
   const float *bg = nullptr, *bu = nullptr, *bd = nullptr;

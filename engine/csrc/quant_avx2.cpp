@@ -304,13 +304,20 @@ void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_m
 static void run_expert(const ExpertJob& j, int64_t direct_max_t) {
   const int64_t T = j.T, I = j.g.N, H = j.d.N;
   if (T == 0) return;
-  static thread_local std::vector<float> gbuf, ubuf;  // [T, I] each, the caller's
+  static thread_local std::vector<float> gbuf, ubuf, xbuf;  // [T, I] each, [T, K]: the caller's
   gbuf.resize(T * I);
   ubuf.resize(T * I);
   float *gp = gbuf.data(), *up = ubuf.data();
+  const float* x = j.x;
+  if (j.rows != nullptr) {  // the job's rows of its source, gathered
+    const int64_t K = j.g.K;
+    xbuf.resize(T * K);
+    for (int64_t t = 0; t < T; t++) std::copy(j.x + j.rows[t] * K, j.x + (j.rows[t] + 1) * K, xbuf.data() + t * K);
+    x = xbuf.data();
+  }
   parallel(I, 8, min_rows(j.g), [&](int64_t b, int64_t e) {
-    rows_dispatch(j.g, b, e, j.x, T, gp, I, direct_max_t);
-    rows_dispatch(j.u, b, e, j.x, T, up, I, direct_max_t);
+    rows_dispatch(j.g, b, e, x, T, gp, I, direct_max_t);
+    rows_dispatch(j.u, b, e, x, T, up, I, direct_max_t);
     for (int64_t t = 0; t < T; t++)
       expert_hidden_n(gp + t * I + b, up + t * I + b, e - b, j.act, j.alpha, j.limit,
                       j.bg ? j.bg + b : nullptr, j.bu ? j.bu + b : nullptr);

@@ -383,7 +383,7 @@ namespace {
 struct Routed {
   int64_t u;  // its index in the experts given
   std::vector<int64_t> tok;
-  std::vector<float> wt, xs, own;
+  std::vector<float> wt, own;
   at::Tensor ys;
   float* out() { return ys.defined() ? ys.data_ptr<float>() : own.data(); }
 };
@@ -436,12 +436,10 @@ void gather(const at::Tensor& x, const at::Tensor& h, const at::Tensor& ids, con
       routed.push_back(std::move(e));
       continue;
     }
-    e.xs.resize(n * H);
     if (as_tensors)
       e.ys = at::empty({n, H}, at::kFloat);
     else
       e.own.resize(n * H);
-    for (int64_t j = 0; j < n; j++) std::copy(hp + e.tok[j] * H, hp + (e.tok[j] + 1) * H, e.xs.data() + j * H);
     routed.push_back(std::move(e));
     job_of.push_back(routed.size() - 1);
     QW g, up, dn;
@@ -450,7 +448,8 @@ void gather(const at::Tensor& x, const at::Tensor& h, const at::Tensor& ids, con
     if (act != nullptr) expert_act(*act, ep[u], jobs.back());
   }
   for (size_t j = 0; j < jobs.size(); j++) {  // pointers once the vectors stopped moving
-    jobs[j].x = routed[job_of[j]].xs.data();
+    jobs[j].x = hp;  // the expert's rows of h, read in place (quant.h: ExpertJob::rows)
+    jobs[j].rows = routed[job_of[j]].tok.data();
     jobs[j].out = routed[job_of[j]].out();
   }
 }
