@@ -148,40 +148,42 @@ inline void tile_values_any(const float* p, const float* const* rows, int64_t of
     for (int64_t c = 0; c < d; c += LANES) vstore(o + c, vfma(vset(p[j]), vload(rows[j] + off + c), vload(o + c)));
 }
 
+// The partials of tiles [tb, te) of one query row's context (positions j0 + TILE * t ..): per tile
+// and head its score max, its sum of exp(score - max) and its weighted sum of values, in `part`
+// (stride nh * (d + 2) per tile).
 template <typename S>
-void attend_one(const KVView& kv, const float* q, int64_t ctx, int64_t nh, int64_t nkv, int64_t d, float* out,
-                const float* sinks, int64_t window) {
-  const int64_t g = nh / nkv, seen = ctx + 1, j0 = window > 0 ? std::max<int64_t>(0, seen - window) : 0;
-  const int64_t tiles = (seen - j0 + TILE - 1) / TILE, stride = nh * (d + 2), row = nkv * d;
+void attend_tiles(const KVView& kv, const float* q, int64_t seen, int64_t j0, int64_t nh, int64_t nkv, int64_t d,
+                  int64_t tb, int64_t te, float* part) {
+  const int64_t g = nh / nkv, stride = nh * (d + 2), row = nkv * d;
   const float scale = 1.0f / std::sqrt((float)d);
-  static thread_local std::vector<float> mine;  // the caller's partials, reached by the workers
-  std::vector<float>& part = mine;
-  part.resize(tiles * stride);
-  parallel(tiles, 1, 1, [&](int64_t tb, int64_t te) {
-    static thread_local std::vector<float> s, kbuf, vbuf, zero;
-    s.resize(nh * TILE);
-    zero.assign(d, 0.f);
-    kbuf.resize(std::is_same_v<S, float> ? 0 : TILE * row);
-    vbuf.resize(std::is_same_v<S, float> ? 0 : TILE * row);
-    const float* krows[TILE];
-    const float* vrows[TILE];
-    for (int64_t t = tb; t < te; t++) {
-      const int64_t a = j0 + t * TILE, b = std::min(seen, a + TILE), m = b - a;
-      float *mx = part.data() + t * stride, *sum = mx + nh, *o = sum + nh;
-      for (int64_t j = a; j < b; j++) {  // the tile's rows all requested at once (scattered blocks)
-        prefetch_row(kv.at<S>(kv.k, j), row);
-        prefetch_row(kv.at<S>(kv.v, j), row);
-      }
-      tile_rows<S>(kv, kv.k, a, m, kbuf.data(), krows);
-      for (int64_t h = 0; h < nh; h++) {
-        float* sh = s.data() + h * TILE;
-        mx[h] = tile_scores(q + h * d, krows, (h / g) * d, m, d, scale, sh, zero.data());
-        sum[h] = exp_shift(sh, m, mx[h]);
-      }
-      tile_rows<S>(kv, kv.v, a, m, vbuf.data(), vrows);
-      for (int64_t h = 0; h < nh; h++) tile_values_any(s.data() + h * TILE, vrows, (h / g) * d, m, d, o + h * d);
+  static thread_local std::vector<float> s, kbuf, vbuf, zero;
+  s.resize(nh * TILE);
+  zero.assign(d, 0.f);
+  kbuf.resize(std::is_same_v<S, float> ? 0 : TILE * row);
+  vbuf.resize(std::is_same_v<S, float> ? 0 : TILE * row);
+  const float* krows[TILE];
+  const float* vrows[TILE];
+  for (int64_t t = tb; t < te; t++) {
+    const int64_t a = j0 + t * TILE, b = std::min(seen, a + TILE), m = b - a;
+    float *mx = part + t * stride, *sum = mx + nh, *o = sum + nh;
+    for (int64_t j = a; j < b; j++) {  // the tile's rows all requested at once (scattered blocks)
+      prefetch_row(kv.at<S>(kv.k, j), row);
+      prefetch_row(kv.at<S>(kv.v, j), row);
     }
-  });
+    tile_rows<S>(kv, kv.k, a, m, kbuf.data(), krows);
+    for (int64_t h = 0; h < nh; h++) {
+      float* sh = s.data() + h * TILE;
+      mx[h] = tile_scores(q + h * d, krows, (h / g) * d, m, d, scale, sh, zero.data());
+      sum[h] = exp_shift(sh, m, mx[h]);
+    }
+    tile_rows<S>(kv, kv.v, a, m, vbuf.data(), vrows);
+    for (int64_t h = 0; h < nh; h++) tile_values_any(s.data() + h * TILE, vrows, (h / g) * d, m, d, o + h * d);
+  }
+}
+
+// out[h] = the tiles' partials merged in tile order (sinks: a logit per head with no value)
+inline void merge_tiles(const float* part, int64_t tiles, int64_t nh, int64_t d, const float* sinks, float* out) {
+  const int64_t stride = nh * (d + 2);
   for (int64_t h = 0; h < nh; h++) {
     float top = sinks ? sinks[h] : -INFINITY;
     for (int64_t t = 0; t < tiles; t++) top = std::max(top, part[t * stride + h]);
@@ -189,7 +191,7 @@ void attend_one(const KVView& kv, const float* q, int64_t ctx, int64_t nh, int64
     float* oh = out + h * d;
     std::fill(oh, oh + d, 0.f);
     for (int64_t t = 0; t < tiles; t++) {
-      const float* pt = part.data() + t * stride;
+      const float* pt = part + t * stride;
       const float w = std::exp(pt[h] - top);
       total += w * pt[nh + h];
       const float* ot = pt + 2 * nh + h * d;
@@ -200,15 +202,53 @@ void attend_one(const KVView& kv, const float* q, int64_t ctx, int64_t nh, int64
   }
 }
 
+// The first context position a query at `ctx` sees, and its number of tiles
+inline void span(int64_t ctx, int64_t window, int64_t& j0, int64_t& tiles) {
+  const int64_t seen = ctx + 1;
+  j0 = window > 0 ? std::max<int64_t>(0, seen - window) : 0;
+  tiles = (seen - j0 + TILE - 1) / TILE;
+}
+
+// One query row (a decode step's): its context's tiles split over the pool, then merged.
+template <typename S>
+void attend_one(const KVView& kv, const float* q, int64_t ctx, int64_t nh, int64_t nkv, int64_t d, float* out,
+                const float* sinks, int64_t window) {
+  int64_t j0, tiles;
+  span(ctx, window, j0, tiles);
+  static thread_local std::vector<float> mine;  // the caller's partials, reached by the workers
+  std::vector<float>& part = mine;
+  part.resize(tiles * nh * (d + 2));
+  parallel(tiles, 1, 1, [&](int64_t tb, int64_t te) {
+    attend_tiles<S>(kv, q, ctx + 1, j0, nh, nkv, d, tb, te, part.data());
+  });
+  merge_tiles(part.data(), tiles, nh, d, sinks, out);
+}
+
 // q [n, Nh, D] for positions ctx .. ctx+n-1 of one sequence whose keys/values (new ones included)
 // are in the cache -> out [n, Nh, D], query head h reading KV head h / (Nh / Nkv). Each row is
-// attend_one's over its own context, so a position's result does not depend on whether it came
-// in a prefill chunk or a decode step, nor on the chunk's length.
+// attend_one's arithmetic over its own context (the same tiles, merged in the same order), so a
+// position's result does not depend on whether it came in a prefill chunk or a decode step, nor
+// on the chunk's length. Several rows are split over the pool by row (a prefill's first rows have
+// a tile or two: split by tile they would leave cores idle), in the order first, last, second,
+// second to last, ...: rows' costs grow with their context, so each contiguous share is balanced.
 template <typename S>
 void attend(const KVView& kv, const float* q, int64_t n, int64_t ctx, int64_t nh, int64_t nkv,
             int64_t d, float* out, const float* sinks, int64_t window) {
-  for (int64_t i = 0; i < n; i++)
-    attend_one<S>(kv, q + i * nh * d, ctx + i, nh, nkv, d, out + i * nh * d, sinks, window);
+  if (n == 1) {
+    attend_one<S>(kv, q, ctx, nh, nkv, d, out, sinks, window);
+    return;
+  }
+  parallel(n, 1, 1, [&](int64_t b, int64_t e) {
+    static thread_local std::vector<float> part;
+    for (int64_t k = b; k < e; k++) {
+      const int64_t i = k % 2 == 0 ? k / 2 : n - 1 - k / 2;
+      int64_t j0, tiles;
+      span(ctx + i, window, j0, tiles);
+      part.resize(tiles * nh * (d + 2));
+      attend_tiles<S>(kv, q + i * nh * d, ctx + i + 1, j0, nh, nkv, d, 0, tiles, part.data());
+      merge_tiles(part.data(), tiles, nh, d, sinks, out + i * nh * d);
+    }
+  });
 }
 
 template <typename S>
