@@ -3,14 +3,41 @@
 # for the benches' second llama.cpp row beside the prebuilt wheel (whose Q4_0 / Q8_0 paths die of
 # SIGILL on some AVX-512 CPUs):
 #
-#   bash bench/build_llama_cpp.sh [OUT_DIR]          # default OUT_DIR: .llama-native
+#   bash bench/build_llama_cpp.sh [--amx] [OUT_DIR]  # default OUT_DIR: .llama-native
+#   bash bench/build_llama_cpp.sh --print-flags      # the instruction-set flags it would use
 #   .venv/bin/python bench/vs_llama_cpp.py --llama-lib .llama-native
 #
 # It builds the llama.cpp that the installed llama-cpp-python wheel vendors (the same version, so
 # the wheel's Python binding loads these libraries through LLAMA_CPP_LIB_PATH), from its source
 # distribution on PyPI. Needs cmake and a C++ compiler; ~10-20 minutes on 2 cores.
+#
+# On a CPU with AMX it builds every other instruction set the CPU lists (/proc/cpuinfo) and not
+# AMX: the GGML_NATIVE build with AMX died of SIGSEGV at its first decode on a 2-core Intel Xeon VM
+# (2026-12-04) where this one runs. --amx builds GGML_NATIVE there too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# cmake's instruction-set flags: GGML_NATIVE, or on an AMX CPU (unless --amx) the CPU's own list
+isa_flags() {
+  local amx="$1" flags info="${CPUINFO:-/proc/cpuinfo}"  # CPUINFO: another file, for the tests
+  if [ "$amx" = 1 ] || ! grep -qw amx_tile "$info" 2>/dev/null; then
+    echo "-DGGML_NATIVE=ON"
+    return
+  fi
+  flags="-DGGML_NATIVE=OFF"
+  for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+              avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+    if grep -qw "${pair%%:*}" "$info"; then flags+=" -DGGML_${pair##*:}=ON"; else flags+=" -DGGML_${pair##*:}=OFF"; fi
+  done
+  echo "$flags -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+}
+
+AMX=0
+case "${1:-}" in
+  --print-flags) isa_flags 0; exit 0 ;;
+  --amx) AMX=1; shift ;;
+esac
+ISA="$(isa_flags "$AMX")"
 OUT="$(realpath -m "${1:-.llama-native}")"
 PY=.venv/bin/python
 VERSION="$("$PY" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')" || {
@@ -38,8 +65,9 @@ if hashlib.sha256(open(out, "rb").read()).hexdigest() != m.group(2):
 EOF
 tar -xzf "$SDIST" -C "$WORK"
 SRC="$(ls -d "$WORK"/llama_cpp_python-*/vendor/llama.cpp)"
-echo "building $SRC with GGML_NATIVE=ON into $OUT" >&2
-cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON \
+echo "building $SRC with $ISA into $OUT" >&2
+# shellcheck disable=SC2086  # ISA is a list of flags
+cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON $ISA \
   -DCMAKE_BUILD_RPATH='$ORIGIN' \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DLLAMA_CURL=OFF >/dev/null
