@@ -44,7 +44,8 @@ launches, misses, ms per token and per layer.
 It needs no checkpoint, no disk space and no package beyond torch and triton (no pydantic,
 transformers or ray): carry nothing but the working tree, e.g. one ``run`` of
 ``PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --headline`` (``--headline-layers 24`` for
-more; about 3 minutes at 12 layers is the estimate, not yet measured). ``--headline --smoke``
+more; on an H200, 2026-12-04: 46-51 s at 8-12 layers without the step paths at the headline's
+shape, 165 s with them at 8 layers). ``--headline --smoke``
 runs the same logic on the CPU with the tiny shape (CI, and this machine).
 
 Nothing is installed or downloaded; the output is a short table.
@@ -57,9 +58,11 @@ pydantic-core==2.46.4 annotated-types typing-inspection`` (pydantic pins its cor
 ``run`` with ``carry=[".whl"]``: ``python3 -m pip install -q --no-index --no-deps --target
 /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. && PYTHONUNBUFFERED=1 python3
 bench/gpu_check.py --e2e``. (The download command was checked here.) The plain check (items
-1-4, no ``--e2e``) needs the same carry and install; it is sized to finish in about 3-5 minutes
-on the H200 (estimate, not yet measured: the Triton compiles dominate), so one call with
-``timeout_s`` 540 leaves room for one rerun of the 15 minutes a task is lent.
+1-4, no ``--e2e``) needs the same carry and install. Measured on the H200 (2026-12-04):
+``python3 -m pytest tests/gpu`` 41-55 s, ``--no-tests --e2e --iters 20`` 62 s; a machine starts in
+about 30 s, so all of it fits one call with room for a rerun in the 15 minutes a task is lent.
+``CXX=/bin/false`` in the call's environment skips the build of the native CPU kernels there (the
+CPU references then run on the torch kernels).
 """
 
 from __future__ import annotations
@@ -324,7 +327,7 @@ def headline_correctness(device: torch.device) -> bool:
     return ok
 
 
-HEADLINE_FIGURES = """On a GPU, --headline measures (nothing of it exists yet: no GPU has run it):
+HEADLINE_FIGURES = """On a GPU, --headline measures (first run on an H200, 2026-12-04: docs/gpu.md):
   decode step paths (bench/step_syncs.py: the demo trace's shape, 30 sparse layers, 12 experts
   top-6, a third of the experts in device slots, all of them in pinned RAM), per decoded token:
     - host synchronisations, by reason            eager / per-layer graphs / one graph per step
@@ -336,7 +339,9 @@ HEADLINE_FIGURES = """On a GPU, --headline measures (nothing of it exists yet: n
     - expert hit rate, live and simulated; expert MB per token from RAM
     - host-to-device GB/s (achieved and copy test); stall fraction
     - kernel launches per token; device GiB of dense / KV / state / slots / peak
-    - the cost model's full-shape predictions with the measured per-layer overhead"""
+    - the cost model's full-shape predictions with the measured per-layer overhead
+  decode step paths at the headline's shape, slot share and routing: ms per token and tok/s
+  scaled to the whole shape (eager / per-layer graphs / one graph per step)"""
 
 
 def step_table(device: str, tokens: int, paths=None) -> list[dict]:
