@@ -439,9 +439,15 @@ static void rows_int8_i16a(const QW& w, int64_t nb, int64_t ne, const QAct16* ac
   }
 }
 
+// Rows are quantized on the pool (each row's codes do not depend on which thread made them); one
+// row, a decode step's, stays on the calling thread.
+constexpr int64_t QUANT_ROWS_PER_THREAD = 8;
+
 static void quant_into(const float* x, int64_t T, int64_t K, std::vector<QAct16>& acts) {
   acts.resize(T);
-  for (int64_t t = 0; t < T; t++) quant_act16(x + t * K, K, acts[t]);
+  parallel(T, 1, QUANT_ROWS_PER_THREAD, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; t++) quant_act16(x + t * K, K, acts[t]);
+  });
 }
 
 
@@ -477,7 +483,9 @@ static void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<cons
 // calls: a decode step makes thousands of these for experts as small as 18 KB
 static void quant_into(const float* x, int64_t T, int64_t K, int64_t G, std::vector<QAct>& acts) {
   acts.resize(T);
-  for (int64_t t = 0; t < T; t++) quant_act(x + t * K, K, G, acts[t]);
+  parallel(T, 1, QUANT_ROWS_PER_THREAD, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; t++) quant_act(x + t * K, K, G, acts[t]);
+  });
 }
 
 // integer activations: int4 weights (any K % 32 == 0: int8 codes), int8 weights with K % 64 == 0 (int16)
@@ -610,7 +618,7 @@ struct SharedActs {
     for (const ExpertJob& jb : jobs)
       if (covers(jb, i8a))
         for (int64_t i = 0; i < jb.T; i++) need[jb.rows[i]] = 1;
-    parallel(n, 1, 8, [&](int64_t b, int64_t e) {
+    parallel(n, 1, QUANT_ROWS_PER_THREAD, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; r++)
         if (need[r]) quant_act(src + r * K, K, G, table[r]);
     });
@@ -687,8 +695,13 @@ void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
     });
   });
   clk.mark(PH_GATE_UP);
-  for (size_t j = 0; j < J; j++)  // the hidden activations, as the down projections take them
-    st[j].hid.set(acts_for(jobs[j].d, i8a), st[j].g.data(), jobs[j].T, jobs[j].d);
+  // the hidden activations, as the down projections take them: jobs on the pool when they have
+  // rows enough to pay for it (a decode step's experts have one each: the calling thread)
+  int64_t hid_rows = 0;
+  for (const ExpertJob& jb : jobs) hid_rows += jb.T;
+  parallel((int64_t)J, 1, hid_rows >= 2 * QUANT_ROWS_PER_THREAD ? 1 : (int64_t)J, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; j++) st[j].hid.set(acts_for(jobs[j].d, i8a), st[j].g.data(), jobs[j].T, jobs[j].d);
+  });
   const std::vector<int64_t> sd = unit_starts(jobs, hidden_rows);
   parallel(sd[J], 1, share, [&](int64_t b, int64_t e) {
     for_units(sd, b, e, jobs, hidden_rows, [&](size_t j, int64_t rb, int64_t re) {
