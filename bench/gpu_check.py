@@ -341,7 +341,8 @@ HEADLINE_FIGURES = """On a GPU, --headline measures (first run on an H200, 2026-
     - kernel launches per token; device GiB of dense / KV / state / slots / peak
     - the cost model's full-shape predictions with the measured per-layer overhead
   decode step paths at the headline's shape, slot share and routing: ms per token and tok/s
-  scaled to the whole shape (eager / per-layer graphs / one graph per step)"""
+  scaled to the whole shape (eager / per-layer graphs / one graph per step), and the one-graph
+  step's device time per token by CUDA kernel (torch's profiler, kernels inside graphs included)"""
 
 
 def step_table(device: str, tokens: int, paths=None) -> list[dict]:
@@ -362,11 +363,17 @@ def shape_step_table(device: str, shape, share: float, dense: str, warmup: int, 
     from engine.costmodel import SHAPES
     from engine.experts.synthetic import synthetic_trace
 
-    trace = synthetic_trace(warmup + tokens + 2, shape.layers, shape.experts, shape.top_k, zipf=1.0,
+    kt = 4  # tokens of the one-graph step's kernel profile
+    trace = synthetic_trace(warmup + tokens + kt + 2, shape.layers, shape.experts, shape.top_k, zipf=1.0,
                             locality=0.3, seed=0)
-    rows = [step_syncs.measure(p, tokens, device, share, shape=shape, trace=trace, dense=dense, warmup=warmup)
+    rows = [step_syncs.measure(p, tokens, device, share, shape=shape, trace=trace, dense=dense, warmup=warmup,
+                               kernel_tokens=kt if p == "one graph per step" else 0)
             for p in step_syncs.PATHS]
     print(step_syncs.table(rows))
+    one = next(r for r in rows if r["path"] == "one graph per step")
+    print(f"one graph per step, where a token's device time goes ({kt} tokens under torch's profiler; "
+          f"{'CUDA kernels' if device == 'cuda' else 'CPU operators, interpreter: the logic only'}):")
+    print(step_syncs.kernel_table(one["kernels"], shape.layers))
     whole = SHAPES[shape.name.split("-L")[0]].layers if "-L" in shape.name else shape.layers
     print(f"| path | decode tok/s ({shape.layers} layers) | scaled to {whole} layers |")
     print("|---|---|---|")

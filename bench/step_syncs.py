@@ -41,13 +41,15 @@ PATHS = ("eager", "per-layer graphs", "one graph per step")
 
 
 def measure(path: str, tokens: int = 8, device: str = "cpu", slots_share: float = 1 / 3, *,
-            shape=None, trace=None, dense: str = "fp32", warmup: int = 0) -> dict:
+            shape=None, trace=None, dense: str = "fp32", warmup: int = 0, kernel_tokens: int = 0) -> dict:
     """Decode ``tokens`` tokens of one sequence through ``path`` (module docstring); per token:
     host syncs (total and by reason), graph launches, device-cache launches, misses, ms.
     ``shape`` and ``trace`` (both or neither): another synthetic shape (engine.costmodel) routed
     by that trace (at least ``warmup + tokens + 1`` tokens), dense weights in ``dense``; the
     first ``warmup`` tokens after the first fill the cache and are not timed. Default: the demo
-    trace's shape, fp32."""
+    trace's shape, fp32. ``kernel_tokens``: that many more tokens decoded under torch's profiler,
+    their kernels' time per token by name under "kernels" (on a GPU: CUDA kernels, those replayed
+    inside graphs included; on the CPU: operators' own time)."""
     from engine import cuda_graphs as CG
     from engine.costmodel import ModelShape
     from engine.cuda_graphs.syncs import counting
@@ -67,8 +69,9 @@ def measure(path: str, tokens: int = 8, device: str = "cpu", slots_share: float 
         shape = ModelShape(name="demo-trace", layers=trace.num_layers, hidden=64, experts=trace.num_experts,
                            expert_width=64, top_k=trace.top_k, shared_width=0, vocab=64, heads=2, kv_heads=1,
                            head_dim=32)
-    if trace.num_tokens < warmup + tokens + 1:
-        raise ValueError(f"measure: the trace has {trace.num_tokens} tokens, the run decodes {warmup + tokens + 1}")
+    if trace.num_tokens < warmup + tokens + kernel_tokens + 1:
+        raise ValueError(f"measure: the trace has {trace.num_tokens} tokens, the run decodes "
+                         f"{warmup + tokens + kernel_tokens + 1}")
     store = SyntheticExpertStore(shape)
     slot_bytes = store.read_nbytes
     budget = max(int(shape.layers * shape.experts * slots_share), shape.top_k) * slot_bytes
@@ -83,7 +86,7 @@ def measure(path: str, tokens: int = 8, device: str = "cpu", slots_share: float 
         gs = (CG.disable(model) if path == "eager" else
               CG.enable(model, factory, buckets=(1,), whole_step=device_cache))
         c = model.config
-        n = warmup + tokens + 2
+        n = warmup + tokens + kernel_tokens + 2
         kv = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=-(-n // 16), block_size=16,
                           dtype=model.model.embed_tokens.weight.dtype, device=device)
         kv.allocate(0, n)
@@ -104,7 +107,7 @@ def measure(path: str, tokens: int = 8, device: str = "cpu", slots_share: float 
                 logits = run(tok, BatchLayout.single(0, 1, warmup + i + 1), kv)
                 tok = logits.argmax(-1).cpu()  # the sampler's read: after the step, not counted in it
         dt = time.perf_counter() - t0
-        return {
+        out = {
             "path": path, "tokens": tokens, "layers": shape.layers,
             "syncs": sync.total / tokens, "by_reason": {k: v / tokens for k, v in sync.by_reason.items()},
             "graph_launches": ((gs.counters.replays - replays0) / tokens) if gs else 0.0,
@@ -112,9 +115,47 @@ def measure(path: str, tokens: int = 8, device: str = "cpu", slots_share: float 
             "misses": (_misses(cache) - misses0) / tokens,
             "ms": dt / tokens * 1e3, "ms_per_layer": dt / tokens / shape.layers * 1e3,
         }
+        out["kernels"] = []  # after the counts above: the profiled tokens are not in them
+        if kernel_tokens:
+            def step(i):
+                return run(tok, BatchLayout.single(0, 1, warmup + tokens + i + 1), kv)
+            out["kernels"] = kernel_times(step, kernel_tokens, device)
+        return out
     finally:
         sm.close()
         configure(prev)
+
+
+def kernel_times(step, tokens: int, device: str, top: int = 10) -> list[tuple[str, float, float]]:
+    """Run ``step(i)`` for i < ``tokens`` under torch's profiler: (name, calls per token, µs per
+    token) of the ``top`` kernels by time (CUDA kernels on a GPU, graph replays' included;
+    operators' own CPU time on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for i in range(tokens):
+            step(i)
+        if cuda:
+            torch.cuda.synchronize()
+    agg: dict[str, list[float]] = {}
+    for e in prof.events():
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us() if cuda else e.self_cpu_time_total
+        a = agg.setdefault(e.name, [0, 0.0])
+        a[0] += 1
+        a[1] += us
+    rows = sorted(((n, c / tokens, us / tokens) for n, (c, us) in agg.items()), key=lambda r: -r[2])
+    return rows[:top]
+
+
+def kernel_table(rows: list[tuple[str, float, float]], layers: int) -> str:
+    total = sum(us for _, _, us in rows)
+    out = ["| kernel | calls / token | µs / token | µs / layer | share of these |", "|---|---|---|---|---|"]
+    for name, calls, us in rows:
+        out.append(f"| {name[:60]} | {calls:.1f} | {us:.1f} | {us / layers:.1f} | {us / max(total, 1e-9):.0%} |")
+    return "\n".join(out)
 
 
 def _cache_launches(cache) -> int:
