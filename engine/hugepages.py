@@ -91,8 +91,8 @@ def huge_empty(*shape: int, dtype: torch.dtype = torch.uint8, device: torch.devi
     # A mapping starts on a page; a huge one is over-allocated by a huge page to start on one.
     # The tensor's storage begins where its data does (frombuffer's offset, not a slice of a
     # larger storage): torch's is_pinned() looks up the storage's start, so a slice of a bigger
-    # block registered from the slice's start (engine.experts.pinning) reads as unpinned, and a
-    # CUDA graph capture then refuses copies from it (seen on an H200).
+    # block registered from the slice's start (engine.experts.pinning) read as unpinned on an
+    # H200, and torch refuses a copy from a host tensor it thinks unpinned inside a graph capture.
     mm = mmap.mmap(-1, nbytes + (HUGE if nbytes >= HUGE else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     skip = (-torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()) % HUGE if nbytes >= HUGE else 0
     t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=skip).view(dtype).view(*shape)

@@ -63,7 +63,7 @@ def test_buffers_start_on_a_4k_page_for_o_direct_reads(shape, dtype):
 def test_the_storage_starts_where_the_data_does(nbytes):
     """torch's is_pinned() (and a CUDA graph capture's check of a host buffer) looks up the
     storage's first byte: a buffer registered from its data pointer must not be the slice of a
-    larger, unaligned storage (an H200 run refused captures reading the RAM tier for that)."""
+    larger, unaligned storage (on an H200 the registered RAM tier read as unpinned for that)."""
     t = huge_empty(nbytes)
     assert t.untyped_storage().data_ptr() == t.data_ptr() and t.untyped_storage().nbytes() == nbytes
     assert t.data_ptr() % (HUGE if nbytes >= HUGE else 4096) == 0
