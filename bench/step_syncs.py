@@ -45,7 +45,7 @@ def measure(path: str, tokens: int = 8, device: str = "cpu", slots_share: float 
     """Decode ``tokens`` tokens of one sequence through ``path`` (module docstring); per token:
     host syncs (total and by reason), graph launches, device-cache launches, misses, ms.
     ``shape`` and ``trace`` (both or neither): another synthetic shape (engine.costmodel) routed
-    by that trace (at least ``warmup + tokens + 1`` tokens), dense weights in ``dense``; the
+    by that trace (at least ``warmup + tokens + kernel_tokens + 1`` tokens), dense weights in ``dense``; the
     first ``warmup`` tokens after the first fill the cache and are not timed. Default: the demo
     trace's shape, fp32. ``kernel_tokens``: that many more tokens decoded under torch's profiler,
     their kernels' time per token by name under "kernels" (on a GPU: CUDA kernels, those replayed
