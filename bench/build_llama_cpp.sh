@@ -4,7 +4,7 @@
 # SIGILL on some AVX-512 CPUs):
 #
 #   bash bench/build_llama_cpp.sh [--amx] [OUT_DIR]  # default OUT_DIR: .llama-native
-#   bash bench/build_llama_cpp.sh --print-flags      # the instruction-set flags it would use
+#   bash bench/build_llama_cpp.sh [--amx] --print-flags  # the instruction-set flags it would use
 #   .venv/bin/python bench/vs_llama_cpp.py --llama-lib .llama-native
 #
 # It builds the llama.cpp that the installed llama-cpp-python wheel vendors (the same version, so
@@ -32,12 +32,16 @@ isa_flags() {
   echo "$flags -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 }
 
-AMX=0
-case "${1:-}" in
-  --print-flags) isa_flags 0; exit 0 ;;
-  --amx) AMX=1; shift ;;
-esac
+AMX=0 PRINT=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --amx) AMX=1; shift ;;
+    --print-flags) PRINT=1; shift ;;
+    *) break ;;
+  esac
+done
 ISA="$(isa_flags "$AMX")"
+if [ "$PRINT" = 1 ]; then echo "$ISA"; exit 0; fi
 OUT="$(realpath -m "${1:-.llama-native}")"
 PY=.venv/bin/python
 VERSION="$("$PY" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')" || {

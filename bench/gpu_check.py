@@ -354,13 +354,13 @@ def step_table(device: str, tokens: int, paths=None) -> list[dict]:
     return rows
 
 
-def shape_step_table(device: str, shape, share: float, dense: str, warmup: int, tokens: int) -> list[dict]:
+def shape_step_table(device: str, shape, whole: int, share: float, dense: str, warmup: int,
+                     tokens: int) -> list[dict]:
     """The decode step paths of bench/step_syncs.py at the headline's shape (``shape``: a
     reduced-layer run of it, its routing the headline's synthetic one, ``share`` of its experts in
-    device slots, every expert in pinned RAM), with tok/s scaled per layer to the whole shape."""
+    device slots, every expert in pinned RAM), with tok/s scaled per layer to ``whole`` layers."""
     import step_syncs
 
-    from engine.costmodel import SHAPES
     from engine.experts.synthetic import synthetic_trace
 
     kt = 4  # tokens of the one-graph step's kernel profile
@@ -374,7 +374,6 @@ def shape_step_table(device: str, shape, share: float, dense: str, warmup: int, 
     print(f"one graph per step, where a token's device time goes ({kt} tokens under torch's profiler; "
           f"{'CUDA kernels' if device == 'cuda' else 'CPU operators, interpreter: the logic only'}):")
     print(step_syncs.kernel_table(one["kernels"], shape.layers))
-    whole = SHAPES[shape.name.split("-L")[0]].layers if "-L" in shape.name else shape.layers
     print(f"| path | decode tok/s ({shape.layers} layers) | scaled to {whole} layers |")
     print("|---|---|---|")
     for r in rows:
@@ -448,12 +447,13 @@ def headline_check(args) -> int:
         print(f"| full shape on {p['target']} | | {p['tok_s']:.1f} tok/s ({p['note']}) |")
     from engine.costmodel import SHAPES
 
-    shape = SHAPES["full-runnable"].with_layers(args.headline_layers) if cuda else SHAPES["tiny"]
+    full = SHAPES["full-runnable"] if cuda else SHAPES["tiny"]
+    shape = full.with_layers(args.headline_layers) if cuda else full
     share = f["slot_bytes"] / (shape.num_experts_total * shape.slot_bytes)
     warmup, tokens = (8, 32) if cuda else (1, 2)
     print(f"\nDECODE STEP PATHS AT THE HEADLINE'S SHAPE ({shape.name}, {share:.1%} of the experts in "
           f"device slots, the headline's routing, {tokens} tokens after {warmup} warm-up)")
-    shape_step_table(device.type, shape, share, "bf16" if cuda else "fp32", warmup, tokens)
+    shape_step_table(device.type, shape, full.layers, share, "bf16" if cuda else "fp32", warmup, tokens)
     print("ALL OK")
     return 0
 

@@ -566,7 +566,7 @@ struct Input {
   // rows x[rows[i]] of a [*, K] source, copied, then as set()
   void set_rows(Acts k, const float* src, const int64_t* rows, int64_t t, const QW& w) {
     picked.resize(t * w.K);
-    for (int64_t i = 0; i < t; i++) std::copy(src + rows[i] * w.K, src + (rows[i] + 1) * w.K, picked.data() + i * w.K);
+    gather_rows(src, rows, t, w.K, picked.data());
     set(k, picked.data(), t, w);
   }
   // rows [rb, re) of out[T, w.N] = input @ w.T

@@ -1,6 +1,7 @@
 // The quantized-weight contract shared by the kernels (quant.cpp) and the fused step (step.cpp).
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -65,6 +66,10 @@ struct ExpertJob {
   float alpha = 0.f, limit = 0.f;
   const float *bg = nullptr, *bu = nullptr, *bd = nullptr;
 };
+// out[t] = src[rows[t]] for t < T, rows of K floats (a job's rows copied where a kernel needs them contiguous)
+inline void gather_rows(const float* src, const int64_t* rows, int64_t T, int64_t K, float* out) {
+  for (int64_t t = 0; t < T; t++) std::copy(src + rows[t] * K, src + (rows[t] + 1) * K, out + t * K);
+}
 // Several experts at once (a MoE layer's routed experts and its shared expert): the same numbers
 // as expert() on each, with the work of all of them split over the pool in two parallel regions
 // (gate/up rows, then down rows) instead of two per expert.

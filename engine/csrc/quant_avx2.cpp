@@ -310,9 +310,8 @@ static void run_expert(const ExpertJob& j, int64_t direct_max_t) {
   float *gp = gbuf.data(), *up = ubuf.data();
   const float* x = j.x;
   if (j.rows != nullptr) {  // the job's rows of its source, gathered
-    const int64_t K = j.g.K;
-    xbuf.resize(T * K);
-    for (int64_t t = 0; t < T; t++) std::copy(j.x + j.rows[t] * K, j.x + (j.rows[t] + 1) * K, xbuf.data() + t * K);
+    xbuf.resize(T * j.g.K);
+    gather_rows(j.x, j.rows, T, j.g.K, xbuf.data());
     x = xbuf.data();
   }
   parallel(I, 8, min_rows(j.g), [&](int64_t b, int64_t e) {

@@ -196,11 +196,6 @@ def test_the_native_build_leaves_amx_out_unless_asked(tmp_path, cpu, amx, want):
     info = tmp_path / "cpuinfo"
     info.write_text(f"processor\t: 0\nflags\t\t: {cpu}\n")
     script = BENCH / "build_llama_cpp.sh"
-    env = {"PATH": "/usr/bin:/bin", "CPUINFO": str(info)}
-    if amx:  # --amx builds: read the flags through the script's own function
-        out = subprocess.run(["bash", "-c", f"source <(sed -n '/^isa_flags()/,/^}}/p' {script}); isa_flags 1"],
-                             env=env, capture_output=True, text=True, check=True).stdout.split()
-    else:
-        out = subprocess.run(["bash", str(script), "--print-flags"], env=env, capture_output=True, text=True,
-                             check=True).stdout.split()
+    out = subprocess.run(["bash", str(script), *amx, "--print-flags"], env={"PATH": "/usr/bin:/bin", "CPUINFO": str(info)},
+                         capture_output=True, text=True, check=True).stdout.split()
     assert out == want if want == ["-DGGML_NATIVE=ON"] else set(want) <= set(out)
