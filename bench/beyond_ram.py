@@ -171,7 +171,8 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
         st.close()
         return {"refused": str(e)}
     sm = load_from_store(st, device_budget=b.device, ram_budget=b.ram, dense="int8",
-                         prefetch_depth=prefetch_depth, io_threads=io_threads, warm=warm)
+                         prefetch_depth=prefetch_depth, io_threads=io_threads, warm=warm,
+                         tokenizer=False)  # fed token ids, as the llama.cpp child is
     warmed = len(sm.cache.slot_of)
     slot = sm.cache.slot_bytes
     ordinal = {l: i for i, l in enumerate(cfg.moe_layers)}

@@ -21,6 +21,10 @@ from typing import Iterator
 import torch
 
 from engine.errors import ConfigError, DeviceBudgetError, HostMemoryError
+from engine.experts.host_memory import (  # noqa: F401  (the budgets' host side, re-exported)
+    CGROUP_GROWTH, CGROUP_MARGIN, HOST_HEADROOM, available_host_memory, cgroup_memory_limit, cgroup_working_set,
+    host_limit, host_memory,
+)
 from engine.units import format_bytes
 
 __all__ = ["Budgets", "CGROUP_MARGIN", "DeviceBudget", "GiB", "HOST_HEADROOM", "HostMemoryError",
@@ -111,96 +115,7 @@ class DeviceBudget:
 
 # ---- budgets "auto" ---------------------------------------------------------------------------
 
-HOST_HEADROOM = 4 * GiB  # host RAM left free beside the tiers by "auto" (the OS, the page cache, Python)
 DEVICE_WORKSPACE = GiB // 2  # device memory "auto" leaves for activations and kernel workspaces (GPU)
-
-
-CGROUP_ROOT = "/sys/fs/cgroup"
-CGROUP_MARGIN = 384 * 2**20  # what "auto" leaves free under a cgroup limit: Python + torch (~250 MB RSS
-# measured at import), activations, allocator slack, buffers (issue 27: 256 MiB was OOM-killed)
-_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as ~2^63 rounded to a page
-
-
-def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT) -> tuple[int | None, str]:
-    """The memory limit of the cgroup this process is in: ``(bytes, the file it came from)``, or
-    ``(None, "")`` when no group on the way up has one. Reads ``proc_cgroup`` for the process's
-    group (v2: the ``0::/path`` line; v1: the line whose controllers include ``memory``), then
-    that group's ``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1) and every ancestor's up
-    to the root (a child may not raise its parent's limit): the smallest wins. A path that is
-    not mounted here (another cgroup namespace) is skipped, so the root files still count."""
-    from pathlib import Path
-
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
-        lines = []
-    groups: list[tuple[Path, str]] = []  # (directory of the process's group, limit file name)
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        rel = path.strip().lstrip("/")
-        if controllers == "":  # v2 unified hierarchy
-            groups.append((Path(root) / rel, "memory.max"))
-        elif "memory" in controllers.split(","):
-            groups.append((Path(root) / "memory" / rel, "memory.limit_in_bytes"))
-    groups += [(Path(root), "memory.max"), (Path(root) / "memory", "memory.limit_in_bytes")]
-    best: tuple[int | None, str] = (None, "")
-    for start, name in groups:
-        top = Path(root) if name == "memory.max" else Path(root) / "memory"
-        d = start
-        while True:
-            f = d / name
-            try:
-                text = f.read_text().strip()
-            except OSError:
-                text = ""
-            if text.isdigit() and int(text) < _NO_LIMIT and (best[0] is None or int(text) < best[0]):
-                best = (int(text), str(f))
-            if d == top or top not in d.parents:
-                break
-            d = d.parent
-    return best
-
-
-def host_memory(available: bool = False) -> int:
-    """Bytes of RAM this process may use: physical memory (``available``: MemAvailable from
-    /proc/meminfo, else physical memory), or the limit of the cgroup the process is in
-    (:func:`cgroup_memory_limit`: its own group's and its ancestors') when lower."""
-    import os
-    from pathlib import Path
-
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if available:
-        try:
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                if line.startswith("MemAvailable:"):
-                    mem = int(line.split()[1]) * 1024
-                    break
-        except (OSError, ValueError, IndexError):
-            pass
-    limit, _ = cgroup_memory_limit()
-    return mem if limit is None else min(mem, limit)
-
-
-def host_limit() -> tuple[int, int, str]:
-    """What CPU budgets ``auto`` divide: ``(bytes, headroom, where)``. Under a cgroup limit
-    below the available RAM the limit is the whole allowance (the process's page cache and its
-    tiers are charged to it) and the headroom :data:`CGROUP_MARGIN`; else the available RAM and
-    :data:`HOST_HEADROOM` (the OS and other processes share it)."""
-    from engine.units import format_bytes
-
-    avail = host_memory(available=True)
-    limit, where = cgroup_memory_limit()
-    if limit is not None and limit <= avail:
-        return limit, CGROUP_MARGIN, f"cgroup limit {format_bytes(limit)} ({where})"
-    return avail, HOST_HEADROOM, f"available RAM {format_bytes(avail)}"
-
-
-def available_host_memory() -> int:
-    """MemAvailable (bytes), else physical memory; the cgroup limit when lower."""
-    return host_memory(available=True)
 
 
 @dataclass(frozen=True)
@@ -271,9 +186,9 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
     capped at ``experts_total``. On a GPU: :func:`auto_device_budget` and
     :func:`auto_ram_budget`. On a CPU the device tier is host memory too: the memory the
     process may use (``host_available``, default :func:`host_limit`: its cgroup's limit when
-    that is lower than the available RAM) less ``headroom`` (None: :data:`CGROUP_MARGIN` under a
-    cgroup limit, :data:`HOST_HEADROOM` else) and ``resident`` is shared: with both auto the
-    device slots (what experts are computed from) first, less ``staging`` bytes that the RAM
+    that is lower than the available RAM) less ``headroom`` (None: under a cgroup limit what the
+    group holds now plus :data:`CGROUP_GROWTH` (host_memory.host_limit), :data:`HOST_HEADROOM`
+    else) and ``resident`` is shared: with both auto the device slots (what experts are computed from) first, less ``staging`` bytes that the RAM
     tier keeps for reads in flight, the RAM tier the rest; a given budget is taken out of it
     before the other is resolved, so nothing is counted twice. On a CPU, memory
     that cannot hold ``resident`` + headroom + ``min_tiers`` (the least the tiers run with; checked

@@ -61,7 +61,7 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
                     source: ExpertSource | None = None, device: str = "cpu",
                     dense: str = DEFAULT_DENSE, io_threads: int = 8, head: str | None = None,
                     admission: bool = False, ple_budget: int | None = None,
-                    device_cache: bool = False, warm: bool = False) -> StoreModel:
+                    device_cache: bool = False, warm: bool = False, tokenizer: bool = True) -> StoreModel:
     """Budgets default to "everything fits" (every expert resident after first use). ``dense``:
     format of the dense linears (engine.quant.linear: fp32 as stored, bf16 or int8; default
     DEFAULT_DENSE, auto: int8 on a CPU with VNNI, else bf16, resolve_dense;
@@ -80,7 +80,9 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
     load). ``warm``: fill the free expert slots at load (ExpertCache.warm: each layer's experts
     in turn), as llama.cpp's load fills the page cache, so the first tokens do not pay a miss for
     every expert's first use (`moestream generate`'s default; off here and in serve, so a cache
-    starts empty)."""
+    starts empty). ``tokenizer`` False: no tokenizer loaded (``StoreModel.tokenizer`` None) for
+    a caller that feeds token ids: transformers' import and the tokenizer's tables are ~48 MB of
+    RSS (issue 27's bench; docs/expert-cache.md#budgets-under-a-memory-limit)."""
     if prefetch_depth is None:
         prefetch_depth = default_prefetch_depth(device)
     dense = resolve_dense(dense, device)
@@ -136,11 +138,13 @@ def load_from_store(store, *, device_budget: int | None = None, ram_budget: int 
         except BaseException:  # a blob that fails its read or digest: nothing of this load survives
             StoreModel(model, None, cache, store, ple).close()
             raise
-    try:
-        tokenizer = store.tokenizer()
-    except TokenizerNotFoundError:
-        tokenizer = None  # token-id level use (tests, benchmarks) needs none
-    return StoreModel(model, tokenizer, cache, store, ple)
+    tok = None
+    if tokenizer:
+        try:
+            tok = store.tokenizer()
+        except TokenizerNotFoundError:
+            pass  # a store converted without one: token-id level use only
+    return StoreModel(model, tok, cache, store, ple)
 
 
 def _attach_ple(model, store, cache, budget: int | None):

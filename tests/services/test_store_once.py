@@ -86,3 +86,18 @@ def test_the_budgets_read_a_store_they_are_given(store_path, opens):
     # without one, each call opens config.store once for all it reads
     deployer_budgets(cfg, gpu=False, host_available=64 << 30)
     assert opens == [store_path.resolve()]
+
+
+def test_a_token_id_caller_loads_no_tokenizer(store_path, monkeypatch):
+    """load_from_store(tokenizer=False): the store's tokenizer is never read (issue 27: 48 MB of
+    RSS beside a model fed token ids); the default loads it."""
+    from engine.experts.runtime import load_from_store
+    from engine.store.reader import ExpertStore
+
+    calls = []
+    real = ExpertStore.tokenizer
+    monkeypatch.setattr(ExpertStore, "tokenizer", lambda self: calls.append(1) or real(self))
+    with load_from_store(store_path, dense=DENSE, tokenizer=False) as sm:
+        assert sm.tokenizer is None and calls == []
+    with load_from_store(store_path, dense=DENSE) as sm:
+        assert sm.tokenizer is not None and calls == [1]

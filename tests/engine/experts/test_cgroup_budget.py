@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from engine.errors import HostMemoryError
-from engine.experts.device_budget import (
-    CGROUP_MARGIN, GiB, cgroup_memory_limit, host_memory, resolve_budgets,
-)
+from engine.experts import host_memory as hm
+from engine.experts.device_budget import GiB, cgroup_memory_limit, host_memory, resolve_budgets
+from engine.experts.host_memory import CGROUP_GROWTH, CGROUP_MARGIN, cgroup_working_set
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[3]
@@ -61,6 +61,33 @@ def test_a_group_not_mounted_here_falls_back_to_the_root_files(tmp_path):
     assert cgroup_memory_limit(proc, root)[0] == 2 * GiB
 
 
+def test_working_set_is_usage_less_inactive_file_v1_and_v2(tmp_path):
+    _, root = _tree(tmp_path, "", {
+        "memory/a/memory.limit_in_bytes": str(GiB), "memory/a/memory.usage_in_bytes": str(300 * MiB),
+        "memory/a/memory.stat": f"cache 1\ninactive_file 5\ntotal_inactive_file {40 * MiB}\n",
+        "b/memory.max": str(GiB), "b/memory.current": str(200 * MiB) + "\n",
+        "b/memory.stat": f"anon 7\ninactive_file {20 * MiB}\nactive_file 3\n",
+    })
+    assert cgroup_working_set(f"{root}/memory/a/memory.limit_in_bytes") == 260 * MiB  # v1: total_ (hierarchical)
+    assert cgroup_working_set(f"{root}/b/memory.max") == 180 * MiB
+    assert cgroup_working_set(f"{root}/none/memory.max") is None
+
+
+def test_the_margin_under_a_limit_is_what_the_group_holds_plus_the_growth(tmp_path, monkeypatch):
+    _, root = _tree(tmp_path, "", {"g/memory.max": str(GiB), "g/memory.current": str(250 * MiB),
+                                   "g/memory.stat": f"inactive_file {10 * MiB}\n"})
+    monkeypatch.setattr(hm, "host_memory", lambda available=False: 20 * GiB)
+    monkeypatch.setattr(hm, "cgroup_memory_limit", lambda: (GiB, f"{root}/g/memory.max"))
+    limit, margin, what = hm.host_limit()
+    assert (limit, margin) == (GiB, 240 * MiB + CGROUP_GROWTH)
+    assert "the group holds 240.00 MiB now" in what
+    (tmp_path / "cg/g/memory.current").unlink()  # usage unreadable: the fixed margin
+    assert hm.host_limit()[1] == CGROUP_MARGIN
+    # a limit above the available RAM is not the binding one: the host headroom
+    monkeypatch.setattr(hm, "cgroup_memory_limit", lambda: (40 * GiB, f"{root}/g/memory.max"))
+    assert hm.host_limit()[1] == hm.HOST_HEADROOM
+
+
 def test_dense_part_too_big_for_the_memory_is_refused_naming_the_minimum():
     with pytest.raises(HostMemoryError, match=r"needs at least 1\.75 GiB"):
         resolve_budgets(4 * GiB, device="cpu", resident=GiB + GiB // 2, headroom=GiB // 4, host_available=GiB)
@@ -92,9 +119,11 @@ def _child_cgroup() -> Path | None:
 
 
 _CHILD = """
-from engine.experts.device_budget import CGROUP_MARGIN, cgroup_memory_limit, host_memory, resolve_budgets
+from engine.experts.device_budget import cgroup_memory_limit, host_limit, host_memory, resolve_budgets
+from engine.experts.host_memory import cgroup_working_set
 b = resolve_budgets(64 * 2**30, device="cpu", resident=100 * 2**20, staging=64 * 2**20)
-print(cgroup_memory_limit()[0], host_memory(), b.ram, b.device, CGROUP_MARGIN)
+limit, where = cgroup_memory_limit()
+print(limit, host_memory(), b.ram, b.device, host_limit()[1], cgroup_working_set(where))
 print(b.line)
 """
 
@@ -114,12 +143,16 @@ def test_a_process_in_a_smaller_child_cgroup_sizes_its_ram_tier_from_that_limit(
         r = subprocess.run([sys.executable, "-c", _CHILD], cwd=ROOT, capture_output=True, text=True,
                            preexec_fn=enter, timeout=300)
         assert r.returncode == 0, r.stderr
-        limit, host, ram, dev, margin = map(int, r.stdout.split()[:5])
+        limit, host, ram, dev, margin, held = map(int, r.stdout.split()[:6])
         assert limit == GiB and host == GiB
+        # the margin is what the group holds (this Python with torch imported: ~150 MiB charged
+        # to it) plus the growth allowance, read again a moment later
+        assert 64 * MiB < held < 512 * MiB
+        assert abs(margin - CGROUP_GROWTH - held) < 8 * MiB
         # the tiers share the limit less the margin and the resident part: the device slots
         # first, the RAM tier the staging bytes (the machine's 20+ GiB would give both 64 GiB)
-        assert margin == CGROUP_MARGIN
-        assert (dev, ram) == (GiB - margin - 100 * MiB - 64 * MiB, 64 * MiB)
-        assert "cgroup limit 1.00 GiB" in r.stdout
+        assert ram == 64 * MiB
+        assert abs(dev - (GiB - margin - 100 * MiB - 64 * MiB)) < 8 * MiB
+        assert "cgroup limit 1.00 GiB" in r.stdout and "the group holds" in r.stdout
     finally:
         d.rmdir()
