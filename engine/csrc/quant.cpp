@@ -659,11 +659,22 @@ void linears(std::vector<LinearJob>& jobs, int64_t direct_max_t, bool i8a) {
   });
 }
 
+// Rows of a call (all jobs together) up to which experts() reuses the thread's per-job buffers:
+// decode-sized calls (a step's experts, a batch of decoding sequences) make thousands of calls.
+// A larger call (a prefill's layer) gets buffers of its own, freed when it returns: reused by job
+// index, each job's buffers would keep the largest share any layer ever gave that index, and
+// their sum crept up layer by layer (~15 MiB over a 64-token prefill of the 8 GB bench model, a
+// 128-expert layer; issue 27), where a call's own need is its rows x I.
+constexpr int64_t REUSE_MAX_ROWS = 256;
+
 void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
   PhaseClock clk;
   const size_t J = jobs.size();
+  int64_t call_rows = 0;
+  for (const ExpertJob& jb : jobs) call_rows += jb.T;
   static thread_local std::vector<ExpertState> mine;
-  std::vector<ExpertState>& st = mine;
+  std::vector<ExpertState> own;
+  std::vector<ExpertState>& st = call_rows <= REUSE_MAX_ROWS ? mine : own;
   st.resize(J);
   static thread_local SharedActs shared_mine;
   SharedActs& shared = shared_mine;
@@ -697,9 +708,7 @@ void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
   clk.mark(PH_GATE_UP);
   // the hidden activations, as the down projections take them: jobs on the pool when they have
   // rows enough to pay for it (a decode step's experts have one each: the calling thread)
-  int64_t hid_rows = 0;
-  for (const ExpertJob& jb : jobs) hid_rows += jb.T;
-  parallel((int64_t)J, 1, hid_rows >= 2 * QUANT_ROWS_PER_THREAD ? 1 : (int64_t)J, [&](int64_t b, int64_t e) {
+  parallel((int64_t)J, 1, call_rows >= 2 * QUANT_ROWS_PER_THREAD ? 1 : (int64_t)J, [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; j++) st[j].hid.set(acts_for(jobs[j].d, i8a), st[j].g.data(), jobs[j].T, jobs[j].d);
   });
   const std::vector<int64_t> sd = unit_starts(jobs, hidden_rows);

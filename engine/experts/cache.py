@@ -177,6 +177,31 @@ class QuantizedExpert:
         return expert_forward(x, self.gate, self.up, self.down).to(x.dtype)
 
 
+class _SlotExpert:
+    """An acquired expert in a cache slot as acquire hands it out: its views (QuantizedExpert)
+    are made on the first use of ``gate``, ``up``, ``down`` or ``forward`` (ExpertCache._slot_view:
+    once per slot and layout, then reused). The native step reads the slot table instead and
+    never makes them: they are ~5.6 KiB of tensor objects a slot (issue 27: ~12 MB at 75% of the
+    8 GB bench model, ~40 MB at 30% of a 24,576-expert model)."""
+
+    __slots__ = ("_cache", "_key", "_slot")
+    on_cpu = False
+
+    def __init__(self, cache: "ExpertCache", key: Key, slot: int) -> None:
+        self._cache, self._key, self._slot = cache, key, slot
+
+    @property
+    def views(self) -> QuantizedExpert:
+        return self._cache._slot_view(self._key, self._slot)
+
+    gate = property(lambda self: self.views.gate)
+    up = property(lambda self: self.views.up)
+    down = property(lambda self: self.views.down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.views.forward(x)
+
+
 @dataclass
 class _Staged:
     """A declined miss in a staging slot: held by ``pins`` acquires, filled when ``future`` is."""
@@ -211,10 +236,11 @@ class ExpertCache(ExpertProvider):
         # staging: free staging slots (pop() hands out the first) and the declined misses held
         self.staging_free: list[int] = list(range(total - 1, self.num_slots - 1, -1))
         self.staged: dict[Key, _Staged] = {}
-        self.views: dict[int, QuantizedExpert] = {}
         self._slot_views: dict[int, tuple[int, QuantizedExpert]] = {}  # slot -> (layout key, views)
-        # the fused step's view of the same slots: one row per slot (engine.quant.kernels.slot_row)
+        # the fused step's view of the same slots: one row per slot (engine.quant.kernels.slot_row),
+        # written at every copy-in from its layout's template (_write_row)
         self.slot_rows = torch.zeros(total, SLOT_ROW, dtype=torch.int64)
+        self._row_templates: dict[int, tuple[list[int], list[int]]] = {}  # layout key -> (head, offsets)
         self.prefetched: set[Key] = set()  # loaded by prefetch and not used yet
         self.needed: set[Key] = set()  # routed by the running layer: never a prefetch victim
         self.predicted: dict[int, set[int]] = {}
@@ -511,10 +537,15 @@ class ExpertCache(ExpertProvider):
         self._fill(*claim)
         return claim[2]
 
-    def _view_of(self, key: Key) -> QuantizedExpert:
-        """Under a pin: the views of an acquired expert's slot (staging or cache)."""
+    def _view_of(self, key: Key) -> _SlotExpert:
+        """Under a pin: an acquired expert in its slot (staging or cache); views made on use."""
         st = self.staged.get(key)
-        return self.views[st.slot if st is not None else self.slot_of[key]]
+        return _SlotExpert(self, key, st.slot if st is not None else self.slot_of[key])
+
+    @property
+    def views(self) -> dict[int, QuantizedExpert]:
+        """The views made so far, by slot (only where an expert was computed through them)."""
+        return {slot: v for slot, (_, v) in list(self._slot_views.items())}
 
     def release(self, layer: int, expert_ids: list[int]) -> None:
         keys = [(layer, e) for e in expert_ids]
@@ -624,7 +655,7 @@ class ExpertCache(ExpertProvider):
             host_sync("miss copy")  # where a GPU waits for the copy stream (above)
             self.source.read_into(key, self.slots[slot])
         copied = time.perf_counter() - t0
-        self.views[slot] = self._slot_view(key, slot)
+        self._write_row(key, slot)
         if self.grouped:
             self.slot_map[key[0], key[1]] = slot
         dt = time.perf_counter() - t0
@@ -643,9 +674,21 @@ class ExpertCache(ExpertProvider):
         made = self._slot_views.get(slot)
         if made is None or made[0] != layout:
             made = self._slot_views[slot] = (layout, self._unpack(key, self.slots[slot]))
-            v = made[1]
-            self.slot_rows[slot] = torch.tensor(slot_row(v.gate, v.up, v.down), dtype=torch.int64)
         return made[1]
+
+    def _write_row(self, key: Key, slot: int) -> None:
+        """The slot table's row of ``key``, just copied into ``slot``: its layout's row (made once,
+        by slot_row over views of the first slot it landed in) with the addresses moved to this
+        slot, so no views are made per slot (the native step reads only the row)."""
+        layout = self.store.layout_key(*key)
+        base = self.slots[slot].data_ptr()
+        t = self._row_templates.get(layout)
+        if t is None:
+            v = self._unpack(key, self.slots[slot])
+            row = slot_row(v.gate, v.up, v.down)
+            t = self._row_templates[layout] = (row[:4], [a - base if a else -1 for a in row[4:]])
+        head, offsets = t
+        self.slot_rows[slot] = torch.tensor(head + [base + o if o >= 0 else 0 for o in offsets], dtype=torch.int64)
 
     def grouped_layout(self, layer: int, device: torch.device):
         """The layer's SlotLayout for the grouped kernels (engine.quant.triton_moe), or None: the
@@ -749,8 +792,7 @@ class ExpertCache(ExpertProvider):
 
     def _calibrate_cpu(self) -> None:
         """Under the lock: time one CPU pass over a resident cache slot's expert (none yet: later)."""
-        key, slot = next(((k, s) for k, s in self.slot_of.items()
-                          if k not in self.loading and s in self.views), (None, None))
+        key, slot = next(((k, s) for k, s in self.slot_of.items() if k not in self.loading), (None, None))
         if key is None:
             return
         nbytes = self.store.entry(*key).nbytes

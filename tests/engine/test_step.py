@@ -157,13 +157,17 @@ def test_decode_attention_over_many_tiles_matches_torch_layers(store, kv_kind, f
 
 
 @pytest.mark.parametrize("i8a", [True, False])
-def test_a_prefill_row_has_the_bits_of_the_same_position_decoded(store, fused, i8a):
-    """Batch invariance (docs/native-step.md): a 70-token prompt prefilled in one native step (its
+@pytest.mark.parametrize("n", [70, 150])
+def test_a_prefill_row_has_the_bits_of_the_same_position_decoded(store, fused, i8a, n):
+    """Batch invariance (docs/native-step.md): an n-token prompt prefilled in one native step (its
     attention split over the pool by row, its experts reading shared quantized rows, the kernels'
-    6-token tiles) gives each position the logits of that position decoded alone, bit for bit."""
+    6-token tiles) gives each position the logits of that position decoded alone, bit for bit.
+    150 tokens x top-2 routes 300 rows to a layer's experts: more than the 256 up to which the
+    experts' buffers are the thread's reused ones (quant.cpp REUSE_MAX_ROWS), so the prefill runs
+    on buffers of its own and the decode steps on the reused ones."""
     configure(int8_activations=i8a)
     fused(True)
-    tokens = torch.randint(0, 90, (70,), generator=torch.Generator().manual_seed(9))
+    tokens = torch.randint(0, 90, (n,), generator=torch.Generator().manual_seed(9))
     with load_from_store(store, prefetch_depth=0, dense="int8") as sm:
         cfg = sm.model.config
         step = executor_for(sm.model)
@@ -171,9 +175,9 @@ def test_a_prefill_row_has_the_bits_of_the_same_position_decoded(store, fused, i
         def kv():
             return PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=32, block_size=8)
 
-        whole = step(tokens, BatchLayout.single(0, 70, 0), kv(), all_logits=True)
+        whole = step(tokens, BatchLayout.single(0, n, 0), kv(), all_logits=True)
         cache = kv()
-        alone = [step(tokens[i:i + 1], BatchLayout.single(0, 1, i), cache, all_logits=True) for i in range(70)]
+        alone = [step(tokens[i:i + 1], BatchLayout.single(0, 1, i), cache, all_logits=True) for i in range(n)]
     assert executor_for(sm.model).native() is not None
     assert torch.equal(whole, torch.cat(alone))
 
