@@ -588,8 +588,8 @@ def summary_line(label: str, row: dict) -> str:
         mine = f"refused (needs at least {need.group(1)})" if need else f"refused ({ours['refused'][0][:60]})"
     else:
         mine = f"none ({(ours['dead'] or ['?'])[0][:60]})"
-    return (f"beyond-ram {label}: moestream {mine}, llama.cpp {fmt(d_t, '.2f', 'none')} tok/s ({ratio}), disk use "
-            f"{fmt(use * 100 if use is not None else None, '.0f', 'n/a')}% of bandwidth")
+    disk = f"{use:.0%} of bandwidth" if use is not None else "n/a"
+    return (f"beyond-ram {label}: moestream {mine}, llama.cpp {fmt(d_t, '.2f', 'none')} tok/s ({ratio}), disk use {disk}")
 
 
 if __name__ == "__main__":

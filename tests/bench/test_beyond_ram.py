@@ -199,7 +199,7 @@ def test_the_summary_line_names_a_refusals_minimum_and_the_ratio(B):
                                          "cannot hold this model: it needs at least 459.36 MiB (481675264 B): ..."],
                              "dead": []}, **llama}
     assert B.summary_line("400 MB", refused) == ("beyond-ram 400 MB: moestream refused (needs at least 459.36 MiB), "
-                                                 "llama.cpp 4.00 tok/s (n/a), disk use n/a% of bandwidth")
+                                                 "llama.cpp 4.00 tok/s (n/a), disk use n/a")
 
 
 def test_the_whole_bench_runs_on_the_tiny_shape(tmp_path):
