@@ -188,11 +188,12 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
     process may use (``host_available``, default :func:`host_limit`: its cgroup's limit when
     that is lower than the available RAM) less ``headroom`` (None: under a cgroup limit what the
     group holds now plus :data:`CGROUP_GROWTH` (host_memory.host_limit), :data:`HOST_HEADROOM`
-    else) and ``resident`` is shared: with both auto the device slots (what experts are computed from) first, less ``staging`` bytes that the RAM
-    tier keeps for reads in flight, the RAM tier the rest; a given budget is taken out of it
-    before the other is resolved, so nothing is counted twice. On a CPU, memory
-    that cannot hold ``resident`` + headroom + ``min_tiers`` (the least the tiers run with; checked
-    when a budget is auto or the limit is a cgroup's) raises :class:`~engine.errors.HostMemoryError` naming that minimum, before anything is
+    else) and ``resident`` is shared: with both auto the device slots (what experts are computed
+    from) first, less ``staging`` bytes that the RAM tier keeps for reads in flight, the RAM
+    tier the rest; a given budget is taken out of it before the other is resolved, so nothing is
+    counted twice. On a CPU, memory that cannot hold ``resident`` + headroom + ``min_tiers``
+    (the least the tiers run with; checked when a budget is auto or the limit is a cgroup's)
+    raises :class:`~engine.errors.HostMemoryError` naming that minimum, before anything is
     loaded; a budget that comes out <= 0 raises DeviceBudgetError naming the figures.
     ``ram_from``: how a given RAM budget was chosen."""
     from engine.units import format_bytes as fb
