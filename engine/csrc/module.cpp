@@ -4,6 +4,7 @@
 #include "phases.h"
 #include "pool.h"
 #include "quant.h"
+#include "i8a.h"
 #include "step.h"
 
 #include <ATen/ops/empty.h>
@@ -18,6 +19,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_forward", &ms::expert_forward, "SwiGLU expert on quantized gate/up/down");
   m.def("set_prefetch_rows", &ms::set_prefetch_rows, "software prefetch distance in rows (bench)");
   m.def("has_vnni", &ms::has_vnni, "whether this CPU has AVX512-VNNI (the int8-activation int4 path)");
+  m.def("amx_usable", &ms::amx_usable, "whether this CPU and kernel let the process use AMX-INT8 tiles");
+  m.def("amx_on", &ms::amx_on, "whether prefill-sized int4 x int8 calls take the AMX kernel");
+  m.def("set_amx", &ms::set_amx, "turn the AMX kernel on or off (same bits as VNNI); returns the previous setting");
 
   py::class_<ms::Linear>(m, "Linear", py::module_local()).def(py::init(&ms::make_linear));
   py::class_<ms::Attn>(m, "Attn", py::module_local())

@@ -17,6 +17,7 @@
 // over the native worker pool (pool.cpp). An OpenMP build of the row kernels was measured slower
 // inside a decode step on 2 cores (demo store 39.8 -> 19.8 tok/s).
 #include "quant.h"
+#include "i8a.h"
 #include "phases.h"
 #include "pool.h"
 #include "simd.h"
@@ -266,20 +267,13 @@ static void rows_dispatch(const QW& w, int64_t nb, int64_t ne, const float* x, i
   }
 }
 
-// ---- int4 weights x int8 activations (decode; AVX512-VNNI) -------------------------------
-// x is quantized per block of 32 to int8 (dx = absmax / 127, q = round-half-even(x * (1 / dx)));
-// a block's 16 code bytes hold weights j (low nibble) and j + 16 (high), so per chunk of 4 blocks
-// (128 weights, 64 code bytes) q is laid out as [64 bytes: low halves][64 bytes: high halves] and
-// two vpdpbusd give 16 int32 lanes, lanes 4i..4i+3 summing block i. The result is x' @ w.T for
-// the dequantized activations x' = q * dx, computed per row as
-//   sum_blocks scale(group) * dx(block) * sum(code * q)  +  sum_groups min(group) * sum(x' over group)
-// reference.linear_ref_int8_act is the same (linear_ref on x').
-struct QAct {
-  std::vector<int8_t> q;   // [C * 128]
-  std::vector<float> dx;   // [C * 16]: lane 4i..4i+3 of chunk c = dx of block 4c + i (0 past K)
-  std::vector<float> xg;   // [K / G]: sums of x' = q * dx over each group
-};
-
+// ---- int4 weights x int8 activations (AVX512-VNNI; i8a.h has the sum) ------------------
+// x is quantized per block of 32 to int8 (dx = absmax / 127, q = round-half-even(x * (1 / dx))).
+// A chunk of 4 blocks (128 weights, 64 code bytes) meets its q as [64 bytes: low halves][64 bytes:
+// high halves]: two vpdpbusd give 16 int32 lanes, lanes 4i..4i+3 summing block i; four chunks
+// (16 blocks) are folded into one vector of the 16 blocks' exact sums S_b (two rounds of
+// even/odd lane pairs), converted once and fma'd into the lane sums P. The result is x' @ w.T for
+// the dequantized activations x' = q * dx; reference.linear_ref_int8_act is the same.
 // The one quantization rule of a 32-value block x[0..31]: its scale d = absmax / qmax (127 for
 // int8 codes, 32767 for int16) and the codes round-half-even(x * (1 / d)) as int32 in q0 (values
 // 0..15) and q1 (16..31); 0 when d = 0.
@@ -298,7 +292,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 static void quant_act(const float* x, int64_t K, int64_t G, QAct& a) {
   const int64_t C = (K + 127) / 128;
   a.q.assign(C * 128, 0);
-  a.dx.assign(C * 16, 0.f);
+  a.db.assign((K / 32 + 15) / 16 * 16, 0.f);
   a.xg.assign(K / G, 0.f);
   for (int64_t b = 0; b < K / 32; b++) {
     __m512i q0, q1;
@@ -306,49 +300,65 @@ static void quant_act(const float* x, int64_t K, int64_t G, QAct& a) {
     const int64_t c = b / 4, i = b % 4;
     _mm_storeu_si128((__m128i*)(a.q.data() + c * 128 + i * 16), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128((__m128i*)(a.q.data() + c * 128 + 64 + i * 16), _mm512_cvtsepi32_epi8(q1));
-    for (int l = 0; l < 4; l++) a.dx[c * 16 + i * 4 + l] = d;
+    a.db[b] = d;
     a.xg[32 * b / G] += d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   }
+}
+
+// i8a.h's tree16 of a vector's 16 lanes: lane i + lane i + 8, then + 4, + 2, + 1
+__attribute__((target("avx512f,avx512dq")))
+static inline float tree16(__m512 v) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
 }
 
 template <int TT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")))
 static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts, float* out, int64_t ldo) {
-  const int64_t K = w.K, G = w.G, NG = K / G, C = (K + 127) / 128, full = K / 128;
-  const int tail_bytes = (int)((K % 128) / 2);
-  const int spc = G >= 128 ? 1 : (int)(128 / G);  // scales per full chunk
+  const int64_t K = w.K, G = w.G, NG = K / G, B = K / 32, J = (B + 15) / 16;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
-  const __m512i perm = G == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                     : G == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
-                     : _mm512_setzero_si512();
+  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  // lane i of a 16-block group -> its group's scale (G / 32 blocks per group: 1, 2 or 4)
+  const __m512i gidx = _mm512_srlv_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(__builtin_ctzll(G / 32)));
   for (int64_t n = nb; n < ne; n++) {
     const uint8_t* row = w.codes + n * (K / 2);
     const uint16_t* srow = w.scales + n * NG;
     __m512 facc[TT];
     for (int t = 0; t < TT; t++) facc[t] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < C; c++) {
-      __m512i v;
-      __m512 sv;
-      if (c < full) {
-        _mm_prefetch((const char*)(row + c * 64 + 2048), _MM_HINT_T0);
-        v = _mm512_loadu_si512(row + c * 64);
-      } else {
-        v = _mm512_maskz_loadu_epi8((__mmask64)((1ull << tail_bytes) - 1), row + c * 64);
+    for (int64_t j = 0; j < J; j++) {
+      const int64_t nbk = std::min<int64_t>(16, B - 16 * j);  // blocks in this group of 16
+      __m512i lo[4], hi[4];
+      for (int c = 0; c < 4; c++) {
+        const int64_t bytes = std::max<int64_t>(0, std::min<int64_t>(64, (nbk - 4 * c) * 16));
+        const uint8_t* p = row + j * 256 + c * 64;
+        __m512i v;
+        if (bytes == 64) {
+          _mm_prefetch((const char*)(p + 2048), _MM_HINT_T0);
+          v = _mm512_loadu_si512(p);
+        } else {  // the row's tail: masked (nothing read past it), zero codes
+          v = _mm512_maskz_loadu_epi8((__mmask64)((1ull << bytes) - 1), p);
+        }
+        lo[c] = _mm512_and_si512(v, m4);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
       }
-      if (G >= 128) {
-        sv = _mm512_set1_ps(_cvtsh_ss(srow[c]));
-      } else {
-        const int ns = c < full ? spc : (int)(tail_bytes * 2 / G);
-        __m128i s16 = _mm_maskz_loadu_epi16((__mmask8)((1u << ns) - 1), srow + c * spc);
-        sv = _mm512_permutexvar_ps(perm, _mm512_castps128_ps512(_mm_cvtph_ps(s16)));
-      }
-      const __m512i lo = _mm512_and_si512(v, m4);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      const int64_t ng = (nbk * 32 + G - 1) / G;
+      const __m512 sg = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << ng) - 1), srow + j * 512 / G));
+      const __m512 sv = _mm512_permutexvar_ps(gidx, sg);  // 0 past the row: with S = 0, dx = 0 adds +0
       for (int t = 0; t < TT; t++) {
-        const QAct& a = *acts[t];
-        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(a.q.data() + c * 128));
-        acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(a.q.data() + c * 128 + 64));
-        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, _mm512_loadu_ps(a.dx.data() + c * 16)),
+        const int8_t* q = acts[t]->q.data() + j * 512;
+        __m512i a[4];
+        for (int c = 0; c < 4; c++) {
+          a[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[c], _mm512_loadu_si512(q + c * 128));
+          a[c] = _mm512_dpbusd_epi32(a[c], hi[c], _mm512_loadu_si512(q + c * 128 + 64));
+        }
+        const __m512i p0 = _mm512_add_epi32(_mm512_permutex2var_epi32(a[0], ev, a[1]), _mm512_permutex2var_epi32(a[0], od, a[1]));
+        const __m512i p1 = _mm512_add_epi32(_mm512_permutex2var_epi32(a[2], ev, a[3]), _mm512_permutex2var_epi32(a[2], od, a[3]));
+        const __m512i S = _mm512_add_epi32(_mm512_permutex2var_epi32(p0, ev, p1), _mm512_permutex2var_epi32(p0, od, p1));
+        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(sv, _mm512_loadu_ps(acts[t]->db.data() + 16 * j)),
                                   facc[t]);
       }
     }
@@ -359,7 +369,7 @@ static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const
       for (int t = 0; t < TT; t++)
         facc[t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, acts[t]->xg.data() + g), facc[t]);
     }
-    for (int t = 0; t < TT; t++) out[t * ldo + n] = _mm512_reduce_add_ps(facc[t]);
+    for (int t = 0; t < TT; t++) out[t * ldo + n] = tree16(facc[t]);
   }
 }
 
@@ -546,9 +556,11 @@ struct Input {
   std::vector<const QAct*> p4;  // each row's int8 activation: into a4, or a table shared by jobs
   std::vector<QAct16> a16;
   std::vector<float> picked;    // the float rows of a job with row indices
+  bool tiles = false;           // set by tile()
+  AmxActs amx;
 
   void set(Acts k, const float* xs, int64_t t, const QW& w) {
-    kind = k, x = xs, T = t;
+    kind = k, x = xs, T = t, tiles = false;
     if (k == INT16_ACTS) quant_into(x, T, w.K, a16);
     else if (k == INT4_ACTS) {
       quant_into(x, T, w.K, w.G, a4);
@@ -559,9 +571,14 @@ struct Input {
   // int8 activations of source rows rows[i] from a table of them (row r at table[r], quantized
   // as set() would)
   void shared_rows(const int64_t* rows, int64_t t, const std::vector<QAct>& table) {
-    kind = INT4_ACTS, x = nullptr, T = t;
+    kind = INT4_ACTS, x = nullptr, T = t, tiles = false;
     p4.resize(T);
     for (int64_t i = 0; i < T; i++) p4[i] = &table[rows[i]];
+  }
+  // after set() or shared_rows(): int8 activations of AMX_MIN_ROWS rows or more as AMX tiles too
+  void tile(const QW& w) {
+    tiles = kind == INT4_ACTS && T >= AMX_MIN_ROWS && amx_on();
+    if (tiles) amx_acts(p4.data(), T, w.K, w.G, amx);
   }
   // rows x[rows[i]] of a [*, K] source, copied, then as set()
   void set_rows(Acts k, const float* src, const int64_t* rows, int64_t t, const QW& w) {
@@ -572,6 +589,8 @@ struct Input {
   // rows [rb, re) of out[T, w.N] = input @ w.T
   void rows(const QW& w, int64_t rb, int64_t re, float* out, int64_t direct_max_t) const {
     if (kind == INT16_ACTS) rows_i16a_int8(w, rb, re, a16, out, w.N);
+    else if (kind == INT4_ACTS && tiles)
+      for (int64_t n = rb; n < re; n += 16) rows_int4_amx(w, n, std::min(n + 16, re), amx, out, w.N);
     else if (kind == INT4_ACTS) rows_i8a(w, rb, re, p4, out, w.N);
     else rows_dispatch(w, rb, re, x, T, out, w.N, direct_max_t);
   }
@@ -648,7 +667,10 @@ void linears(std::vector<LinearJob>& jobs, int64_t direct_max_t, bool i8a) {
     const bool same = j > 0 && jobs[j - 1].x == jb.x && jobs[j - 1].T == jb.T && ins[src[j - 1]].kind == kind &&
                       jobs[j - 1].w.K == jb.w.K && jobs[j - 1].w.G == jb.w.G;
     src[j] = same ? src[j - 1] : j;
-    if (!same) ins[j].set(kind, jb.x, jb.T, jb.w);
+    if (!same) {
+      ins[j].set(kind, jb.x, jb.T, jb.w);
+      ins[j].tile(jb.w);
+    }
     work += jb.w.N * jb.w.K;
   }
   const std::vector<int64_t> start = unit_starts(jobs, out_rows);
@@ -690,6 +712,10 @@ void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
     st[j].u.resize(jb.T * jb.g.N);
     work += jb.g.N * jb.g.K;
   }
+  if (call_rows >= AMX_MIN_ROWS)  // AMX tiles of the inputs with rows enough (none in a decode step)
+    parallel((int64_t)J, 1, 1, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; j++) st[j].in.tile(jobs[j].g);
+    });
   // gate and up rows (and silu on them) of every job
   const std::vector<int64_t> su = unit_starts(jobs, inter_rows);
   const int64_t share = min_units(work, su[J]);
@@ -709,7 +735,10 @@ void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
   // the hidden activations, as the down projections take them: jobs on the pool when they have
   // rows enough to pay for it (a decode step's experts have one each: the calling thread)
   parallel((int64_t)J, 1, call_rows >= 2 * QUANT_ROWS_PER_THREAD ? 1 : (int64_t)J, [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; j++) st[j].hid.set(acts_for(jobs[j].d, i8a), st[j].g.data(), jobs[j].T, jobs[j].d);
+    for (int64_t j = b; j < e; j++) {
+      st[j].hid.set(acts_for(jobs[j].d, i8a), st[j].g.data(), jobs[j].T, jobs[j].d);
+      st[j].hid.tile(jobs[j].d);
+    }
   });
   const std::vector<int64_t> sd = unit_starts(jobs, hidden_rows);
   parallel(sd[J], 1, share, [&](int64_t b, int64_t e) {

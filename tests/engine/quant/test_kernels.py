@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,6 +240,66 @@ def test_int8_activation_results_do_not_depend_on_the_batch(fmt):
     x = torch.randn(13, 256, generator=gen)
     alone = torch.cat([K.qlinear(x[i:i + 1], q) for i in range(13)])
     assert torch.equal(K.qlinear(x, q), alone)
+
+
+needs_amx = pytest.mark.skipif(not (HAVE_CPP and K.int8_activations() and K.load_extension().amx_usable()),
+                               reason="needs AMX-INT8 (and a kernel that grants tile state)")
+
+
+@needs_amx
+@pytest.mark.parametrize("g", GROUP_SIZES)
+def test_amx_kernel_gives_the_vnni_bits(g):
+    """The AMX kernel (prefill-sized calls, engine/csrc/amx.cpp) computes i8a.h's sum with the
+    VNNI kernel's bits: K with tail chunks and tail 16-block groups, N not a multiple of 16, T on
+    both sides of AMX_MIN_ROWS (32) and of a 16-token tile; each row equals that row alone (the
+    VNNI kernel, one token) and stays close to the reference."""
+    ext = K.load_extension()
+    gen = torch.Generator().manual_seed(40 + g)
+    for n, k in [(20, 96), (70, 576), (33, 384), (9, 1024), (48, 2048)]:
+        if k % g:
+            continue
+        q = quantize(torch.randn(n, k, generator=gen) * 0.05, QuantFormat("int4", g))
+        for t in (31, 32, 33, 47, 64):
+            x = torch.randn(t, k, generator=gen)
+            prev = ext.set_amx(False)
+            try:
+                vnni = K.qlinear(x, q)
+                alone = torch.cat([K.qlinear(x[i:i + 1], q) for i in range(t)])
+            finally:
+                ext.set_amx(prev)
+            assert ext.amx_on()
+            tiles = K.qlinear(x, q)
+            assert torch.equal(tiles, vnni), (n, k, t)
+            assert torch.equal(tiles, alone), (n, k, t)
+            assert_close_to_cpp_ref(tiles, x, q)
+
+
+@needs_amx
+def test_amx_expert_forward_gives_the_vnni_bits():
+    ext = K.load_extension()
+    gen = torch.Generator().manual_seed(44)
+    gate, up, down = (quantize(torch.randn(*s, generator=gen) * 0.05, QuantFormat("int4", 32))
+                      for s in ((96, 256), (96, 256), (256, 96)))
+    x = torch.randn(40, 256, generator=gen)
+    prev = ext.set_amx(False)
+    try:
+        vnni = K.expert_forward(x, gate, up, down)
+    finally:
+        ext.set_amx(prev)
+    assert torch.equal(K.expert_forward(x, gate, up, down), vnni)
+
+
+def test_amx_can_be_refused_by_the_environment():
+    """MOESTREAM_NO_AMX=1 keeps a process off the tiles (the VNNI kernel, the same bits)."""
+    if not HAVE_CPP:
+        pytest.skip("no native build here")
+    code = ("from engine.quant import kernels as K; e = K.load_extension(); "
+            "print(e.amx_usable(), e.amx_on())")
+    env = {**os.environ, "MOESTREAM_NO_AMX": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
 
 
 @needs_i8a
