@@ -1,14 +1,14 @@
 // int4 weights x int8 activations on AMX-INT8 tiles: prefill-sized calls (i8a.h has the sum).
 //
-// A 16-row unit of the weight is unpacked once into 16 x K code bytes (the A tiles); the tokens'
-// activations come as B tiles (AmxActs, made once per input). Per block of 32 weights one
-// TDPBUSD gives the 16 x 16 exact int32 sums S_b (codes are unsigned, activations signed, as in
-// the VNNI kernel's vpdpbusd); four blocks run on four C tiles, stored row-major per weight row.
-// The float part then runs per weight row over its blocks with the 16 lane sums P[0..15] in
-// registers, vectorized over the 16 tokens: the same fma chain, and the same tree, as the VNNI
-// kernel computes per token, so the bits agree. On a 2-core Sapphire Rapids-class Xeon one
-// thread ran ~1.2-1.35x the VNNI kernel at 32-128 tokens (K 512-1024): the float part, one
-// fma per block per (row, token), not the tiles, is the larger share.
+// A tiles are 16 tokens' int8 activations (signed), B tiles a 16-row unit of the weight's codes
+// (unsigned 0..15, in the tiles' 4-byte interleave, made once per unit), so one TDPBSUD per block
+// of 32 weights gives the 16 x 16 exact int32 sums S_b (as vpdpbusd does in the VNNI kernel);
+// four blocks run on four C tiles, stored per token. The float part then runs per token over its
+// blocks with the 16 lane sums P[0..15] in registers, vectorized over the unit's 16 rows: the
+// fma chain and the tree the VNNI kernel computes per (row, token), so the bits agree, and each
+// token's 16 results are one store. On a 2-core Xeon (one thread; vs_llama_cpp's expert shapes,
+// 64 tokens) it ran 1.4x the VNNI kernel at K 1,024 and 2.4x at K 512; the float part, one fma
+// per block per (row, token), is most of what is left.
 #include "i8a.h"
 
 #include <immintrin.h>
@@ -25,6 +25,7 @@ namespace {
 
 constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
 constexpr long XFEATURE_XTILEDATA = 18;
+constexpr int64_t BLOCKS_PER_CHUNK = 32;  // a multiple of 16
 
 bool probe_amx() {
   const char* off = std::getenv("MOESTREAM_NO_AMX");
@@ -45,7 +46,7 @@ struct TileCfg {
   uint8_t rows[16];
 };
 
-// tiles 0-3: C (16 weight rows x 16 tokens, int32); 4-5: A (16 rows x 32 codes); 6-7: B (8 x 64)
+// tiles 0-3: C (16 tokens x 16 weight rows, int32); 4-5: A (16 tokens x 32 q); 6-7: B (8 x 64)
 __attribute__((target("amx-tile,amx-int8")))
 void load_tiles() {
   TileCfg c;
@@ -57,28 +58,65 @@ void load_tiles() {
   _tile_loadconfig(&c);
 }
 
-// S_b for blocks [0, B) of 16 weight rows (A: [16][K] codes) and one token group's B tiles,
-// into C[row][b][16 tokens]
+// S_b for blocks [0, B) of one token group (A: [16][K] q) and a unit's B tiles (Bw: [B][512]),
+// into C[token][b][16 rows]
 __attribute__((target("amx-tile,amx-int8")))
-void tile_sums(const uint8_t* A, int64_t K, const int8_t* im, int64_t B, int32_t* C) {
-  const int64_t ldc = B * 64;  // bytes between weight rows of C
+void tile_sums(const int8_t* A, int64_t K, const uint8_t* Bw, int64_t B, int32_t* C) {
+  const int64_t ldc = B * 64;  // bytes between tokens of C
   int64_t b = 0;
   for (; b + 4 <= B; b += 4) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    _tile_loadd(4, A + b * 32, K);       _tile_loadd(6, im + b * 512, 64);        _tile_dpbusd(0, 4, 6);
-    _tile_loadd(5, A + b * 32 + 32, K);  _tile_loadd(7, im + b * 512 + 512, 64);  _tile_dpbusd(1, 5, 7);
-    _tile_loadd(4, A + b * 32 + 64, K);  _tile_loadd(6, im + b * 512 + 1024, 64); _tile_dpbusd(2, 4, 6);
-    _tile_loadd(5, A + b * 32 + 96, K);  _tile_loadd(7, im + b * 512 + 1536, 64); _tile_dpbusd(3, 5, 7);
+    _tile_loadd(4, A + b * 32, K);       _tile_loadd(6, Bw + b * 512, 64);        _tile_dpbsud(0, 4, 6);
+    _tile_loadd(5, A + b * 32 + 32, K);  _tile_loadd(7, Bw + b * 512 + 512, 64);  _tile_dpbsud(1, 5, 7);
+    _tile_loadd(4, A + b * 32 + 64, K);  _tile_loadd(6, Bw + b * 512 + 1024, 64); _tile_dpbsud(2, 4, 6);
+    _tile_loadd(5, A + b * 32 + 96, K);  _tile_loadd(7, Bw + b * 512 + 1536, 64); _tile_dpbsud(3, 5, 7);
     _tile_stored(0, C + b * 16, ldc);      _tile_stored(1, C + b * 16 + 16, ldc);
     _tile_stored(2, C + b * 16 + 32, ldc); _tile_stored(3, C + b * 16 + 48, ldc);
   }
   for (; b < B; b++) {
     _tile_zero(0);
     _tile_loadd(4, A + b * 32, K);
-    _tile_loadd(6, im + b * 512, 64);
-    _tile_dpbusd(0, 4, 6);
+    _tile_loadd(6, Bw + b * 512, 64);
+    _tile_dpbsud(0, 4, 6);
     _tile_stored(0, C + b * 16, ldc);
   }
+}
+
+// The B tiles of rows [n0, n0 + nr) (nr <= 16; missing rows 0): per block, tile row q holds the
+// 4 codes 4q..4q+3 of each of the 16 rows. A block's 16 code bytes give codes 0..15 as low
+// nibbles and 16..31 as high ones, so rows q < 4 come from the low nibbles, 4..7 from the high.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+void weight_tiles(const QW& w, int64_t n0, int64_t nr, uint8_t* Bw) {
+  const int64_t K = w.K, B = K / 32;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  __m512i idx[4];  // dword q of each 128-bit lane (row) of two sources: 8 rows
+  for (int q = 0; q < 4; q++)
+    idx[q] = _mm512_setr_epi32(q, 4 + q, 8 + q, 12 + q, 16 + q, 20 + q, 24 + q, 28 + q, q, q, q, q, q, q, q, q);
+  for (int64_t b = 0; b < B; b++) {
+    __m512i Z[4];  // rows 4k..4k+3 of the block, one per 128-bit lane
+    for (int k = 0; k < 4; k++) {
+      Z[k] = _mm512_setzero_si512();
+      for (int l = 0; l < 4 && 4 * k + l < nr; l++)
+        Z[k] = _mm512_mask_loadu_epi32(Z[k], (__mmask16)(0xF << (4 * l)),
+                                       (const int32_t*)(w.codes + (n0 + 4 * k + l) * (K / 2) + b * 16) - 4 * l);
+    }
+    for (int h = 0; h < 2; h++) {
+      __m512i L[4];
+      for (int k = 0; k < 4; k++)
+        L[k] = h == 0 ? _mm512_and_si512(Z[k], m4) : _mm512_and_si512(_mm512_srli_epi16(Z[k], 4), m4);
+      for (int q = 0; q < 4; q++) {
+        const __m512i x01 = _mm512_permutex2var_epi32(L[0], idx[q], L[1]);
+        const __m512i x23 = _mm512_permutex2var_epi32(L[2], idx[q], L[3]);
+        _mm512_storeu_si512(Bw + b * 512 + (4 * h + q) * 64, _mm512_inserti64x4(x01, _mm512_castsi512_si256(x23), 1));
+      }
+    }
+  }
+}
+
+// P = fma(float(S_b), scale * dx_b, P) for 16 rows: c their S_b, s their group's scales
+__attribute__((target("avx512f"), always_inline)) inline void fma_block(__m512& P, const int32_t* c, const float* s,
+                                                                        float dx) {
+  P = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c)), _mm512_mul_ps(_mm512_loadu_ps(s), _mm512_set1_ps(dx)), P);
 }
 
 __attribute__((target("amx-tile")))
@@ -96,20 +134,21 @@ bool set_amx(bool on) { return g_amx_on.exchange(on); }
 bool amx_on() { return amx_usable() && g_amx_on.load(std::memory_order_relaxed); }
 
 void amx_acts(const QAct* const* acts, int64_t T, int64_t K, int64_t G, AmxActs& o) {
-  o.T = T, o.TG = (T + 15) / 16, o.B = K / 32, o.NG = K / G;
-  o.img.assign(o.TG * o.B * 512, 0);
-  o.dx.assign(o.TG * o.B * 16, 0.f);
-  o.xg.assign(o.TG * o.NG * 16, 0.f);
+  const int64_t B = K / 32;
+  o.T = T, o.TG = (T + 15) / 16, o.K = K, o.NG = K / G;
+  o.img.assign(o.TG * 16 * K, 0);
+  o.dx.resize(T * B);
+  o.xg.resize(T * o.NG);
   for (int64_t t = 0; t < T; t++) {
     const QAct& a = *acts[t];
-    const int64_t tg = t / 16, tl = t % 16;
-    for (int64_t b = 0; b < o.B; b++) {
-      const int8_t* src = a.q.data() + (b / 4) * 128 + (b % 4) * 16;  // the block's low half; + 64: high
-      int8_t* dst = o.img.data() + (tg * o.B + b) * 512 + tl * 4;
-      for (int r = 0; r < 8; r++) std::memcpy(dst + r * 64, src + (r < 4 ? r * 4 : 64 + (r - 4) * 4), 4);
-      o.dx[(tg * o.B + b) * 16 + tl] = a.db[b];
+    int8_t* dst = o.img.data() + t * K;
+    for (int64_t b = 0; b < B; b++) {  // the block's low half, then its high half (QAct: + 64)
+      const int8_t* src = a.q.data() + (b / 4) * 128 + (b % 4) * 16;
+      std::memcpy(dst + b * 32, src, 16);
+      std::memcpy(dst + b * 32 + 16, src + 64, 16);
     }
-    for (int64_t g = 0; g < o.NG; g++) o.xg[(tg * o.NG + g) * 16 + tl] = a.xg[g];
+    std::memcpy(o.dx.data() + t * B, a.db.data(), B * sizeof(float));
+    std::memcpy(o.xg.data() + t * o.NG, a.xg.data(), o.NG * sizeof(float));
   }
 }
 
@@ -117,65 +156,64 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,amx-tile,amx-int8
 void rows_int4_amx(const QW& w, int64_t n0, int64_t ne, const AmxActs& x, float* out, int64_t ldo) {
   const int64_t K = w.K, B = K / 32, NG = K / w.G, nr = ne - n0;
   const int sh = __builtin_ctzll(w.G / 32);  // block -> group
-  static thread_local std::vector<uint8_t> A;
+  static thread_local std::vector<uint8_t> Bw;
   static thread_local std::vector<int32_t> C;
   static thread_local std::vector<float> sc, mn;
-  A.assign(16 * K, 0);  // rows past ne stay 0: their sums are computed and not written
-  C.resize(16 * B * 16);
-  sc.resize(16 * NG), mn.resize(16 * NG);
-  const __m128i m4 = _mm_set1_epi8(0x0F);
-  for (int64_t r = 0; r < nr; r++) {
-    const uint8_t* row = w.codes + (n0 + r) * (K / 2);
-    for (int64_t b = 0; b < B; b++) {  // block b's 16 bytes -> codes 0..15 (low nibbles), 16..31
-      const __m128i v = _mm_loadu_si128((const __m128i*)(row + b * 16));
-      _mm_storeu_si128((__m128i*)(A.data() + r * K + b * 32), _mm_and_si128(v, m4));
-      _mm_storeu_si128((__m128i*)(A.data() + r * K + b * 32 + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
-    }
+  Bw.resize(B * 512);
+  C.resize(16 * std::min(B, BLOCKS_PER_CHUNK) * 16);
+  sc.assign(NG * 16, 0.f), mn.assign(NG * 16, 0.f);  // [group][row]: 16 rows' scales as a vector
+  weight_tiles(w, n0, nr, Bw.data());
+  for (int64_t r = 0; r < nr; r++)
     for (int64_t g = 0; g < NG; g++) {
-      sc[r * NG + g] = _cvtsh_ss(w.scales[(n0 + r) * NG + g]);
-      mn[r * NG + g] = _cvtsh_ss(w.mins[(n0 + r) * NG + g]);
+      sc[g * 16 + r] = _cvtsh_ss(w.scales[(n0 + r) * NG + g]);
+      mn[g * 16 + r] = _cvtsh_ss(w.mins[(n0 + r) * NG + g]);
     }
-  }
+  const __mmask16 rows = (__mmask16)((1u << nr) - 1);
+  // blocks in chunks of 32 (K 1,024): a chunk's C, A and B tiles stay in L1 (at K 2,048 unchunked
+  // this kernel ran 0.7x the VNNI one); the lane sums of a token carry over to the next chunk in
+  // Ps. A chunk starts at a multiple of 16 blocks, so lane b % 16 is the same whatever the chunking.
+  static thread_local std::vector<float> Ps;
+  if (B > BLOCKS_PER_CHUNK) Ps.resize(16 * 16 * 16);
   load_tiles();  // each call: other code on this thread (oneDNN) may have set its own tiles
   for (int64_t tg = 0; tg < x.TG; tg++) {
-    tile_sums(A.data(), K, x.img.data() + tg * B * 512, B, C.data());
-    const float* dx = x.dx.data() + tg * B * 16;
-    const float* xg = x.xg.data() + tg * NG * 16;
     const int64_t nt = std::min<int64_t>(16, x.T - tg * 16);
-    for (int64_t r = 0; r < nr; r++) {
-      const float* s = sc.data() + r * NG;
-      const float* m = mn.data() + r * NG;
-      const int32_t* c = C.data() + r * B * 16;
-      __m512 P[16];
+    for (int64_t b0 = 0; b0 < B; b0 += BLOCKS_PER_CHUNK) {
+      const int64_t b1 = std::min(B, b0 + BLOCKS_PER_CHUNK), nb = b1 - b0;
+      const bool first = b0 == 0, last = b1 == B;
+      tile_sums(x.img.data() + tg * 16 * K + b0 * 32, K, Bw.data() + b0 * 512, nb, C.data());
+      for (int64_t tl = 0; tl < nt; tl++) {
+        const int64_t t = tg * 16 + tl;
+        const float* dx = x.dx.data() + t * B;
+        const int32_t* c = C.data() + tl * nb * 16 - b0 * 16;  // c + b * 16: block b's 16 rows
+        float* ps = Ps.data() + tl * 256;
+        __m512 P[16];
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; i++) P[i] = _mm512_setzero_ps();
-      int64_t b = 0;
-      for (; b + 16 <= B; b += 16) {
+        for (int i = 0; i < 16; i++) P[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(ps + i * 16);
+        int64_t b = b0;
+        for (; b + 16 <= b1; b += 16) {
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; i++)
-          P[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + (b + i) * 16)),
-                                 _mm512_mul_ps(_mm512_set1_ps(s[(b + i) >> sh]), _mm512_loadu_ps(dx + (b + i) * 16)),
-                                 P[i]);
-      }
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; i++)
-        if (b + i < B)
-          P[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + (b + i) * 16)),
-                                 _mm512_mul_ps(_mm512_set1_ps(s[(b + i) >> sh]), _mm512_loadu_ps(dx + (b + i) * 16)),
-                                 P[i]);
-      for (int64_t g = 0; g < NG; g += 16) {
+          for (int i = 0; i < 16; i++) fma_block(P[i], c + (b + i) * 16, sc.data() + ((b + i) >> sh) * 16, dx[b + i]);
+        }
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++)
-          if (g + i < NG) P[i] = _mm512_fmadd_ps(_mm512_set1_ps(m[g + i]), _mm512_loadu_ps(xg + (g + i) * 16), P[i]);
-      }
+          if (b + i < b1) fma_block(P[i], c + (b + i) * 16, sc.data() + ((b + i) >> sh) * 16, dx[b + i]);
+        if (!last) {
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; i++) _mm512_storeu_ps(ps + i * 16, P[i]);
+          continue;
+        }
+        const float* xg = x.xg.data() + t * NG;
+        for (int64_t g = 0; g < NG; g += 16) {
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; i++)
+            if (g + i < NG) P[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mn.data() + (g + i) * 16), _mm512_set1_ps(xg[g + i]), P[i]);
+        }
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; i++) P[i] = _mm512_add_ps(P[i], P[i + 8]);
+        for (int i = 0; i < 8; i++) P[i] = _mm512_add_ps(P[i], P[i + 8]);
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; i++) P[i] = _mm512_add_ps(P[i], P[i + 4]);
-      P[0] = _mm512_add_ps(_mm512_add_ps(P[0], P[2]), _mm512_add_ps(P[1], P[3]));
-      alignas(64) float res[16];
-      _mm512_store_ps(res, P[0]);
-      for (int64_t t = 0; t < nt; t++) out[(tg * 16 + t) * ldo + n0 + r] = res[t];
+        for (int i = 0; i < 4; i++) P[i] = _mm512_add_ps(P[i], P[i + 4]);
+        _mm512_mask_storeu_ps(out + t * ldo + n0, rows, _mm512_add_ps(_mm512_add_ps(P[0], P[2]), _mm512_add_ps(P[1], P[3])));
+      }
     }
   }
   release_tiles();

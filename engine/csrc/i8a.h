@@ -32,14 +32,13 @@ inline int64_t qact_index(int64_t k) {
   return (b / 4) * 128 + (j < 16 ? 0 : 64) + (b % 4) * 16 + (j & 15);
 }
 
-// The AMX kernel's activations: T tokens in groups of 16 (the last padded with zeros), per block
-// an 8 x 64-byte B tile (row r: 4 bytes k = 4r..4r+3 of each of the 16 tokens), the blocks' dx and
-// the groups' xg as 16-token vectors.
+// The AMX kernel's activations: T tokens in groups of 16 (the last padded with zero rows) as
+// A tiles, each token's q in natural order (row t: K bytes); the blocks' dx and groups' xg per token.
 struct AmxActs {
-  int64_t T = 0, TG = 0, B = 0, NG = 0;
-  std::vector<int8_t> img;  // [TG][B][8][16][4]
-  std::vector<float> dx;    // [TG][B][16]
-  std::vector<float> xg;    // [TG][NG][16]
+  int64_t T = 0, TG = 0, K = 0, NG = 0;
+  std::vector<int8_t> img;  // [TG * 16][K]
+  std::vector<float> dx;    // [T][K / 32]
+  std::vector<float> xg;    // [T][NG]
 };
 
 // Whether this CPU and kernel let the process use AMX-INT8 tiles (asked once; the
@@ -51,7 +50,7 @@ bool set_amx(bool on);
 bool amx_on();
 
 // Calls with at least this many tokens take the AMX kernel (below, VNNI measured as fast).
-constexpr int64_t AMX_MIN_ROWS = 32;
+constexpr int64_t AMX_MIN_ROWS = 16;
 
 void amx_acts(const QAct* const* acts, int64_t T, int64_t K, int64_t G, AmxActs& out);
 // out[t * ldo + n] for rows [n0, ne) (at most 16) of an int4 weight and every token of x

@@ -250,16 +250,17 @@ needs_amx = pytest.mark.skipif(not (HAVE_CPP and K.int8_activations() and K.load
 @pytest.mark.parametrize("g", GROUP_SIZES)
 def test_amx_kernel_gives_the_vnni_bits(g):
     """The AMX kernel (prefill-sized calls, engine/csrc/amx.cpp) computes i8a.h's sum with the
-    VNNI kernel's bits: K with tail chunks and tail 16-block groups, N not a multiple of 16, T on
-    both sides of AMX_MIN_ROWS (32) and of a 16-token tile; each row equals that row alone (the
+    VNNI kernel's bits: K with tail chunks and tail 16-block groups, K over one 32-block chunk
+    (2,048: two; 3,072: three, the lane sums carried), N not a multiple of 16, T on
+    both sides of AMX_MIN_ROWS (16) and of 16-token tiles; each row equals that row alone (the
     VNNI kernel, one token) and stays close to the reference."""
     ext = K.load_extension()
     gen = torch.Generator().manual_seed(40 + g)
-    for n, k in [(20, 96), (70, 576), (33, 384), (9, 1024), (48, 2048)]:
+    for n, k in [(20, 96), (70, 576), (33, 384), (9, 1024), (48, 2048), (17, 3072)]:
         if k % g:
             continue
         q = quantize(torch.randn(n, k, generator=gen) * 0.05, QuantFormat("int4", g))
-        for t in (31, 32, 33, 47, 64):
+        for t in (15, 16, 17, 33, 47, 64):
             x = torch.randn(t, k, generator=gen)
             prev = ext.set_amx(False)
             try:
