@@ -9,6 +9,7 @@ the CLI). Code that caches something per setting (a bound kernel) compares :func
 |---|---|---|---|
 | quant_kernel | MOESTREAM_QUANT_KERNEL | auto | auto, cpp, triton or torch (engine.quant.kernels) |
 | int8_activations | MOESTREAM_INT8_ACTIVATIONS | 1 | where the CPU has VNNI, int4 weights take int8 and int8 weights int16 activations |
+| amx | MOESTREAM_AMX | 1 | where the CPU and kernel allow AMX-INT8, int4 x int8 calls of 16+ rows (a prefill's) run on its tiles, with the VNNI kernel's bits (engine/csrc/amx.cpp) |
 | decode_threads | MOESTREAM_DECODE_THREADS | 1 | intra-op torch threads of decode-sized steps (engine.threads) |
 | fused_step | MOESTREAM_FUSED_STEP | 1 | decode through the native per-layer calls (engine.step) where the model allows |
 | cpu_isa | MOESTREAM_CPU_ISA | auto | native kernels for avx512 or avx2 (auto: the best this CPU has) |
@@ -33,6 +34,7 @@ CPU_ISAS = ("auto", "avx512", "avx2")
 class RuntimeOptions:
     quant_kernel: str = "auto"
     int8_activations: bool = True
+    amx: bool = True
     decode_threads: int = 1
     fused_step: bool = True
     cpu_isa: str = "auto"
@@ -80,6 +82,7 @@ class RuntimeOptions:
         if isa not in CPU_ISAS:
             raise ConfigError(f"MOESTREAM_CPU_ISA={isa!r}; allowed: {', '.join(CPU_ISAS)}")
         return cls(quant_kernel=kernel, int8_activations=flag("MOESTREAM_INT8_ACTIVATIONS", "1"),
+                   amx=flag("MOESTREAM_AMX", "1"),
                    decode_threads=threads, fused_step=flag("MOESTREAM_FUSED_STEP", "1"), cpu_isa=isa,
                    native_threads=count("MOESTREAM_NATIVE_THREADS", "0", 0),
                    cuda_graphs=flag("MOESTREAM_CUDA_GRAPHS", "1"),

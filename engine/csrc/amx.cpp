@@ -6,9 +6,9 @@
 // four blocks run on four C tiles, stored per token. The float part then runs per token over its
 // blocks with the 16 lane sums P[0..15] in registers, vectorized over the unit's 16 rows: the
 // fma chain and the tree the VNNI kernel computes per (row, token), so the bits agree, and each
-// token's 16 results are one store. On a 2-core Xeon (one thread; vs_llama_cpp's expert shapes,
-// 64 tokens) it ran 1.4x the VNNI kernel at K 1,024 and 2.4x at K 512; the float part, one fma
-// per block per (row, token), is most of what is left.
+// token's 16 results are one store. On a 2-core Xeon a 512-token prefill of bench/vs_llama_cpp's
+// model ran 1.10-1.16x the VNNI kernel (docs/quantization.md); per block the tile loads, the
+// product and the 1 KiB store of sums are half the time (perf), the float part the rest.
 #include "i8a.h"
 
 #include <immintrin.h>
@@ -17,7 +17,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 
 namespace ms {
@@ -28,8 +27,6 @@ constexpr long XFEATURE_XTILEDATA = 18;
 constexpr int64_t BLOCKS_PER_CHUNK = 32;  // a multiple of 16
 
 bool probe_amx() {
-  const char* off = std::getenv("MOESTREAM_NO_AMX");
-  if (off != nullptr && *off != '\0' && std::strcmp(off, "0") != 0) return false;
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // AMX-TILE, AMX-INT8

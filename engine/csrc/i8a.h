@@ -41,11 +41,10 @@ struct AmxActs {
   std::vector<float> xg;    // [T][NG]
 };
 
-// Whether this CPU and kernel let the process use AMX-INT8 tiles (asked once; the
-// MOESTREAM_NO_AMX environment variable or set_amx(false) turns them off).
+// Whether this CPU and kernel let the process use AMX-INT8 tiles (asked once).
 bool amx_usable();
-// Turn the AMX path on or off (tests compare it with the VNNI one); returns the previous setting.
-// On takes effect only where amx_usable().
+// The switch (engine.options' `amx`, set by engine/quant/kernels.py; tests compare the two
+// kernels): returns the previous setting. On takes effect only where amx_usable().
 bool set_amx(bool on);
 bool amx_on();
 

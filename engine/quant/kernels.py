@@ -232,6 +232,7 @@ def load_extension(verbose: bool = False) -> Any:
                         _errors[isa or "none"].splitlines()[0][:300])
         if ext is not None:
             ext.set_threads(native_threads())
+            _sync_amx(ext)
         _exts[isa] = ext
         return ext
 
@@ -248,6 +249,17 @@ def extension_error() -> str | None:
 
 
 _vnni: dict[str, bool] = {}
+_amx_gen: dict[int, int] = {}  # id(extension) -> options generation its AMX switch was set at
+
+
+def _sync_amx(ext: Any) -> None:
+    """The ``amx`` runtime option into the extension's switch (a process-wide flag the kernels
+    read; the tiles run only where the CPU and kernel allow them: ``ext.amx_usable()``), again
+    after every :func:`engine.options.configure`."""
+    g = generation()
+    if _amx_gen.get(id(ext)) != g:
+        ext.set_amx(options().amx)
+        _amx_gen[id(ext)] = g
 
 
 def int8_activations() -> bool:
@@ -264,6 +276,8 @@ def int8_activations() -> bool:
     if isa not in _vnni:
         ext = load_extension()
         _vnni[isa] = bool(ext is not None and ext.has_vnni())
+    if _vnni[isa]:
+        _sync_amx(_exts[isa])
     return _vnni[isa]
 
 

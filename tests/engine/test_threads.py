@@ -49,6 +49,10 @@ def test_bad_setting_is_a_clear_error():
     with pytest.raises(ConfigError, match="decode_threads"):
         configure(decode_threads=0)
     assert RuntimeOptions.from_env({"MOESTREAM_FUSED_STEP": "0"}).fused_step is False
+    assert RuntimeOptions.from_env({"MOESTREAM_AMX": "0"}).amx is False
+    assert RuntimeOptions.from_env({}).amx is True
+    with pytest.raises(ConfigError, match="MOESTREAM_AMX"):
+        RuntimeOptions.from_env({"MOESTREAM_AMX": "off"})
 
 
 def test_model_forward_applies_it(two_threads):

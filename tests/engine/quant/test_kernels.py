@@ -290,17 +290,29 @@ def test_amx_expert_forward_gives_the_vnni_bits():
     assert torch.equal(K.expert_forward(x, gate, up, down), vnni)
 
 
-def test_amx_can_be_refused_by_the_environment():
-    """MOESTREAM_NO_AMX=1 keeps a process off the tiles (the VNNI kernel, the same bits)."""
-    if not HAVE_CPP:
-        pytest.skip("no native build here")
-    code = ("from engine.quant import kernels as K; e = K.load_extension(); "
-            "print(e.amx_usable(), e.amx_on())")
-    env = {**os.environ, "MOESTREAM_NO_AMX": "1"}
+def test_amx_is_a_runtime_option():
+    """MOESTREAM_AMX=0 keeps a process off the tiles (the VNNI kernel, the same bits), and
+    configure(amx=...) switches it in-process."""
+    if not (HAVE_CPP and K.int8_activations()):
+        pytest.skip("no native build with int8 activations here")
+    from engine.options import configure
+
+    code = ("from engine.quant import kernels as K; K.int8_activations(); e = K.load_extension(); "
+            "print(e.amx_on())")
+    env = {**os.environ, "MOESTREAM_AMX": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[3])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "False"]
+    assert out.stdout.split() == ["False"]
+    ext = K.load_extension()
+    prev = configure(amx=False)
+    try:
+        K.int8_activations()
+        assert not ext.amx_on()
+    finally:
+        configure(prev)
+    K.int8_activations()
+    assert ext.amx_on() == ext.amx_usable()
 
 
 @needs_i8a
