@@ -21,10 +21,16 @@ namespace ms {
 // blocks (weights 0..15 of each)][64 bytes: the high halves], as the VNNI kernel reads them next
 // to a chunk's 64 code bytes (byte j of a block = code j | code j + 16 << 4).
 struct QAct {
-  std::vector<int8_t> q;   // [C * 128], C = ceil(K / 128)
+  std::vector<int8_t> q;   // [J * 512], J = ceil(K / 512): the VNNI kernel reads 16 blocks (4 chunks)
+                           // at a time, zero past K (quant_act_bytes)
   std::vector<float> db;   // [ceil(B / 16) * 16]: dx of each block (absmax / 127), 0 past K
   std::vector<float> xg;   // [K / G]: sums of x' = q * dx over each group
 };
+
+// Bytes of a QAct's q for K weights: whole groups of 16 blocks, as the VNNI kernel loads them (a
+// K of 768 once got 768 bytes and the kernel read 1,024: past the buffer, a rare SIGSEGV when it
+// ended at an unmapped page; bench/beyond_ram.py's 8 GB model, down projections of width 768)
+inline int64_t quant_act_bytes(int64_t K) { return (K + 511) / 512 * 512; }
 
 // q of weight k (natural order) inside a QAct's chunk layout
 inline int64_t qact_index(int64_t k) {

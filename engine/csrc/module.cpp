@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vnni", &ms::has_vnni, "whether this CPU has AVX512-VNNI (the int8-activation int4 path)");
   m.def("amx_usable", &ms::amx_usable, "whether this CPU and kernel let the process use AMX-INT8 tiles");
   m.def("amx_on", &ms::amx_on, "whether prefill-sized int4 x int8 calls take the AMX kernel");
+  m.def("i8a_act_bytes", &ms::quant_act_bytes,
+        "bytes of one token's int8 activations for K weights (whole 512-byte groups: the VNNI kernel's loads)");
   m.def("set_amx", &ms::set_amx, "turn the AMX kernel on or off (same bits as VNNI); returns the previous setting");
 
   py::class_<ms::Linear>(m, "Linear", py::module_local()).def(py::init(&ms::make_linear));

@@ -290,8 +290,7 @@ static inline __attribute__((always_inline)) float quant_block(const float* x, _
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 static void quant_act(const float* x, int64_t K, int64_t G, QAct& a) {
-  const int64_t C = (K + 127) / 128;
-  a.q.assign(C * 128, 0);
+  a.q.assign(quant_act_bytes(K), 0);
   a.db.assign((K / 32 + 15) / 16 * 16, 0.f);
   a.xg.assign(K / G, 0.f);
   for (int64_t b = 0; b < K / 32; b++) {

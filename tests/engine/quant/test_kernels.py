@@ -290,6 +290,24 @@ def test_amx_expert_forward_gives_the_vnni_bits():
     assert torch.equal(K.expert_forward(x, gate, up, down), vnni)
 
 
+@pytest.mark.skipif(not (HAVE_CPP and K.int8_activations()), reason="needs the VNNI int8-activation kernel")
+def test_int8_activations_cover_what_the_vnni_kernel_reads():
+    """The VNNI kernel loads a token's int8 activations 16 blocks (512 bytes) at a time, whatever K:
+    the buffer must hold whole groups (K 768 once got 768 bytes and the kernel read 1,024, a rare
+    SIGSEGV in bench/beyond_ram.py's 8 GB model), zero past K, and the kernel must still agree with
+    the reference on such K."""
+    ext = K.load_extension()
+    for k in range(32, 4097, 32):
+        assert ext.i8a_act_bytes(k) >= -(-k // 512) * 512, k
+        assert ext.i8a_act_bytes(k) % 512 == 0 and ext.i8a_act_bytes(k) < k + 512, k
+    g = torch.Generator().manual_seed(7)
+    for k in (96, 768, 1312):  # not a multiple of 512: the last group is partial
+        w = torch.randn(48, k, generator=g)
+        q = quantize(w, QuantFormat("int4", 32))
+        x = torch.randn(3, k, generator=g)
+        torch.testing.assert_close(K.qlinear(x, q), linear_ref_int8_act(x, q), rtol=1e-4, atol=1e-4)
+
+
 def test_amx_is_a_runtime_option():
     """MOESTREAM_AMX=0 keeps a process off the tiles (the VNNI kernel, the same bits), and
     configure(amx=...) switches it in-process."""
