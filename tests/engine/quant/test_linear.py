@@ -85,3 +85,28 @@ def test_lm_head_gets_its_own_format(tmp_path):
     assert isinstance(keep.lm_head, nn.Linear) and isinstance(keep.model.layers[0].self_attn.o_proj, QuantLinear)
     with pytest.raises(ConfigError, match="LM head format 'int3'; allowed: fp32, bf16, int8, int4"):
         quantize_dense(build_model(cfg, files.source), "int8", head="int3")
+
+
+def test_dense_weights_share_one_arena_in_reading_order(tmp_path):
+    """quantize_dense copies every converted weight into one buffer (2 MiB pages where THP
+    allows), in the order the model lists them: each weight's parts are views of that buffer,
+    bit for bit what converting the weight alone gives, and the weights follow one another."""
+    make_checkpoint("qwen2_moe", tmp_path, hidden_size=64, intermediate_size=128, head_dim=16,
+                    moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    files = open_model_files(tmp_path)
+    cfg = files.config
+    alone = build_model(cfg, files.source)
+    model = quantize_dense(build_model(cfg, files.source), "int8", head="int4")
+    swapped = [getattr(p, n) for p, n in dense_linears(model)]
+    originals = [getattr(p, n) for p, n in dense_linears(alone)]
+    bases = {part.untyped_storage().data_ptr() for m in swapped for part in m.q.parts.values()}
+    assert len(bases) == 1  # one buffer holds them all
+    starts = [min(p.data_ptr() for p in m.q.parts.values()) for m in swapped]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)  # model order, no overlap
+    for m, orig in zip(swapped, originals):
+        fmt = m.q.fmt
+        want = QuantLinear.from_linear(orig, fmt).q
+        for name, part in m.q.parts.items():
+            assert torch.equal(part, want.parts[name]), (fmt, name)
+            assert part.data_ptr() % 64 == 0  # aligned as in a store's blob
+    assert swapped[-1].q.fmt == QuantFormat("int4", 64)  # the head, last, in its own format
