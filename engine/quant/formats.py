@@ -180,6 +180,14 @@ def bytes_for(shape: Iterable[int], fmt: QuantFormat) -> int:
     return _align_up(parts[-1]["offset"] + parts[-1]["nbytes"])
 
 
+def layout_for(shape: Iterable[int], fmt: QuantFormat) -> dict[str, Any]:
+    """The layout (:meth:`QuantizedTensor.layout`) of a weight of ``shape`` in ``fmt``: what
+    :meth:`QuantizedTensor.from_buffer` needs to view a blob before anything is written in it."""
+    shape = tuple(shape)
+    return {"version": LAYOUT_VERSION, "format": fmt.to_dict(), "shape": list(shape), "align": ALIGN,
+            "nbytes": bytes_for(shape, fmt), "parts": _layout_parts(shape, fmt)}
+
+
 def payload_bytes(shape: Iterable[int], fmt: QuantFormat) -> int:
     """Bytes a kernel must read for one weight (no padding)."""
     return sum(p["nbytes"] for p in _layout_parts(tuple(shape), fmt))
@@ -271,9 +279,7 @@ class QuantizedTensor:
 
     def layout(self) -> dict[str, Any]:
         """json-able description of :meth:`to_bytes`: format, shape, total bytes and the parts."""
-        return {"version": LAYOUT_VERSION, "format": self.fmt.to_dict(), "shape": list(self.shape),
-                "align": ALIGN, "nbytes": bytes_for(self.shape, self.fmt),
-                "parts": _layout_parts(self.shape, self.fmt)}
+        return layout_for(self.shape, self.fmt)
 
     def to_bytes(self) -> bytes:
         out = bytearray(bytes_for(self.shape, self.fmt))

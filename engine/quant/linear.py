@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.errors import ConfigError
 from engine.hugepages import huge_empty, return_freed_heap
-from engine.quant.formats import QuantFormat, QuantizedTensor, bytes_for
+from engine.quant.formats import QuantFormat, QuantizedTensor, bytes_for, layout_for
 
 DENSE_FORMATS = ("fp32", "bf16", "int8")
 DENSE_CHOICES = ("auto",) + DENSE_FORMATS  # what a user may ask for: auto is resolve_dense's pick
@@ -44,13 +44,15 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: QuantFormat,
-                    release: Callable[[torch.Tensor], object] | None = None) -> "QuantLinear":
-        """``release``: handed each block of the weight's rows once quantized (quantize_by_rows)."""
+                    release: Callable[[torch.Tensor], object] | None = None,
+                    out: QuantizedTensor | None = None) -> "QuantLinear":
+        """``release``: handed each block of the weight's rows once quantized (quantize_by_rows);
+        ``out``: where the quantized weight goes (views of a DenseArena), None: its own memory."""
         from engine.quant.reference import quantize_by_rows
 
         # by blocks of rows from the weight as it is (a bf16 view of the store's file when the
         # model was built with as_stored): no float32 copy of the whole weight
-        return cls(quantize_by_rows(linear.weight.detach(), fmt, release=release), linear.bias)
+        return cls(quantize_by_rows(linear.weight.detach(), fmt, release=release, out=out), linear.bias)
 
     def _apply(self, fn, recurse=True):
         """``module.to(device)`` / ``.cuda()`` move the quantized weight too (it is neither a
@@ -78,23 +80,23 @@ class DenseArena:
     2 MiB pages where the CPU's kernel allows (engine.hugepages): decode streams all of them
     every token (the 1.3B test MoE's int8 attention and head: 64 of its 166 MB a token), and as
     separate allocations of 0.25-1 MB they sat on 4 KiB pages, a TLB miss and a stop for the
-    hardware prefetcher every 4 KiB. Each weight is copied in as soon as it is converted (its
-    temporaries freed before the next), so the peak holds one converted weight beside the
-    arena's written part; the arena's pages are faulted in as they are written. CPU only: a
-    weight on another device stays where it is."""
+    hardware prefetcher every 4 KiB. Each weight is quantized straight into its place, block of
+    rows by block (quantize_by_rows' ``out``): no second copy, and the arena's pages are faulted in
+    as they are written."""
 
     def __init__(self, shapes: list[tuple[int, int]], fmts: list[QuantFormat]) -> None:
-        self.offsets = [0]
+        self.shapes, self.fmts, self.offsets = shapes, fmts, [0]
         for shape, fmt in zip(shapes, fmts):
             self.offsets.append(self.offsets[-1] + bytes_for(shape, fmt))
         self.buf = huge_empty(self.offsets[-1]) if self.offsets[-1] else None
 
-    def place(self, i: int, q: QuantizedTensor) -> QuantizedTensor:
-        """Weight ``i`` (of the shapes and formats given) copied into the arena: views of it."""
-        if self.buf is None or q.device.type != "cpu":
-            return q
-        q.write_into(self.buf, self.offsets[i])
-        return QuantizedTensor.from_buffer(self.buf, q.layout(), offset=self.offsets[i], source="dense arena")
+    def view(self, i: int) -> QuantizedTensor | None:
+        """Weight ``i``'s place (of the shapes and formats given): a QuantizedTensor of views of
+        the arena, its contents unwritten; None without an arena."""
+        if self.buf is None:
+            return None
+        return QuantizedTensor.from_buffer(self.buf, layout_for(self.shapes[i], self.fmts[i]),
+                                           offset=self.offsets[i], source="dense arena")
 
 
 def dense_linears(model) -> list[tuple[nn.Module, str]]:
@@ -157,9 +159,7 @@ def quantize_dense(model, fmt_name: str, group_size: int = DENSE_GROUP, head: st
     arena = DenseArena(shapes, [fmt for *_, fmt in plan])
     for i, (parent, name, fmt) in enumerate(plan):
         linear = getattr(parent, name)
-        q = QuantLinear.from_linear(linear, fmt, release)
-        setattr(parent, name, QuantLinear(arena.place(i, q.q), q.bias))
-        del q
+        setattr(parent, name, QuantLinear.from_linear(linear, fmt, release, out=arena.view(i)))
         if release is not None:  # the pages the blocks' releases left (those across their boundaries)
             release(linear.weight.data)
         del linear

@@ -102,26 +102,38 @@ def quantize(w: torch.Tensor, fmt: QuantFormat) -> QuantizedTensor:
 
 
 def quantize_by_rows(w: torch.Tensor, fmt: QuantFormat, rows: int = 1024,
-                     release: Callable[[torch.Tensor], object] | None = None) -> QuantizedTensor:
+                     release: Callable[[torch.Tensor], object] | None = None,
+                     out: QuantizedTensor | None = None) -> QuantizedTensor:
     """:func:`quantize` of ``w`` ``[N, K]`` (any float dtype, e.g. a bf16 view of a mapped file)
     ``rows`` rows at a time: every part is row-major with N first, so the parts of the blocks
     concatenate to the whole's, equal to quantize(w) bit for bit; the float32 temporaries are
     those of ``rows`` rows, not of the whole weight (a 32000 x 1024 head: ~130 MB in float32,
     several times that in quantize's intermediates). ``release(block)``: called with each block of
     ``w`` once quantized (a mapped file's view drops its pages as the conversion goes: the 1.3B
-    bench store's 65 MB head was mapped whole by the end of its conversion)."""
+    bench store's 65 MB head was mapped whole by the end of its conversion). ``out``: a weight of
+    ``w``'s shape in ``fmt`` (views of a buffer: engine.quant.linear.DenseArena) that the blocks
+    are written into and that is returned: beside it, at most one block's quantized copy."""
     n = w.shape[0]
-    if n <= rows:
-        return quantize(w, fmt)
+    if out is not None and (out.fmt != fmt or out.shape != tuple(w.shape)):
+        raise ConfigError(f"quantize_by_rows: out is {out.fmt.name} {list(out.shape)}, the weight "
+                          f"{fmt.name} {list(w.shape)}")
+    if n <= rows:  # one block: no release (the caller's own release follows)
+        whole = quantize(w, fmt)
+        if out is None:
+            return whole
+        for name, p in whole.parts.items():
+            out.parts[name].copy_(p)
+        return out
     # each block's parts land in the whole's, allocated at the first block: no list of blocks
     # beside a concatenated copy (the head's int8 codes twice), and each block's temporaries are
     # freed before the next block allocates its own
-    parts: dict[str, torch.Tensor] = {}
+    parts: dict[str, torch.Tensor] = {} if out is None else out.parts
     per_row: dict[str, int] = {}  # a part's leading entries per row of w
     for i in range(0, n, rows):
         block = quantize(w[i:i + rows], fmt)
-        if not parts:
+        if not per_row:
             per_row = {name: p.shape[0] // rows for name, p in block.parts.items()}
+        if not parts:
             parts = {name: torch.empty((n * per_row[name], *p.shape[1:]), dtype=p.dtype)
                      for name, p in block.parts.items()}
         for name, p in block.parts.items():
@@ -129,7 +141,7 @@ def quantize_by_rows(w: torch.Tensor, fmt: QuantFormat, rows: int = 1024,
         del block
         if release is not None:
             release(w[i:i + rows])
-    return QuantizedTensor(fmt, tuple(w.shape), parts)
+    return out if out is not None else QuantizedTensor(fmt, tuple(w.shape), parts)
 
 
 # E2M1 (4-bit float: sign, 2 exponent bits, 1 mantissa bit), indexed by code; the OCP MX order

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.quant.formats import QuantFormat
+from engine.errors import ConfigError
+from engine.quant.formats import QuantFormat, QuantizedTensor, bytes_for, layout_for
 from engine.quant.reference import quantize, quantize_by_rows
 
 
@@ -24,6 +25,28 @@ def test_quantize_by_rows_is_quantize_bit_for_bit(name, group, dtype):
         assert torch.equal(blocks.parts[k], whole.parts[k]), k
     assert [b.shape[0] for b in released] == [7] * 7 + [1]
     assert [(b.data_ptr() - w.data_ptr()) // w.stride(0) // w.element_size() for b in released] == list(range(0, 50, 7))
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "bf16", "mxfp4"])
+@pytest.mark.parametrize("rows", [7, 64])  # blocks with a short last one; the whole weight in one
+def test_quantize_by_rows_writes_into_a_given_place(name, rows):
+    """``out``: the blocks go straight into views of a buffer (a DenseArena's), bit for bit what
+    quantize gives, and that very object comes back; a place of another shape or format is refused."""
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(50, 128, generator=g) * 0.05).to(torch.bfloat16)
+    fmt = QuantFormat(name, 32)
+    buf = torch.full((bytes_for(w.shape, fmt) + 64,), 0xAB, dtype=torch.uint8)
+    place = QuantizedTensor.from_buffer(buf, layout_for(w.shape, fmt), offset=64)
+    got = quantize_by_rows(w, fmt, rows=rows, out=place)
+    assert got is place
+    whole = quantize(w.float(), fmt)
+    for k in whole.parts:
+        assert torch.equal(place.parts[k], whole.parts[k]), k
+    assert (buf[:64] == 0xAB).all()  # nothing written before its place
+    with pytest.raises(ConfigError, match="out is"):
+        quantize_by_rows(w[:40], fmt, rows=rows, out=place)
+    with pytest.raises(ConfigError, match="out is"):
+        quantize_by_rows(w, QuantFormat("int8" if name != "int8" else "int4", 32), rows=rows, out=place)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +70,9 @@ def test_dense_weights_reach_the_quantizer_as_stored_not_in_float32(store, monke
     seen: list[torch.dtype] = []
     real = linear.QuantLinear.from_linear.__func__
 
-    def spy(cls, lin, fmt, release=None):
+    def spy(cls, lin, fmt, release=None, out=None):
         seen.append(lin.weight.dtype)
-        return real(cls, lin, fmt, release)
+        return real(cls, lin, fmt, release, out)
 
     monkeypatch.setattr(linear.QuantLinear, "from_linear", classmethod(spy))
     with load_from_store(store, dense="int8", prefetch_depth=0) as sm:
