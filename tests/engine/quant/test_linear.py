@@ -3,6 +3,8 @@ and whole models against their fp32 selves."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -110,3 +112,20 @@ def test_dense_weights_share_one_arena_in_reading_order(tmp_path):
             assert torch.equal(part, want.parts[name]), (fmt, name)
             assert part.data_ptr() % 64 == 0  # aligned as in a store's blob
     assert swapped[-1].q.fmt == QuantFormat("int4", 64)  # the head, last, in its own format
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="no transparent huge pages here")
+def test_dense_arena_is_backed_by_huge_pages(tmp_path):
+    """The arena holding the dense weights (here 8 MB: a vocab-16384 x 512 int8 head among them)
+    gets 2 MiB pages, what the decode step streams every token."""
+    from tests.engine.test_hugepages import huge_kib_at
+
+    make_checkpoint("llama", tmp_path, hidden_size=512, intermediate_size=64, head_dim=64, vocab=16384,
+                    num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2)
+    files = open_model_files(tmp_path)
+    model = quantize_dense(build_model(files.config, files.source), "int8")
+    codes = model.lm_head.q.parts["codes"]
+    assert codes.numel() >= 4 * 2**20
+    assert huge_kib_at(codes.data_ptr() + codes.numel() // 2) >= 2048
