@@ -11,9 +11,8 @@ from typing import Iterator, Sequence
 import torch
 
 from engine.errors import RequestValidationError
-from engine.executor import executor_for
+from engine.executor import executor_for, kv_dtype
 from engine.kv.base import BatchLayout, ContiguousKVCache, KVCache
-from engine.layers.embedding import compute_dtype
 from engine.layers.sampler import (SamplerState, SamplingConfig, is_int, sample, short_repr,
                                    top_logprobs)
 from engine.models.base import CausalLM
@@ -93,7 +92,7 @@ def generate_ids(model: CausalLM, prompt_ids: Sequence[int], sampling: SamplingC
     cfg = model.config
     validate_prompt(prompt_ids, cfg.vocab_size, sampling.max_tokens, cfg.max_position_embeddings)
     kv = kv or ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                 dtype=compute_dtype(model))
+                                 dtype=kv_dtype(model))
     state = SamplerState(sampling)
     state.prompt_tokens = set(int(t) for t in prompt_ids)
     stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_ids))

@@ -15,6 +15,7 @@ the CLI). Code that caches something per setting (a bound kernel) compares :func
 | cpu_isa | MOESTREAM_CPU_ISA | auto | native kernels for avx512 or avx2 (auto: the best this CPU has) |
 | native_threads | MOESTREAM_NATIVE_THREADS | 0 | threads of the native kernels' worker pool (0: every core of the process) |
 | cuda_graphs | MOESTREAM_CUDA_GRAPHS | 1 | per-layer CUDA graphs (attention and feed-forward halves) on CUDA (engine.cuda_graphs; verified against the eager layers on an H200 by bench/gpu_check.py, 2026-12-04; 0 turns them off) |
+| kv_bf16 | MOESTREAM_KV_BF16 | 1 | a KV cache made without a named dtype for a model whose steps run natively on the CPU is bfloat16 (engine.executor.kv_dtype; 0: the model's dtype, float32) |
 | step_graph | MOESTREAM_STEP_GRAPH | 1 | with cuda_graphs: one CUDA graph per pure decode step where every layer can (engine.cuda_graphs.step_graph; needs the device expert cache, ``--device-cache``; verified on an H200, 2026-12-04) |
 """
 
@@ -41,6 +42,7 @@ class RuntimeOptions:
     native_threads: int = 0
     cuda_graphs: bool = True
     step_graph: bool = True
+    kv_bf16: bool = True
 
     def __post_init__(self) -> None:
         if self.cpu_isa not in CPU_ISAS:
@@ -86,7 +88,8 @@ class RuntimeOptions:
                    decode_threads=threads, fused_step=flag("MOESTREAM_FUSED_STEP", "1"), cpu_isa=isa,
                    native_threads=count("MOESTREAM_NATIVE_THREADS", "0", 0),
                    cuda_graphs=flag("MOESTREAM_CUDA_GRAPHS", "1"),
-                   step_graph=flag("MOESTREAM_STEP_GRAPH", "1"))
+                   step_graph=flag("MOESTREAM_STEP_GRAPH", "1"),
+                   kv_bf16=flag("MOESTREAM_KV_BF16", "1"))
 
 
 _state: dict = {"opts": None, "gen": 0}

@@ -31,11 +31,10 @@ from typing import Iterable, Iterator, Sequence as Seq
 import torch
 
 from engine.errors import ConfigError, RequestValidationError
-from engine.executor import executor_for
+from engine.executor import executor_for, kv_dtype
 from engine.generate import GenerationStats, Request, validate_prompt
 from engine.kv.base import BatchLayout
 from engine.kv.paged import KVMetrics, PagedKVCache
-from engine.layers.embedding import compute_dtype
 from engine.layers.sampler import SamplingConfig, top_logprobs
 from engine.models.base import CausalLM
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerStats, StepPlan
@@ -131,7 +130,7 @@ class Engine:
         from engine.kv.state import kv_cache_from_budget, slot_bytes
 
         cfg = model.config
-        dtype = compute_dtype(model)
+        dtype = kv_dtype(model)
         budget = seqs * (-(-tokens // block_size) + 1) * PagedKVCache.block_bytes(cfg, block_size, dtype)
         if cfg.linear_attn is not None:  # recurrent state gets at most half of a hybrid budget
             budget = 2 * (budget + seqs * slot_bytes(cfg))

@@ -57,10 +57,9 @@ import torch
 from torch import nn
 
 from engine.errors import ConfigError
-from engine.executor import executor_for
+from engine.executor import executor_for, kv_dtype
 from engine.kv.base import BatchLayout, ContiguousKVCache, KVCache
 from engine.kv.state import StateSnapshot, restore_state, snapshot_state
-from engine.layers.embedding import compute_dtype
 from engine.layers.sampler import SamplerState, SamplingConfig, distribution, sample
 from engine.models.base import CausalLM
 
@@ -204,7 +203,7 @@ class DraftModelDrafter:
         self.sample_drafts = sample_drafts  # False: argmax drafts even when sampling
         cfg = draft_model.config
         self.kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=compute_dtype(draft_model))
+                                    dtype=kv_dtype(draft_model))
         self.fed: list[int] = []
         self._snaps: dict[int, StateSnapshot] = {}  # position -> the draft's recurrent state there
 

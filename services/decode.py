@@ -295,8 +295,10 @@ class DecodeService:
             from engine.executor import executor_for
 
             executor_for(self.sm.model).native()
+        from engine.executor import kv_dtype
+
         model_cfg = self.sm.store.config
-        self.kv = kv_cache_from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size, dtype=dtype,
+        self.kv = kv_cache_from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size, dtype=kv_dtype(self.sm.model),
                                        device=self.device, max_seqs=cfg.max_num_seqs,
                                        prefix_cache=cfg.prefix_cache)
         self.engine = Engine(self.sm.model, self.sm.tokenizer, self.kv,

@@ -60,8 +60,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int, 
     total = keys.shape[0]
     g = nh // nkv
     qh = q.view(n, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * n, d)
-    kh = keys.transpose(0, 1)  # [Nkv, total, D]
-    vh = values.transpose(0, 1)
+    kh = keys.transpose(0, 1).to(q.dtype)  # [Nkv, total, D]; a bf16 cache beside float32 queries read exactly
+    vh = values.transpose(0, 1).to(q.dtype)
     scores = torch.matmul(qh, kh.transpose(1, 2)).float() * d ** -0.5  # [Nkv, g*n, total]
     if n > 1:
         # query i sits at absolute position ctx + i and may see keys 0 .. ctx + i

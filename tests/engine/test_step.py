@@ -325,6 +325,66 @@ def test_dense_llama_matches(tmp_path, fused, head_dim):
         close(a, b, BOUND[True])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 8, 2), (64, 8, 1), (128, 4, 4), (64, 6, 2), (32, 4, 2)])
+def test_attention_on_16_bit_caches_matches_torch_layers(tmp_path, fused, kv_dtype, head_dim, heads, kv_heads):
+    """The native attention over a bf16 / fp16 cache (step.cpp attend_tiles: rows read in order and
+    converted in registers, each K/V chunk loaded once for 4, 2 or 1 query heads of its KV head)
+    against the torch layers on the same cache: heads of 2-8 vectors, 1-8 query heads per KV head
+    (3: one at a time), prefill and decode rows whose contexts span several 32-position tiles."""
+    make_checkpoint("llama", tmp_path, hidden_size=96, intermediate_size=64, head_dim=head_dim,
+                    num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=2)
+    files = open_model_files(tmp_path)
+    cfg = files.config
+    configure(int8_activations=False)
+    model = quantize_dense(build_model(cfg, files.source), "int8")
+    plan = [BatchLayout((0, 1), (70, 33), (0, 0)),
+            BatchLayout((0, 1), (1, 1), (70, 33)),
+            BatchLayout((0, 1), (1, 2), (71, 34))]
+    out = {}
+    for on in (False, True):
+        fused(on)
+        kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=32, block_size=8, dtype=kv_dtype)
+        g = torch.Generator().manual_seed(11)
+        out[on] = [executor_for(model)(torch.randint(0, cfg.vocab_size, (lay.num_tokens,), generator=g),
+                                       lay, kv, all_logits=True) for lay in plan]
+    for a, b in zip(out[True], out[False]):
+        close(a, b, BOUND[False])
+
+
+def test_a_kv_cache_beside_the_native_step_is_bf16(store, fused):
+    """engine.executor.kv_dtype: bf16 where the steps run natively on the CPU, float32 for the
+    torch layers (fp32 dense, the step off) or with MOESTREAM_KV_BF16=0; the serving engine's
+    cache follows it."""
+    from engine.executor import kv_dtype
+    from engine.options import RuntimeOptions
+    from engine.runner import Engine
+
+    fused(True)
+    with load_from_store(store, prefetch_depth=0, dense="int8") as sm, \
+            load_from_store(store, prefetch_depth=0, dense="fp32") as ref:
+        assert kv_dtype(sm.model) == torch.bfloat16 and kv_dtype(ref.model) == torch.float32
+        assert Engine.for_requests(sm.model, tokens=64).kv.dtype == torch.bfloat16
+        configure(kv_bf16=False)
+        assert kv_dtype(sm.model) == torch.float32
+        configure(kv_bf16=True)
+        fused(False)
+        assert kv_dtype(sm.model) == torch.float32
+        # the torch layers read a bf16 contiguous cache beside float32 queries too (a step that
+        # falls back to them), as the native step does
+        configure(int8_activations=False)
+        cfg = sm.model.config
+        out = {}
+        for on in (True, False):
+            fused(on)
+            kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+            out[on] = executor_for(sm.model)(torch.tensor(PROMPT), BatchLayout.single(0, len(PROMPT), 0), kv,
+                                             all_logits=True)
+        close(out[True], out[False], BOUND[False])
+    assert RuntimeOptions.from_env({"MOESTREAM_KV_BF16": "0"}).kv_bf16 is False
+    assert RuntimeOptions.from_env({}).kv_bf16 is True
+
+
 def test_hits_computed_while_misses_load_give_the_bits_of_one_call(store, fused):
     """A layer with hits and NVMe misses computes its hits while the misses are read
     (ExpertCache.acquire_overlapped + expert_outputs), then combines every expert in order

@@ -178,6 +178,7 @@ def test_bf16_store_close_to_the_checkpoint(int4_store, tmp_path):
 
 
 def test_eight_concurrent_requests_equal_each_alone(int4_store):
+    from engine.executor import kv_dtype
     from engine.experts.runtime import load_from_store
     from engine.generate import Request
     from engine.kv.paged import PagedKVCache
@@ -190,7 +191,7 @@ def test_eight_concurrent_requests_equal_each_alone(int4_store):
     with load_from_store(int4_store, prefetch_depth=0) as sm:
         c = sm.model.config
         alone = [[t for t, _, _ in generate_ids(sm.model, r.prompt_ids, r.sampling)] for r in reqs]
-        kv = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, torch.float32)
+        kv = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, kv_dtype(sm.model))  # as generate_ids's
         engine = Engine(sm.model, kv=kv, config=SchedulerConfig(max_num_batched_tokens=16))
         results = engine.generate(reqs)
         assert [r.output_ids for r in results] == alone
