@@ -154,7 +154,7 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
 
     from engine.errors import HostMemoryError
     from engine.experts.runtime import dense_resident_bytes, load_from_store, store_budgets
-    from engine.executor import executor_for
+    from engine.executor import executor_for, kv_dtype
     from engine.kv.base import BatchLayout, ContiguousKVCache
     from engine.layers.sampler import SamplingConfig
     from engine.runner import stream_request
@@ -164,6 +164,7 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
     io0 = io_counters()
     st = ExpertStore(store)
     cfg = st.config
+    # at float32's 4 bytes an element: the bound of either dtype the run's cache may take (kv_dtype)
     kv_budget = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (prompt_len + new + 16) * 4
     try:
         b = store_budgets(st, device="cpu", dense="int8", kv_bytes=kv_budget)
@@ -200,8 +201,8 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
     else:  # the prompt, then the fixed continuation one token per step (as the llama.cpp child)
         ex = executor_for(sm.model)
         # sized to the KV budget the tiers were planned beside (not the cache's 256-token default)
-        kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                               initial_capacity=prompt_len + new + 16)
+        kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype(sm.model),
+                               initial_capacity=prompt_len + new + 16)  # the dtype a user's run gets
         with torch.inference_mode():
             t = time.perf_counter()
             ex(torch.tensor(prompt), BatchLayout.single(0, prompt_len, 0), kv)
