@@ -12,7 +12,9 @@ Weights: a random Qwen3-MoE 1.3B-A0.2B built by transformers with ``torch.manual
 norm_topk_prob). One checkpoint feeds both systems:
 
 * moestream: the checkpoint converted to an expert store (int4 g64 experts), dense linears int8
-  or bf16, every expert resident (engine.experts.runtime.load_from_store, prefetch_depth 0).
+  or bf16, every expert resident from the load on (engine.experts.runtime.load_from_store with
+  warm=True, as `moestream generate` loads; prefetch_depth 0; until 2026-12-04 22:50 UTC the
+  slots filled on first use, so a timed decode could still meet an expert's first load).
 * llama.cpp (through llama-cpp-python): the checkpoint written here as an F32 GGUF (llama.cpp's
   qwen3moe names: stacked ``blk.N.ffn_{gate,up,down}_exps``, dummy 32000-token vocabulary: both
   sides are fed token ids), then quantized by llama.cpp itself (llama_model_quantize) to Q8_0,
@@ -554,7 +556,7 @@ def main(argv: list[str] | None = None) -> None:
         default_row = None
         for asked, head in MOESTREAM_ROWS:
             sm = load_from_store(tmp / "store", prefetch_depth=0, **({} if asked == "auto" else {"dense": asked}),
-                                 head=head)
+                                 head=head, warm=True)  # every expert in its slot at load, as `generate` does
             stack.callback(sm.close)
             dense = resolve_dense(asked)
             nbytes = active_weight_bytes(cfg, MOESTREAM_DENSE[dense], fmt.bits_per_weight / 8)
