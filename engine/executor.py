@@ -91,8 +91,7 @@ def kv_dtype(model: CausalLM) -> torch.dtype:
     half the bytes a decode step's attention reads, 0.95-1.05 -> 0.68-0.76 ms a token on the 1.3B
     store at a 576-position context; docs/native-step.md), else the dtype the model computes in
     (the torch layers: ``--dense fp32``'s exact parity path, a GPU), or where the ``kv_bf16``
-    option is off (``MOESTREAM_KV_BF16=0``)."""
-    dt = compute_dtype(model)
-    on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
-    native = on_cpu and options().kv_bf16 and executor_for(model).native() is not None
-    return torch.bfloat16 if dt == torch.float32 and native else dt
+    option is off (``MOESTREAM_KV_BF16=0``). A native step exists only for a CPU model computing in
+    float32 (NativeStep.for_model), so that is all it asks."""
+    native = options().kv_bf16 and executor_for(model).native() is not None
+    return torch.bfloat16 if native else compute_dtype(model)

@@ -283,6 +283,8 @@ class DecodeService:
                                   prefetch_depth=cfg.prefetch_depth, source=source,
                                   device=self.device, dtype=dtype, dense=cfg.dense_format, head=cfg.head_format,
                                   io_threads=cfg.io_threads, ple_budget=cfg.ple_budget)
+        from engine.executor import executor_for, kv_dtype
+
         if self.device == "cpu":
             # native kernels and the per-layer step handles before this actor reports healthy,
             # never inside the first request (a cache hit after `deploy/setup.sh`)
@@ -292,11 +294,7 @@ class DecodeService:
             from engine.quant.kernels import load_extension
 
             load_extension()  # every native kernel (DeltaNet's decode step included), even for fp32 dense
-            from engine.executor import executor_for
-
             executor_for(self.sm.model).native()
-        from engine.executor import kv_dtype
-
         model_cfg = self.sm.store.config
         self.kv = kv_cache_from_budget(model_cfg, cfg.kv_budget, cfg.kv_block_size, dtype=kv_dtype(self.sm.model),
                                        device=self.device, max_seqs=cfg.max_num_seqs,
