@@ -42,11 +42,14 @@ inline vf vsums(const vf* v) {
     c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
+// LANES bfloat16 values (the high halves of float32s) / fp16 values (F16C) as float32
+inline vf vload_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline vf vload_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 // n bfloat16 values (n a multiple of LANES) to float32
 inline void load_bf16(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i))), 16)));
+  for (int64_t i = 0; i < n; i += LANES) vstore(dst + i, vload_bf16(src + i));
 }
 #else
 constexpr int LANES = 8;
@@ -79,10 +82,12 @@ inline vf vsums(const vf* v) {  // lane i = the sum of the lanes of v[i], for 8 
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
+inline vf vload_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline vf vload_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline void load_bf16(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + i))), 16)));
+  for (int64_t i = 0; i < n; i += LANES) vstore(dst + i, vload_bf16(src + i));
 }
 #endif
 

@@ -185,21 +185,9 @@ void attend_tiles_f32(const KVView& kv, const float* q, int64_t seen, int64_t j0
 // LANES values of a cache row from p as float32, converted in registers
 template <typename S>
 inline vf vload_kv(const S* p) {
-  if constexpr (std::is_same_v<S, float>) {
-    return vload(p);
-  } else if constexpr (std::is_same_v<S, c10::BFloat16>) {  // bf16: the high half of a float32
-#if defined(__AVX512F__)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-#else
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-#endif
-  } else {  // fp16 (F16C)
-#if defined(__AVX512F__)
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-#else
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-#endif
-  }
+  if constexpr (std::is_same_v<S, float>) return vload(p);
+  else if constexpr (std::is_same_v<S, c10::BFloat16>) return vload_bf16((const uint16_t*)p);
+  else return vload_f16((const uint16_t*)p);
 }
 
 // A tile's rows are read in order, each whole (every KV head of a position: one contiguous run),
