@@ -251,7 +251,7 @@ class Engine:
         ``pending``: accepted drafts, committed at the positions after ``all_ids``."""
         if not getattr(self.kv, "prefix_cache", False):
             return
-        ids = seq.token_slice if not pending else (lambda s, n: (seq.all_ids + pending)[s:s + n])
+        ids = seq.token_slice if not pending else (lambda s, n: seq.token_slice(s, n, pending))
         self.kv.register(seq.seq_id, seq.num_computed_tokens, ids)
 
     @staticmethod

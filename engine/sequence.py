@@ -80,12 +80,18 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def token_slice(self, start: int, n: int) -> list[int]:
-        """Token ids at positions [start, start + n) of prompt + output."""
-        p = len(self.prompt_ids)
-        if start + n <= p:
-            return self.prompt_ids[start:start + n]
-        return self.all_ids[start:start + n]
+    def token_slice(self, start: int, n: int, pending: list[int] = ()) -> list[int]:
+        """Token ids at positions [start, start + n) of prompt + output (+ ``pending``: ids that
+        follow the output, accepted drafts not yet appended). Only the slice is copied: a decode
+        step asks for its one token, and building ``all_ids`` for it cost O(context) per token."""
+        out: list[int] = []
+        end = start + n
+        for part in (self.prompt_ids, self.output_ids, pending):
+            m = len(part)
+            if start < m and end > 0:
+                out += part[max(start, 0):min(end, m)]
+            start, end = start - m, end - m
+        return out
 
     def append_token(self, token: int, now: float) -> None:
         """Record an emitted token (the sampler state has counted it: speculative.accept_tokens)."""

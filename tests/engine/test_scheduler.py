@@ -166,3 +166,41 @@ def test_abort_waiting_running_and_preempted_frees_blocks():
     assert sched.kv.pool.num_free == 6 - 3
     sched.abort("a")
     assert not sched.has_unfinished() and sched.kv.pool.num_free == 6 and not sched.kv.tables
+
+
+def test_token_slice_is_a_slice_of_prompt_output_and_pending():
+    """Every (start, n) over prompt + output (+ accepted drafts not yet appended) gives what
+    slicing the concatenation gives; a decode step's one-token slice past a long history is
+    built without copying that history."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        p, o, d = rng.randrange(0, 6), rng.randrange(0, 6), rng.randrange(0, 4)
+        seq = Sequence("s", 0, [rng.randrange(1000) for _ in range(p)], SamplingConfig(max_tokens=8), 0.0)
+        seq.output_ids = [rng.randrange(1000) for _ in range(o)]
+        pending = [rng.randrange(1000) for _ in range(d)]
+        whole = seq.prompt_ids + seq.output_ids + pending
+        for start in range(0, len(whole) + 2):
+            for n in range(0, len(whole) - start + 3):
+                assert seq.token_slice(start, n, pending) == whole[start:start + n], (p, o, d, start, n)
+                if start + n <= p + o:
+                    assert seq.token_slice(start, n) == whole[start:start + n]
+
+    seq = Sequence("long", 1, list(range(100_000)), SamplingConfig(max_tokens=8), 0.0)
+    seq.output_ids = [5, 6, 7]
+    seq.prompt_ids = _NoCopy(seq.prompt_ids)  # a slice past the prompt must not read it whole
+    assert seq.token_slice(100_002, 1) == [7]
+    assert seq.token_slice(99_999, 2) == [99_999, 5]
+
+
+class _NoCopy(list):
+    """A list whose whole-list copies fail: ``+`` or an unbounded slice of it."""
+
+    def __add__(self, other):
+        raise AssertionError("the history was concatenated")
+
+    def __getitem__(self, i):
+        if isinstance(i, slice) and (i.stop or len(self)) - (i.start or 0) > 10:
+            raise AssertionError(f"a slice of {i} copies the history")
+        return list.__getitem__(self, i)
