@@ -58,6 +58,51 @@ def test_block_tables_and_can_allocate():
     assert m.bytes_total == 6 * 2 * 4 * 4 and m.bytes_used == 2 * 4 * 4
 
 
+def test_native_view_tables_follow_every_change_of_the_block_tables():
+    """The int32 block tables native_view hands the native step (kept per sequence and grown in
+    place, not rebuilt from the lists each step) equal the lists after every kind of change:
+    growth within and past the buffer's capacity, a sequence freed and started again, a table
+    adopted from the prefix cache, batches of several sequences padded with zeros. A view handed
+    out earlier keeps its ids."""
+    import random
+
+    rng = random.Random(3)
+    kv = PagedKVCache(1, 1, 2, num_blocks=400, block_size=2, dtype=torch.float32, prefix_cache=True)
+    ends = {0: 0, 1: 0, 2: 0}
+    kept = []
+    for step in range(300):
+        s = rng.choice([0, 1, 2])
+        op = rng.random()
+        if op < 0.08 and ends[s]:
+            kv.free(s)
+            ends[s] = 0
+            continue
+        if op < 0.12 and ends[s] == 0 and kv.tables.get(s) is None:
+            # a new table assigned whole (what adopt does): held blocks of no one
+            kv.tables[s] = kv.pool.allocate(2)
+            kv.lengths[s] = 4
+            ends[s] = 4
+        ends[s] += rng.choice([1, 1, 1, 5, 40])
+        if not kv.can_allocate(s, ends[s]):
+            kv.free(s)
+            ends[s] = 0
+            continue
+        seqs = [q for q in (0, 1, 2) if ends[q]]
+        rng.shuffle(seqs)
+        seqs = seqs[:rng.choice([1, len(seqs)])]
+        layout = BatchLayout(tuple(seqs), tuple(1 for _ in seqs), tuple(ends[q] - 1 for q in seqs))
+        _, tables = kv.native_view(layout, torch.device("cpu"))
+        width = max(len(kv.tables[q]) for q in seqs)
+        want = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, q in enumerate(seqs):
+            want[i, :len(kv.tables[q])] = torch.tensor(kv.tables[q], dtype=torch.int32)
+        assert tables.dtype == torch.int32 and tables.is_contiguous()
+        assert torch.equal(tables, want), (step, seqs)
+        kept.append((tables, want))
+    for tables, want in kept:
+        assert torch.equal(tables, want)
+
+
 def test_store_and_load_allocates_on_demand_and_raises_when_full():
     kv = PagedKVCache(2, 1, 2, num_blocks=2, block_size=2, dtype=torch.float32)
     k = torch.randn(3, 1, 2)
