@@ -200,12 +200,15 @@ constexpr int64_t AHEAD = 8;
 // at a time: each key chunk is loaded (and converted) once per HB heads, and LANES (head,
 // position) dot products are summed by one transpose-and-add (vsums). A (head, position) pair's
 // sum is one accumulator over the d / LANES chunks in order, then vsums's lane tree: the same
-// whatever HB. s[h * TILE + j] = q_h . k_j * scale; mx[h] = max over the tile (positions past m
-// are left out).
+// whatever HB. s[h * TILE + j] = q_h . k_j * scale. The tile's maxima stay in vectors, lane
+// (i, p) of mxv[hb / HB] the max of head hb + i over positions p, p + PB, ... (positions past m
+// left out): a (head, position) scatter of scalars and maxima cost ~3 instructions per score, as
+// many as the score's own multiply-adds and loads; max_of_lanes() folds them once per tile.
 template <typename S, int HB>
 void scores_block(const float* q, const S* const* r, int64_t j0, int64_t m, int64_t nh, int64_t g, int64_t d,
-                  float scale, float* s, float* mx) {
+                  float scale, float* s, vf* mxv) {
   constexpr int PB = LANES / HB;  // positions per transpose-and-add
+  const int64_t valid = std::min<int64_t>(PB, m - j0);
   for (int64_t hb = 0; hb < nh; hb += HB) {
     const int64_t off = (hb / g) * d;
     vf acc[LANES];
@@ -219,13 +222,30 @@ void scores_block(const float* q, const S* const* r, int64_t j0, int64_t m, int6
       }
     }
     alignas(64) float t[LANES];
-    vstore(t, vmul(vsums(acc), vset(scale)));
-    for (int i = 0; i < HB; i++)
-      for (int p = 0; p < PB && j0 + p < m; p++) {
-        const float v = t[i * PB + p];
-        s[(hb + i) * TILE + j0 + p] = v;
-        mx[hb + i] = std::max(mx[hb + i], v);
-      }
+    vf sv = vmul(vsums(acc), vset(scale));
+    vstore(t, sv);
+    for (int i = 0; i < HB; i++) std::memcpy(s + (hb + i) * TILE + j0, t + i * PB, valid * sizeof(float));
+    if (valid < PB) {  // the tile's last positions: the lanes past m take no part in the max
+      for (int i = 0; i < HB; i++)
+        for (int p = (int)valid; p < PB; p++) t[i * PB + p] = -INFINITY;
+      sv = vload(t);
+    }
+    mxv[hb / HB] = vmax(mxv[hb / HB], sv);
+  }
+}
+
+// mx[hb + i] = the max of lanes i * PB .. i * PB + PB - 1 of mxv[hb / HB] (scores_block's maxima)
+template <int HB>
+void max_of_lanes(const vf* mxv, int64_t nh, float* mx) {
+  constexpr int PB = LANES / HB;
+  alignas(64) float t[LANES];
+  for (int64_t hb = 0; hb < nh; hb += HB) {
+    vstore(t, mxv[hb / HB]);
+    for (int i = 0; i < HB; i++) {
+      float v = t[i * PB];
+      for (int p = 1; p < PB; p++) v = std::max(v, t[i * PB + p]);
+      mx[hb + i] = v;
+    }
   }
 }
 
@@ -305,6 +325,8 @@ void attend_tiles(const KVView& kv, const float* q, int64_t seen, int64_t j0, in
   const int hb = head_block(g);
   const int pb = LANES / hb;
   const ValuesFn<S> values = values_fn<S>(d, hb);
+  static thread_local std::vector<vf> mxv;  // scores_block's running maxima: nh / hb vectors
+  mxv.resize(nh / hb);
   // rows[0, m): the tile's K rows, rows[TILE, TILE + m): its V rows, rows[2 TILE, ...): the next
   // tile's K rows (requested while this tile's values are computed)
   const S* rows[3 * TILE];
@@ -323,16 +345,19 @@ void attend_tiles(const KVView& kv, const float* q, int64_t seen, int64_t j0, in
     float *mx = part + t * stride, *sum = mx + nh, *o = sum + nh;
     const S** k = rows;
     const S** v = rows + TILE;
-    for (int64_t h = 0; h < nh; h++) mx[h] = -INFINITY;
+    for (int64_t i = 0; i < nh / hb; i++) mxv[i] = vset(-INFINITY);
     for (int64_t jb = 0; jb < m; jb += pb) {
       for (int64_t j = jb + AHEAD; j < std::min(jb + AHEAD + pb, 2 * m); j++)  // K rows, then V rows
         ahead(j < m ? k[j] : v[j - m]);
       const S* r[LANES];
       for (int p = 0; p < pb; p++) r[p] = jb + p < m ? k[jb + p] : zero.data();
-      if (hb == 4) scores_block<S, 4>(q, r, jb, m, nh, g, d, scale, s.data(), mx);
-      else if (hb == 2) scores_block<S, 2>(q, r, jb, m, nh, g, d, scale, s.data(), mx);
-      else scores_block<S, 1>(q, r, jb, m, nh, g, d, scale, s.data(), mx);
+      if (hb == 4) scores_block<S, 4>(q, r, jb, m, nh, g, d, scale, s.data(), mxv.data());
+      else if (hb == 2) scores_block<S, 2>(q, r, jb, m, nh, g, d, scale, s.data(), mxv.data());
+      else scores_block<S, 1>(q, r, jb, m, nh, g, d, scale, s.data(), mxv.data());
     }
+    if (hb == 4) max_of_lanes<4>(mxv.data(), nh, mx);
+    else if (hb == 2) max_of_lanes<2>(mxv.data(), nh, mx);
+    else max_of_lanes<1>(mxv.data(), nh, mx);
     for (int64_t h = 0; h < nh; h++) sum[h] = exp_shift(s.data() + h * TILE, m, mx[h]);
     const int64_t mn = t + 1 < te ? fill(t + 1, rows + 2 * TILE, nullptr) : 0;
     constexpr int64_t VB = 4;  // positions per block of values

@@ -355,6 +355,36 @@ def test_attention_on_16_bit_caches_matches_torch_layers(tmp_path, fused, isa, k
         close(a, b, BOUND[False])
 
 
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
+def test_attention_with_every_score_far_below_zero_in_short_contexts(tmp_path, fused, isa):
+    """Queries scaled so that a head's scores are hundreds below zero, over contexts of 1-7
+    positions (a tile whose last block of positions is partial): the positions past the context
+    must take no part in a head's max (scores_block keeps its maxima in vectors; a padding lane's
+    score of 0 taken as the max turns every exp(score - max) into 0 and the row into NaN)."""
+    configure(cpu_isa=isa)
+    make_checkpoint("llama", tmp_path, hidden_size=96, intermediate_size=64, head_dim=64,
+                    num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)
+    files = open_model_files(tmp_path)
+    cfg = files.config
+    configure(int8_activations=False)
+    model = build_model(cfg, files.source)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(400.0)
+    model = quantize_dense(model, "int8")
+    plan = [BatchLayout((0,), (3,), (0,))] + [BatchLayout((0,), (1,), (c,)) for c in range(3, 7)]
+    out = {}
+    for on in (False, True):
+        fused(on)
+        kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks=4, block_size=8,
+                          dtype=torch.bfloat16)
+        g = torch.Generator().manual_seed(5)
+        out[on] = [executor_for(model)(torch.randint(0, cfg.vocab_size, (lay.num_tokens,), generator=g),
+                                       lay, kv, all_logits=True) for lay in plan]
+    for a, b in zip(out[True], out[False]):
+        assert torch.isfinite(a).all()
+        close(a, b, BOUND[False])
+
+
 def test_a_kv_cache_beside_the_native_step_is_bf16(store, fused):
     """engine.executor.kv_dtype: bf16 where the steps run natively on the CPU, float32 for the
     torch layers (fp32 dense, the step off) or with MOESTREAM_KV_BF16=0; the serving engine's
