@@ -128,7 +128,10 @@ class CacheMetrics:
     ple: Any = None  # engine.store.ple_disk.PLECounters when the model reads a PLE tier
 
     def layer(self, i: int) -> LayerMetrics:
-        return self.layers.setdefault(i, LayerMetrics())
+        m = self.layers.get(i)
+        if m is None:  # not setdefault: that builds a LayerMetrics (14 fields) on every call
+            m = self.layers[i] = LayerMetrics()
+        return m
 
     def total(self) -> LayerMetrics:
         t = LayerMetrics()
@@ -762,11 +765,16 @@ class ExpertCache(ExpertProvider):
         return self._resident[0], self.slot_rows
 
     def count_hits(self, hits: list[int]) -> None:
+        """A step's hits per layer (run_layers'): one tick of the slot table's clock per layer that
+        had any, as the per-layer path ticks once per acquire."""
         with self.lock:
-            for layer, n in enumerate(hits):
+            layer = self.metrics.layer
+            ticks = 0
+            for i, n in enumerate(hits):
                 if n:
-                    self.table.tick()
-                    self.metrics.layer(layer).hits += n
+                    ticks += 1
+                    layer(i).hits += n
+            self.table.clock += ticks
 
     def _slot_of_acquired(self, key: Key) -> int:
         """Under the lock: the slot (staging or cache) of an acquired expert."""
