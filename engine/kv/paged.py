@@ -321,7 +321,7 @@ class PagedKVCache(KVCache):
         end = start + k.shape[0]
         if self._missing(seq_id, end):
             self.allocate(seq_id, end)
-        ids = torch.tensor(self.tables[seq_id], dtype=torch.long, device=self.storage.device)
+        ids = self.table_row(seq_id).to(self.storage.device, torch.long)  # not the list rebuilt per layer
         pos = torch.arange(start, end, device=self.storage.device)
         blk, off = ids[pos // self.block_size], pos % self.block_size
         for i, x in enumerate((k, v)):
