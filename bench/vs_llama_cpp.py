@@ -45,6 +45,7 @@ import ctypes
 import gc
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,7 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_cpu import active_weight_bytes, measure_bandwidth  # noqa: E402
-from llama_child import LlamaCppChild, LlamaCppDied  # noqa: E402
+from llama_child import LlamaCppChild, LlamaCppDied, how_it_ended  # noqa: E402
 
 INSTALL_HINT = ("llama.cpp column skipped: llama_cpp is not installed; install it with "
                 "`.venv/bin/pip install --no-deps ../shared/wheels/llama_cpp_python-*.whl numpy "
@@ -243,18 +244,32 @@ def llama_cpp_version() -> str:
     return getattr(llama_cpp, "__version__", "?")
 
 
-def llama_quantize(src: Path, dst: Path, fmt: str, threads: int) -> Path:
-    """``src`` quantized by llama.cpp itself (llama_model_quantize) to ``fmt`` (a llama_ftype)."""
-    import llama_cpp
+_QUANTIZE = """
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = int(sys.argv[3])
+params.nthread = int(sys.argv[4])
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+"""
 
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = LLAMA_FORMATS[fmt]
-    params.nthread = threads
-    with _quiet_native_output():
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    if rc != 0:
-        raise RuntimeError(f"llama_model_quantize {src} -> {fmt} failed ({rc})")
-    return dst
+
+def llama_quantize(src: Path, dst: Path, fmt: str, threads: int, libs: list[Path | None] = (None,)) -> Path:
+    """``src`` quantized by llama.cpp itself (llama_model_quantize) to ``fmt`` (a llama_ftype), in a
+    child process per try: each build of ``libs`` in turn (a native build's directory, None: the
+    installed wheel) until one succeeds, else LlamaCppDied saying how each try ended. A wheel built for instructions this CPU lacks dies of
+    SIGILL while quantizing (the 0.3.36 wheel on an AVX2-only EPYC, 2026-12-05), and in-process
+    it took the bench down with it."""
+    failures = []
+    for lib in libs:
+        env = {**os.environ, **({"LLAMA_CPP_LIB_PATH": str(lib)} if lib is not None else {})}
+        r = subprocess.run([sys.executable, "-c", _QUANTIZE, str(src), str(dst), str(LLAMA_FORMATS[fmt]), str(threads)],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if r.returncode == 0:
+            return dst
+        err = r.stderr.strip()[-200:] if r.returncode > 0 else ""  # a signal's death: its log says nothing more
+        failures.append(f"{lib or 'the wheel'}: {how_it_ended(r.returncode)}" + (f": {err}" if err else ""))
+    raise LlamaCppDied(f"llama_model_quantize {src.name} -> {fmt} failed: " + "; ".join(failures))
 
 
 @contextlib.contextmanager
@@ -490,16 +505,27 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[Row] = []
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vs_llama_cpp_")))
+        # the builds: the installed wheel, and each native build of its libraries asked for
+        builds: dict[str, Path | None] = {"llama.cpp": None}
+        for d in args.llama_lib:
+            if not (Path(d) / "libllama.so").exists():
+                raise SystemExit(f"--llama-lib {d}: no libllama.so there (build one: bash bench/build_llama_cpp.sh {d})")
+            builds[f"llama.cpp native ({Path(d).name})"] = Path(d).resolve()
         t = time.perf_counter()
         hf, cfg = build_hf(shape)
         prompt = make_prompt(args.prompt, cfg.vocab_size)
         hf.save_pretrained(tmp / "hf")
         convert(tmp / "hf", tmp / "store", fmt=fmt, progress=False)
         ggufs: dict[str, Path] = {}
+        quantize_failed: dict[str, str] = {}
         if llama:
             write_gguf(tmp / "f32.gguf", hf, cfg)
-            for name in LLAMA_FORMATS:
-                ggufs[name] = llama_quantize(tmp / "f32.gguf", tmp / f"{name}.gguf", name, args.threads)
+            for name in LLAMA_FORMATS:  # by the native builds first (the wheel may not run here)
+                try:
+                    ggufs[name] = llama_quantize(tmp / "f32.gguf", tmp / f"{name}.gguf", name, args.threads,
+                                                 [*(b for b in builds.values() if b is not None), None])
+                except LlamaCppDied as e:  # no build quantizes here: no row of that format, said below
+                    quantize_failed[name] = str(e)
             (tmp / "f32.gguf").unlink()
         del hf
         gc.collect()
@@ -507,13 +533,7 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
 
         n_ctx, n_batch = args.prompt + args.new + 16, min(args.prompt, 512)
-        dead: dict[str, str] = {}  # llama.cpp build and format -> how its child died
-        # the builds: the installed wheel, and each native build of its libraries asked for
-        builds: dict[str, Path | None] = {"llama.cpp": None}
-        for d in args.llama_lib:
-            if not (Path(d) / "libllama.so").exists():
-                raise SystemExit(f"--llama-lib {d}: no libllama.so there (build one: bash bench/build_llama_cpp.sh {d})")
-            builds[f"llama.cpp native ({Path(d).name})"] = Path(d).resolve()
+        dead: dict[str, str] = {f"llama.cpp {k}": v for k, v in quantize_failed.items()}  # how a child died
 
         def start(name: str, build: str = "llama.cpp"):
             try:
@@ -525,8 +545,8 @@ def main(argv: list[str] | None = None) -> None:
         if llama:  # does llama.cpp run the same model? Q8_0 against moestream fp32, on the first build that runs it
             n = min(args.check_tokens, args.new)
             got = q8_logits = checked_on = None
-            for b in builds:  # the first build whose Q8_0 runs (the wheel's dies of SIGILL on some CPUs)
-                q8 = start("Q8_0", b)
+            for b in builds if "Q8_0" in ggufs else ():  # the first build whose Q8_0 runs (the wheel's
+                q8 = start("Q8_0", b)                      # dies of SIGILL on some CPUs)
                 if q8 is None:
                     continue
                 try:
@@ -550,7 +570,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{compare_logits(ref_logits, q8_logits)}\n"
                       f"  greedy: first {agree} of {n} tokens agree ({same}/{n} positions equal)\n"
                       f"  moestream fp32 {ref}\n  llama.cpp Q8_0 {got}", flush=True)
-            ggufs.pop("Q8_0").unlink()  # checked: not one of the timed rows
+            if "Q8_0" in ggufs:
+                ggufs.pop("Q8_0").unlink()  # checked: not one of the timed rows
 
         ours = {}
         default_row = None

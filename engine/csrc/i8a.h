@@ -1,18 +1,23 @@
-// int4 weights x int8 activations: the activation format and the one sum both kernels compute,
-// the AVX512-VNNI one (any number of tokens; quant.cpp) and the AMX one (16 x 16 tiles, for
-// prefill-sized calls; amx.cpp). Both give the same bits for a (row, token) pair, so a token's
-// result does not depend on the batch it ran in (docs/native-step.md, batch invariance).
+// Integer activations: the activation formats, the one sum every kernel computes, and the
+// kernels each instruction set's file implements (quant.cpp: AVX512-VNNI; quant_avx2.cpp: AVX2's
+// vpmaddubsw / vpmaddwd; amx.cpp: AMX tiles for prefill-sized int4 calls), which jobs.cpp calls.
+// int4 weights take int8 activations, int8 weights int16 ones. Every kernel gives the same bits
+// for a (row, token) pair, so a token's result depends neither on the batch it ran in
+// (docs/native-step.md, batch invariance) nor on the instruction set.
+//
+// int4 x int8:
 //
 // The sum for weight row n and token t, blocks b of 32 weights, groups g of G weights:
 //   S_b   = sum over the block's 32 weights of code * q          (int32: exact in any order)
 //   P[i]  = 0; for b ascending: P[b % 16] = fma(float(S_b), scale(g(b)) * dx_b, P[b % 16])
 //           then for g ascending: P[g % 16] = fma(min(g), xg_g, P[g % 16])
-//   out   = tree16(P): P[i] + P[i + 8], then + 4, + 2, + 1 (halving, as tree16 below)
+//   out   = tree16(P): P[i] + P[i + 8], then + 4, + 2, + 1 (halving: quant.cpp tree16)
 // reference.linear_ref_int8_act is the same sum up to float rounding order.
 #pragma once
 #include "quant.h"
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace ms {
@@ -26,6 +31,47 @@ struct QAct {
   std::vector<float> db;   // [ceil(B / 16) * 16]: dx of each block (absmax / 127), 0 past K
   std::vector<float> xg;   // [K / G]: sums of x' = q * dx over each group
 };
+
+// int8 weights x int16 activations: int8 ones (block-32 absmax / 127) are too coarse for int8
+// weights: a dense model's outlier channels (SmolLM2's) leave the other 31 values of their block a
+// few codes, and greedy answers break (docs/quantization.md#the-default-dense-format). int16
+// codes (absmax / 32767) keep 8 more bits per block at the same instructions per weight. The sum
+// for row n and token t: s_b = scale(g(b)) * dx_b; f[b % 2][i] = fma(float(sum of the products of
+// weights 2i, 2i + 1 of block b), s_b, f[b % 2][i]) over the 16 lanes i, b ascending; out = tree16
+// of f[0] + f[1].
+struct QAct16 {
+  std::vector<int16_t> q;  // [K]
+  std::vector<float> dx;   // [K / 32]
+};
+
+// Each instruction set's kernels (one file of them is built into a module). Activations:
+// quant_act / quant_act16 quantize one row of K floats (x' = q * dx, q = round-half-even(x / dx),
+// dx = absmax / 127 or / 32767 per block of 32). Rows [nb, ne) of out[t * ldo + n]:
+// rows_i8a for int4 weights and int8 activations, rows_i16a for int8 weights and int16 ones,
+// rows_float for any format and float32 x [T, K] (the loop nest by direct_max_t).
+void quant_act(const float* x, int64_t K, int64_t G, QAct& a);
+void quant_act16(const float* x, int64_t K, QAct16& a);
+void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<const QAct*>& acts, float* out, int64_t ldo);
+void rows_i16a(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct16>& acts, float* out, int64_t ldo);
+void rows_float(const QW& w, int64_t nb, int64_t ne, const float* x, int64_t T, float* out, int64_t ldo,
+                int64_t direct_max_t);
+
+// Every token of `acts`, TILE at a time (a kernel's register tile of tokens), then the rest as one
+// smaller tile: f(std::integral_constant<int, tile>, acts, out).
+template <int N, typename A, typename F>
+inline void rest_tile(int64_t n, const A* a, float* o, F& f) {
+  if constexpr (N > 0) {
+    if (n == N) f(std::integral_constant<int, N>{}, a, o);
+    else rest_tile<N - 1>(n, a, o, f);
+  }
+}
+template <int TILE, typename A, typename F>
+inline void by_tiles(const std::vector<A>& acts, float* out, int64_t ldo, F&& f) {
+  const int64_t T = (int64_t)acts.size();
+  int64_t t = 0;
+  for (; t + TILE <= T; t += TILE) f(std::integral_constant<int, TILE>{}, acts.data() + t, out + t * ldo);
+  rest_tile<TILE - 1>(T - t, acts.data() + t, out + t * ldo, f);
+}
 
 // Bytes of a QAct's q for K weights: whole groups of 16 blocks, as the VNNI kernel loads them (a
 // K of 768 once got 768 bytes and the kernel read 1,024: past the buffer, a rare SIGSEGV when it
@@ -49,6 +95,9 @@ struct AmxActs {
 
 // Whether this CPU and kernel let the process use AMX-INT8 tiles (asked once).
 bool amx_usable();
+// Whether this build has integer-activation kernels on this CPU (AVX512-VNNI for quant.cpp,
+// AVX2 always for quant_avx2.cpp): engine.quant.kernels.int8_activations asks it.
+bool has_int8_dots();
 // The switch (engine.options' `amx`, set by engine/quant/kernels.py; tests compare the two
 // kernels): returns the previous setting. On takes effect only where amx_usable().
 bool set_amx(bool on);

@@ -18,7 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &ms::qlinear, "out[T, N] = x[T, K] @ w[N, K].T for a quantized w");
   m.def("expert_forward", &ms::expert_forward, "SwiGLU expert on quantized gate/up/down");
   m.def("set_prefetch_rows", &ms::set_prefetch_rows, "software prefetch distance in rows (bench)");
-  m.def("has_vnni", &ms::has_vnni, "whether this CPU has AVX512-VNNI (the int8-activation int4 path)");
+  m.def("has_vnni", &ms::has_vnni, "whether this CPU has AVX512-VNNI (the AVX-512 build's integer-activation kernels)");
+  m.def("has_int8_dots", &ms::has_int8_dots,
+        "whether this build has integer-activation kernels here (AVX512-VNNI, or AVX2's vpmaddubsw/vpmaddwd)");
   m.def("amx_usable", &ms::amx_usable, "whether this CPU and kernel let the process use AMX-INT8 tiles");
   m.def("amx_on", &ms::amx_on, "whether prefill-sized int4 x int8 calls take the AMX kernel");
   m.def("i8a_act_bytes", &ms::quant_act_bytes,

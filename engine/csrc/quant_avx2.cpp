@@ -29,7 +29,7 @@
 // 8 rows; a row's result is the same whichever tile, share or loop nest computes it (the same
 // dequantized values and the same per-lane FMA order), so results depend neither on the thread
 // count nor on T.
-#include "pool.h"
+#include "i8a.h"
 #include "quant.h"
 #include "simd.h"
 
@@ -284,62 +284,268 @@ void rows_dispatch(const QW& w, int64_t nb, int64_t ne, const float* x, int64_t 
   }
 }
 
+// ---- integer activations (i8a.h has the formats and the sums) ------------------------------
+// AVX2 has no VNNI: a u8 x s8 product pair is vpmaddubsw (int16, exact here: codes <= 15, |q| <= 127,
+// two products <= 3810) and pairs of int16 are summed into int32 by vpmaddwd, int16 x int16 products
+// likewise. The integer sums are exact, and the float steps are i8a.h's, lane for lane: a
+// 16-lane vector of quant.cpp is two 8-lane ones here (lanes 0-7, 8-15), so the results are the
+// VNNI kernels' bits.
+
+// the max of a vector's 8 lanes
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// the sum of a vector's 8 int32 lanes (exact in any order)
+inline int32_t hsum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// i8a.h's tree16 of 16 lanes held as lanes 0-7 (lo) and 8-15 (hi): lo + hi, then halving
+inline float tree16(__m256 lo, __m256 hi) { return hsum8(_mm256_add_ps(lo, hi)); }
+
+// The one quantization rule of a 32-value block (quant.cpp quant_block): d = absmax / qmax, codes
+// round-half-even(x * (1 / d)) as int32, q[i] holding values 8i .. 8i + 7; 0 when d = 0.
+inline float quant_block(const float* x, __m256i q[4], float qmax) {
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; i++) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_and_ps(v[i], abs));
+  }
+  const float d = hmax8(m) / qmax, inv = d > 0.f ? 1.f / d : 0.f;
+  for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));  // half to even
+  return d;
+}
+
+// 16 int32 (a: values 0-7, b: 8-15) as 16 int16 in order, saturated
+inline __m256i pack16(__m256i a, __m256i b) {
+  return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+}
+
+void quant_act_avx2(const float* x, int64_t K, int64_t G, QAct& a) {
+  a.q.assign(quant_act_bytes(K), 0);
+  a.db.assign((K / 32 + 15) / 16 * 16, 0.f);
+  a.xg.assign(K / G, 0.f);
+  for (int64_t b = 0; b < K / 32; b++) {
+    __m256i q[4];
+    const float d = quant_block(x + 32 * b, q, 127.f);
+    const __m256i lo = pack16(q[0], q[1]), hi = pack16(q[2], q[3]);  // values 0-15, 16-31 as int16
+    const int64_t c = b / 4, i = b % 4;
+    _mm_storeu_si128((__m128i*)(a.q.data() + c * 128 + i * 16),
+                     _mm_packs_epi16(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1)));
+    _mm_storeu_si128((__m128i*)(a.q.data() + c * 128 + 64 + i * 16),
+                     _mm_packs_epi16(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)));
+    a.db[b] = d;
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    a.xg[32 * b / G] += d * (float)hsum8_epi32(s);
+  }
+}
+
+void quant_act16_avx2(const float* x, int64_t K, QAct16& a) {
+  a.q.resize(K);
+  a.dx.resize(K / 32);
+  for (int64_t b = 0; b < K / 32; b++) {
+    __m256i q[4];
+    a.dx[b] = quant_block(x + 32 * b, q, 32767.f);
+    _mm256_storeu_si256((__m256i*)(a.q.data() + 32 * b), pack16(q[0], q[1]));
+    _mm256_storeu_si256((__m256i*)(a.q.data() + 32 * b + 16), pack16(q[2], q[3]));
+  }
+}
+
+// The scales of blocks 16j .. 16j + 15 of a row (its groups of G, fp16) as lanes 0-7 and 8-15;
+// 0 past the row's nbk blocks.
+inline void block_group_scales(const uint16_t* srow, int64_t G, int64_t j, int64_t nbk, __m256& lo, __m256& hi) {
+  const uint16_t* s = srow + j * 512 / G;
+  if (nbk == 16 && G == 32) {
+    lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
+    hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 8)));
+  } else if (nbk == 16 && G == 64) {  // 8 groups: lane i of 16 takes group i / 2
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
+    lo = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    hi = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+  } else if (nbk == 16 && G == 128) {  // 4 groups: lane i takes group i / 4
+    const __m256 v = _mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)s));
+    lo = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    hi = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
+  } else {
+    alignas(32) float t[16];
+    for (int64_t i = 0; i < 16; i++) t[i] = i < nbk ? h2f(s[i * 32 / G]) : 0.f;
+    lo = _mm256_load_ps(t);
+    hi = _mm256_load_ps(t + 8);
+  }
+}
+
+// The exact sums of blocks 16j + 2p, 16j + 2p + 1 of a row (code bytes at p32, 32 of them, or 16
+// when only the first exists) against one token's q (its chunk layout, i8a.h): lanes 0-3 the
+// first block's partial sums, 4-7 the second's.
+inline __m256i pair_sums(__m256i codes, const int8_t* q, __m256i m4) {
+  const __m256i lo = _mm256_and_si256(codes, m4), hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), m4);
+  const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)q)),
+                                       _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(q + 64))));
+  return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+}
+
+// int4 weights x int8 activations: rows [nb, ne), TT tokens. Per 16 blocks, S_b of 8 block pairs
+// are folded by two rounds of vphaddd into lanes [S0 S2 S4 S6 | S1 S3 S5 S7] and put in order
+// by one vpermd.
+template <int TT>
+void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts, float* out, int64_t ldo) {
+  const int64_t K = w.K, G = w.G, NG = K / G, B = K / 32, J = (B + 15) / 16;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t n = nb; n < ne; n++) {
+    const uint8_t* row = w.codes + n * (K / 2);
+    const uint16_t* srow = w.scales + n * NG;
+    __m256 plo[TT], phi[TT];
+    for (int t = 0; t < TT; t++) plo[t] = phi[t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < J; j++) {
+      const int64_t nbk = std::min<int64_t>(16, B - 16 * j);  // blocks in this group of 16
+      const uint8_t* c = row + j * 256;
+      for (int64_t b = 0; b + 4 <= nbk; b += 4) _mm_prefetch((const char*)(c + b * 16 + 2048), _MM_HINT_T0);
+      // block pair p's codes (blocks 16j + 2p, + 1): 32 bytes, 16 when only the first is in the row
+      // (nothing read past it), zero past it; from L1 for every token after the first
+      auto pair = [&](int p) {
+        if (2 * p + 2 <= nbk) return _mm256_loadu_si256((const __m256i*)(c + p * 32));
+        if (2 * p + 1 == nbk)
+          return _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i*)(c + p * 32)), 0);
+        return _mm256_setzero_si256();
+      };
+      __m256 slo, shi;
+      block_group_scales(srow, G, j, nbk, slo, shi);
+      for (int t = 0; t < TT; t++) {
+        const int8_t* q = acts[t]->q.data() + j * 512;
+        __m256i h[4];
+        for (int p = 0; p < 8; p += 2)  // pairs p, p + 1: blocks 2p .. 2p + 3, one chunk of q
+          h[p / 2] = _mm256_hadd_epi32(pair_sums(pair(p), q + (p / 2) * 128, m4),
+                                       pair_sums(pair(p + 1), q + (p / 2) * 128 + 32, m4));
+        const __m256i s0 = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(h[0], h[1]), order);  // S0 .. S7
+        const __m256i s1 = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(h[2], h[3]), order);  // S8 .. S15
+        const float* db = acts[t]->db.data() + 16 * j;
+        plo[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(slo, _mm256_loadu_ps(db)), plo[t]);
+        phi[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(shi, _mm256_loadu_ps(db + 8)), phi[t]);
+      }
+    }
+    const uint16_t* mrow = w.mins + n * NG;  // + sum_g min_g * xg[g], 16 groups at a time
+    for (int64_t g = 0; g < NG; g += 16) {
+      if (g + 16 <= NG) {
+        const __m256 mlo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + g)));
+        const __m256 mhi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + g + 8)));
+        for (int t = 0; t < TT; t++) {
+          const float* xg = acts[t]->xg.data() + g;
+          plo[t] = _mm256_fmadd_ps(mlo, _mm256_loadu_ps(xg), plo[t]);
+          phi[t] = _mm256_fmadd_ps(mhi, _mm256_loadu_ps(xg + 8), phi[t]);
+        }
+        continue;
+      }
+      if (g + 8 == NG) {  // 8 groups left (K = 512 at G = 64: a down projection's whole row)
+        const __m256 mlo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + g))), zero = _mm256_setzero_ps();
+        for (int t = 0; t < TT; t++) {
+          plo[t] = _mm256_fmadd_ps(mlo, _mm256_loadu_ps(acts[t]->xg.data() + g), plo[t]);
+          phi[t] = _mm256_fmadd_ps(zero, zero, phi[t]);  // lanes past NG: + 0, as the masked lanes of VNNI
+        }
+        continue;
+      }
+      alignas(32) float mv[16], xv[16];  // the last groups: 0 past NG (adds +0, as a masked load)
+      for (int64_t i = 0; i < 16; i++) mv[i] = g + i < NG ? h2f(mrow[g + i]) : 0.f;
+      for (int t = 0; t < TT; t++) {
+        for (int64_t i = 0; i < 16; i++) xv[i] = g + i < NG ? acts[t]->xg[g + i] : 0.f;
+        plo[t] = _mm256_fmadd_ps(_mm256_load_ps(mv), _mm256_load_ps(xv), plo[t]);
+        phi[t] = _mm256_fmadd_ps(_mm256_load_ps(mv + 8), _mm256_load_ps(xv + 8), phi[t]);
+      }
+    }
+    for (int t = 0; t < TT; t++) out[t * ldo + n] = tree16(plo[t], phi[t]);
+  }
+}
+
+// s[b] = scale(group of block b) * dx[b] for the B blocks of one row and one token (quant.cpp's
+// block_scales: the same products), 8 blocks a vector where the groups allow it
+inline void block_scales(const uint16_t* srow, int64_t G, const float* dx, int64_t B, float* s) {
+  int64_t b = 0;
+  if (G == 32 || G == 64 || G == 128) {
+    const __m256i idx = G == 32 ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+                      : G == 64 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3) : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    for (; b + 8 <= B; b += 8) {
+      const uint16_t* p = srow + b * 32 / G;  // the groups of blocks b .. b + 7: 8, 4 or 2 scales
+      __m128i h;
+      if (G == 32) h = _mm_loadu_si128((const __m128i*)p);
+      else if (G == 64) h = _mm_loadl_epi64((const __m128i*)p);
+      else { int32_t two; std::memcpy(&two, p, 4); h = _mm_cvtsi32_si128(two); }
+      _mm256_storeu_ps(s + b, _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_cvtph_ps(h), idx), _mm256_loadu_ps(dx + b)));
+    }
+  }
+  for (; b < B; b++) s[b] = h2f(srow[b * 32 / G]) * dx[b];
+}
+
+// int8 weights x int16 activations: rows [nb, ne), TT tokens; per block b, its 32 codes
+// sign-extended in two halves and vpmaddwd'd with q, into f[b % 2] (lanes 0-7 and 8-15).
+template <int TT>
+void rows_int8_i16a(const QW& w, int64_t nb, int64_t ne, const QAct16* acts, float* out, int64_t ldo) {
+  const int64_t K = w.K, G = w.G, NG = K / G, B = K / 32;
+  static thread_local std::vector<float> sbuf;
+  sbuf.resize(TT * B);
+  float* const sb = sbuf.data();  // once: a thread_local in the loop is a TLS lookup per access
+  for (int64_t n = nb; n < ne; n++) {
+    const int8_t* row = (const int8_t*)w.codes + n * K;
+    const uint16_t* srow = w.scales + n * NG;
+    for (int t = 0; t < TT; t++) block_scales(srow, G, acts[t].dx.data(), B, sb + t * B);
+    __m256 f[TT][4];  // lanes 0-7 and 8-15 of f[0] (even blocks), then of f[1] (odd blocks)
+    for (int t = 0; t < TT; t++)
+      for (int i = 0; i < 4; i++) f[t][i] = _mm256_setzero_ps();
+    // block b into f[t][O], f[t][O + 1]: O a constant, so the accumulators stay in registers
+    auto block = [&](int64_t b, auto o) {
+      constexpr int O = decltype(o)::value;
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + b * 32)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + b * 32 + 16)));
+      for (int t = 0; t < TT; t++) {
+        const int16_t* q = acts[t].q.data() + b * 32;
+        const __m256 s = _mm256_set1_ps(sb[t * B + b]);
+        f[t][O] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)q))),
+                                  s, f[t][O]);
+        f[t][O + 1] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(q + 16)))), s, f[t][O + 1]);
+      }
+    };
+    int64_t b = 0;
+    for (; b + 2 <= B; b += 2) {
+      _mm_prefetch((const char*)(row + b * 32 + 2048), _MM_HINT_T0);
+      block(b, std::integral_constant<int, 0>{});
+      block(b + 1, std::integral_constant<int, 2>{});
+    }
+    if (b < B) block(b, std::integral_constant<int, 0>{});
+    for (int t = 0; t < TT; t++)
+      out[t * ldo + n] = tree16(_mm256_add_ps(f[t][0], f[t][2]), _mm256_add_ps(f[t][1], f[t][3]));
+  }
+}
+
+constexpr int TILE = 3;  // tokens per register tile (16 vector registers)
+
 }  // namespace
 
 namespace ms {
 
-bool has_vnni() { return false; }  // float activations only on this path
+bool has_vnni() { return false; }
+bool has_int8_dots() { return true; }  // AVX2's vpmaddubsw / vpmaddwd (above)
 
 void set_prefetch_rows(int64_t rows) { g_prefetch_rows = rows; }
 
-// rows per thread share: at least ~32K weights, so a split pays for its hand-off (as quant.cpp)
-static int64_t min_rows(const QW& w) { return std::max<int64_t>(8, (1 << 15) / w.K); }
+void quant_act(const float* x, int64_t K, int64_t G, QAct& a) { quant_act_avx2(x, K, G, a); }
+void quant_act16(const float* x, int64_t K, QAct16& a) { quant_act16_avx2(x, K, a); }
 
-void linear(const QW& w, const float* x, int64_t T, float* out, int64_t direct_max_t, bool /*i8a*/) {
-  if (T == 0) return;
-  parallel(w.N, 8, min_rows(w), [&](int64_t b, int64_t e) { rows_dispatch(w, b, e, x, T, out, w.N, direct_max_t); });
+void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<const QAct*>& acts, float* out, int64_t ldo) {
+  by_tiles<TILE>(acts, out, ldo, [&](auto tt, const QAct* const* a, float* o) { rows_int4_i8a<tt.value>(w, nb, ne, a, o, ldo); });
 }
 
-// One expert job: gate, up and the activation over a thread's share of the hidden rows, then down
-static void run_expert(const ExpertJob& j, int64_t direct_max_t) {
-  const int64_t T = j.T, I = j.g.N, H = j.d.N;
-  if (T == 0) return;
-  static thread_local std::vector<float> gbuf, ubuf, xbuf;  // [T, I] each, [T, K]: the caller's
-  gbuf.resize(T * I);
-  ubuf.resize(T * I);
-  float *gp = gbuf.data(), *up = ubuf.data();
-  const float* x = j.x;
-  if (j.rows != nullptr) {  // the job's rows of its source, gathered
-    xbuf.resize(T * j.g.K);
-    gather_rows(j.x, j.rows, T, j.g.K, xbuf.data());
-    x = xbuf.data();
-  }
-  parallel(I, 8, min_rows(j.g), [&](int64_t b, int64_t e) {
-    rows_dispatch(j.g, b, e, x, T, gp, I, direct_max_t);
-    rows_dispatch(j.u, b, e, x, T, up, I, direct_max_t);
-    for (int64_t t = 0; t < T; t++)
-      expert_hidden_n(gp + t * I + b, up + t * I + b, e - b, j.act, j.alpha, j.limit,
-                      j.bg ? j.bg + b : nullptr, j.bu ? j.bu + b : nullptr);
-  });
-  linear(j.d, gp, T, j.out, direct_max_t, false);
-  if (j.bd)
-    for (int64_t t = 0; t < T; t++)
-      for (int64_t r = 0; r < H; r++) j.out[t * H + r] += j.bd[r];
+void rows_i16a(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct16>& acts, float* out, int64_t ldo) {
+  by_tiles<TILE>(acts, out, ldo, [&](auto tt, const QAct16* a, float* o) { rows_int8_i16a<tt.value>(w, nb, ne, a, o, ldo); });
 }
 
-void expert(const QW& wg, const QW& wu, const QW& wd, const float* x, int64_t T, float* out,
-            int64_t direct_max_t, bool /*i8a*/) {
-  run_expert(ExpertJob{wg, wu, wd, x, T, out}, direct_max_t);
-}
-
-// The AVX2 build runs a group one linear after another (each splits its rows over the pool).
-void linears(std::vector<LinearJob>& jobs, int64_t direct_max_t, bool i8a) {
-  for (LinearJob& j : jobs) linear(j.w, j.x, j.T, j.out, direct_max_t, i8a);
-}
-
-// The AVX2 build runs a group one expert after another (each splits its rows over the pool).
-void experts(std::vector<ExpertJob>& jobs, int64_t direct_max_t, bool i8a) {
-  for (ExpertJob& j : jobs) run_expert(j, direct_max_t);
+void rows_float(const QW& w, int64_t nb, int64_t ne, const float* x, int64_t T, float* out, int64_t ldo,
+                int64_t direct_max_t) {
+  rows_dispatch(w, nb, ne, x, T, out, ldo, direct_max_t);
 }
 
 }  // namespace ms

@@ -18,7 +18,7 @@ def main() -> int:
               file=sys.stderr)
         return 1
     print(f"moestream native kernels ready in {time.perf_counter() - t:.1f} s "
-          f"(int8 activations: {'yes' if ext.has_vnni() else 'no VNNI'})", file=sys.stderr)
+          f"(int8 activations: {'yes' if ext.has_int8_dots() else 'no'})", file=sys.stderr)
     return 0
 
 

@@ -86,7 +86,7 @@ VARIANTS = {
     "avx2": ("quant_avx2.cpp", [["-O3", "-march=x86-64-v3", "-fopenmp-simd"],
                                 ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd"]]),
 }
-COMMON_SOURCES = ("entry.cpp", "step.cpp", "pool.cpp", "module.cpp", "deltanet_block.cpp", "mla.cpp",
+COMMON_SOURCES = ("entry.cpp", "jobs.cpp", "step.cpp", "pool.cpp", "module.cpp", "deltanet_block.cpp", "mla.cpp",
                   "mla_kvb.cpp", "route_grouped.cpp", "layers.cpp", "amx.cpp")
 
 
@@ -263,10 +263,11 @@ def _sync_amx(ext: Any) -> None:
 
 
 def int8_activations() -> bool:
-    """Whether the C++ int4 kernels quantize activations to int8 (integer AVX512-VNNI dot products
-    for every row count, 16-row blocks above DIRECT_MAX_T, so a row's result never depends on
-    the batch: tests/engine/quant/test_batch_invariance.py): the ``int8_activations`` runtime option (engine.options; default on) and a CPU with
-    VNNI. Measured (512x1024 int4 g32/g64, cold, 1 thread): T=1 1.3-1.6x, T=3
+    """Whether the C++ int4 kernels quantize activations to int8 (and int8 ones to int16: integer
+    dot products for every row count, so a row's result never depends on the batch:
+    tests/engine/quant/test_batch_invariance.py): the ``int8_activations`` runtime option
+    (engine.options; default on) and a build with integer kernels on this CPU (AVX512-VNNI, or
+    AVX2's vpmaddubsw/vpmaddwd: the same bits, engine/csrc/i8a.h). Measured on VNNI (512x1024 int4 g32/g64, cold, 1 thread): T=1 1.3-1.6x, T=3
     2.4x faster, none where the float kernel is already memory-bound; adds ~1% relative error
     to W·x (int4 weights alone: ~6.5%). ``reference.linear_ref_int8_act`` is the same math in
     torch; off gives the exact float path. Numbers in docs/quantization.md."""
@@ -275,7 +276,7 @@ def int8_activations() -> bool:
     isa = native_isa()
     if isa not in _vnni:
         ext = load_extension()
-        _vnni[isa] = bool(ext is not None and ext.has_vnni())
+        _vnni[isa] = bool(ext is not None and ext.has_int8_dots())
     if _vnni[isa]:
         _sync_amx(_exts[isa])
     return _vnni[isa]

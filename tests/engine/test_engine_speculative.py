@@ -72,7 +72,7 @@ def test_batched_speculation_is_greedy_identical_on_the_default_path(store, mode
     reqs = _requests()
     with load_from_store(store, device_budget=budget, dense=dense) as sm:
         assert executor_for(sm.model).native() is not None  # the fused native step, not the torch layers
-        if K.load_extension().has_vnni():  # the default on such a CPU: int8 activations
+        if K.load_extension().has_int8_dots():  # the default on such a CPU: int8 activations
             assert K.int8_activations()
         plain = _engine(sm)
         want = [plain.generate([r])[0].output_ids for r in reqs]  # each alone, no speculation

@@ -131,7 +131,7 @@ def test_native_step_matches_torch_layers_on_mixed_batches(store, dense, i8a, kv
         # every step ran natively, its layers in run_layers (resumed after each layer with a miss)
         assert calls["run_layers"] >= 3 and calls["attn_block"] == 0
         for a, b in zip(got, want):
-            close(a, b, BOUND[i8a and executor_for(sm.model).native().ext.ext.has_vnni()])
+            close(a, b, BOUND[i8a and executor_for(sm.model).native().ext.ext.has_int8_dots()])
 
 
 @pytest.mark.parametrize("kv_kind", ["paged-bf16", "paged-fp32"])

@@ -81,7 +81,7 @@ def test_native_step_matches_torch_layers_on_mixed_batches(store, dense, i8a, kv
         assert calls["mla_block"] == 3 * cfg.num_layers and calls["attn_block"] == 0  # native every step
         assert calls["route_grouped"] == 3 * len(sm.model.moe_blocks) and calls["route"] == 0
         for a, b in zip(got, want):
-            close(a, b, BOUND[i8a and executor_for(sm.model).native().ext.ext.has_vnni()])
+            close(a, b, BOUND[i8a and executor_for(sm.model).native().ext.ext.has_int8_dots()])
 
 
 def test_greedy_tokens_identical_through_the_expert_cache(store, fused):

@@ -1,8 +1,9 @@
 """The AVX2 build of the native kernels (engine/csrc/quant_avx2.cpp), forced with the ``cpu_isa``
 runtime option on whatever x86 CPU runs the tests: qlinear and the SwiGLU expert against the torch
-reference for every format, group size and token count through both loop nests, float activations
-only (no VNNI), and the fused native step on a tiny MoE model giving the torch layers' greedy
-tokens."""
+reference for every format, group size and token count through both loop nests, the integer
+activations (int4 x int8 through vpmaddubsw, int8 x int16 through vpmaddwd) against their reference
+and, where the CPU has AVX512-VNNI, bit for bit against the VNNI kernels, and the fused native step
+on a tiny MoE model giving the torch layers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from engine.layers.sampler import SamplingConfig
 from engine.options import configure, options
 from engine.quant import FORMATS, GROUP_SIZES, QuantFormat, QuantizedTensor, quantize
 from engine.quant import kernels as K
-from engine.quant.reference import dequantize, expert_ref, linear_ref
+from engine.quant.reference import (activation_bits, dequantize, dequantize_activations, expert_ref, linear_ref,
+                                    linear_ref_int8_act, takes_int8_activations)
 from engine.store import ExpertStore, convert
 from tests.engine.models.hf_tiny import make_checkpoint
 
@@ -75,7 +77,10 @@ def test_qlinear_matches_reference_for_every_t_and_loop_nest(ext, name, g):
         for t in TOKENS:
             x = torch.randn(t, k, generator=gen) * 2
             ref = linear_ref(x, q)
-            assert_close(K.qlinear(x, q), x, q, ref)  # the public entry (direct loop up to DIRECT_MAX_T)
+            if takes_int8_activations(q):  # the public entry takes integer activations where it can
+                assert_close_i8a(K.qlinear(x, q), x, q)
+            else:
+                assert_close(K.qlinear(x, q), x, q, ref)
             # every T through each loop nest: scratch (0), direct with token triples and tails (64)
             for dmt in (0, 64):
                 assert_close(ext.qlinear(x, *args, dmt, 0), x, q, ref)
@@ -90,23 +95,70 @@ def test_bf16_input_and_leading_dims(ext):
     assert_close(y.reshape(6, 24), x.reshape(6, 256), q, linear_ref(x.reshape(6, 256), q))
 
 
-def test_float_activations_only(ext):
-    """No VNNI path here: int8_activations() is False even with the option on, and asking the
-    kernels for int8 activations changes nothing (bit for bit)."""
-    prev = configure(int8_activations=True)
+def assert_close_i8a(y: torch.Tensor, x: torch.Tensor, q: QuantizedTensor) -> None:
+    """Against linear_ref_int8_act (the quantized activations' product), test_kernels.py's bound."""
+    xq = dequantize_activations(x.float(), activation_bits(q))
+    bound = 1e-4 * ((x.float().abs() + xq.abs()) @ dequantize(q).abs().T) + 1e-5
+    err = (y - linear_ref_int8_act(x, q)).abs()
+    assert bool((err <= bound).all()), f"max err {float(err.max()):.3g}"
+
+
+@pytest.fixture(scope="module")
+def vnni():
+    """The AVX-512 build where this CPU has AVX512-VNNI (its integer kernels), else None."""
+    if not K.cpu_has_avx512():
+        return None
+    prev = configure(cpu_isa="avx512")
     try:
-        assert options().cpu_isa == "avx2"
-        assert K.int8_activations() is False
-        assert ext.has_vnni() is False
+        mod = K.load_extension()
+        return mod if mod is not None and mod.has_vnni() else None
     finally:
         configure(prev)
-    gen = torch.Generator().manual_seed(8)
-    for name in ("int4", "int8"):
-        q = weight(16, 256, QuantFormat(name, 32), gen)
-        for t in (1, 3, 9):
-            x = torch.randn(t, 256, generator=gen)
-            assert torch.equal(ext.qlinear(x, *K._kargs(q), K.DIRECT_MAX_T, 1),
-                               ext.qlinear(x, *K._kargs(q), K.DIRECT_MAX_T, 0))
+
+
+I8A_CASES = [("int4", 32, 20, 96), ("int4", 64, 70, 576), ("int4", 128, 33, 384), ("int4", 64, 9, 1024),
+             ("int4", 32, 16, 160), ("int8", 32, 24, 256), ("int8", 64, 40, 1024), ("int8", 128, 12, 384)]
+
+
+@pytest.mark.parametrize("name,g,n,k", I8A_CASES)
+def test_integer_activations_match_their_reference_and_the_vnni_bits(ext, vnni, name, g, n, k):
+    """int4 weights x int8 activations and int8 weights x int16 ones on AVX2: the reference's
+    numbers for every token count (register tiles of 3 and their tails; K with 1-3 trailing
+    blocks past a 512-weight group, 4-bit rows of 3 and 5 blocks), the same bits as the VNNI
+    kernels where the CPU has them (i8a.h: one sum for every instruction set), and on by default."""
+    prev = configure(int8_activations=True)
+    try:
+        assert K.int8_activations() is True and ext.has_int8_dots() is True and ext.has_vnni() is False
+    finally:
+        configure(prev)
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    q = weight(n, k, QuantFormat(name, g), gen)
+    assert takes_int8_activations(q)
+    for t in (1, 2, 3, 4, 7):
+        x = torch.randn(t, k, generator=gen) * 2
+        y = ext.qlinear(x, *K._kargs(q), K.DIRECT_MAX_T, 1)
+        assert_close_i8a(y, x, q)
+        assert not torch.equal(y, ext.qlinear(x, *K._kargs(q), K.DIRECT_MAX_T, 0))  # the integer path ran
+        if vnni is not None:
+            assert torch.equal(y, vnni.qlinear(x, *K._kargs(q), K.DIRECT_MAX_T, 1))
+
+
+def test_integer_activation_experts_match_the_vnni_bits(ext, vnni):
+    """A SwiGLU expert whose down projection takes the quantized hidden activation: its
+    reference's numbers, and the VNNI kernels' bits where the CPU has them."""
+    gen = torch.Generator().manual_seed(13)
+    i, h = 128, 256
+    fmt = QuantFormat("int4", 64)
+    gate, up, down = (weight(*s, fmt, gen) for s in ((i, h), (i, h), (h, i)))
+    parts = (*K._kargs(gate)[4:], *K._kargs(up)[4:], *K._kargs(down)[4:])
+    for t in (1, 3, 5):
+        x = torch.randn(t, h, generator=gen)
+        y = ext.expert_forward(x, K.FORMAT_IDS["int4"], 64, i, h, *parts, K.DIRECT_MAX_T, 1)
+        hid = torch.nn.functional.silu(linear_ref_int8_act(x, gate)) * linear_ref_int8_act(x, up)
+        ref = linear_ref_int8_act(hid, down)
+        assert float((y - ref).abs().max()) <= 1e-3 * (1 + float(ref.abs().max()))
+        if vnni is not None:
+            assert torch.equal(y, vnni.expert_forward(x, K.FORMAT_IDS["int4"], 64, i, h, *parts, K.DIRECT_MAX_T, 1))
 
 
 def test_prefetch_distance_does_not_change_results(ext):
@@ -158,7 +210,8 @@ def test_expert_forward_matches_reference(ext, name, g):
         # each linear's bound, propagated through the hidden activation (as in test_kernels.py)
         bound = 4e-4 * (hid.abs() @ dequantize(down).abs().T) + 1e-5
         ref = expert_ref(x, gate, up, down)
-        y = K.expert_forward(x, gate, up, down)
+        y = ext.expert_forward(x, K.FORMAT_IDS[name], g, i, h, *K._kargs(gate)[4:], *K._kargs(up)[4:],
+                               *K._kargs(down)[4:], K.DIRECT_MAX_T, 0)  # float activations
         assert y.shape == (t, h) and bool(((y - ref).abs() <= bound).all()), float((y - ref).abs().max())
         # the other loop nest for the same tokens
         y2 = ext.expert_forward(x, K.FORMAT_IDS[name], g, i, h, *K._kargs(gate)[4:], *K._kargs(up)[4:],
@@ -188,8 +241,9 @@ def greedy(model, n=16):
 
 
 def test_fused_step_greedy_tokens_match_the_torch_layers(ext, store):
-    """The torch layers on the torch reference kernels vs the native step on the AVX2 kernels:
-    the same greedy tokens, everything resident and with misses computed on the CPU."""
+    """The torch layers on the torch reference kernels vs the native step on the AVX2 kernels with
+    float activations: the same greedy tokens, everything resident and with misses computed on
+    the CPU (the integer activations' own checks are above: the kernels' bits)."""
     with ExpertStore(store) as s:
         slot, top_k = align_up(s.expert_nbytes), s.config.moe.top_k
     prev = configure(fused_step=False, quant_kernel="torch")
@@ -200,7 +254,7 @@ def test_fused_step_greedy_tokens_match_the_torch_layers(ext, store):
             want, want_logits = greedy(sm.model)
         finally:
             sm.close()
-        configure(fused_step=True, quant_kernel="cpp")
+        configure(fused_step=True, quant_kernel="cpp", int8_activations=False)
         for kw in (dict(prefetch_depth=0), dict(device_budget=top_k * slot, prefetch_depth=0, miss_compute="cpu")):
             sm = load_from_store(store, dense="int8", **kw)
             try:

@@ -210,7 +210,7 @@ def test_cpp_kernels_build_where_a_compiler_and_avx512_exist():
     assert K.load_extension() is not None, K.extension_error()
 
 
-needs_i8a = pytest.mark.skipif(not (HAVE_CPP and K.int8_activations()), reason="needs AVX512-VNNI")
+needs_i8a = pytest.mark.skipif(not (HAVE_CPP and K.int8_activations()), reason="needs the integer-activation kernels (AVX512-VNNI or AVX2)")
 
 
 @needs_i8a

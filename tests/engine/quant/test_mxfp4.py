@@ -51,8 +51,12 @@ def test_qlinear_and_expert_forward_route_mxfp4_to_its_kernel():
     assert backend_for(gate) == ("cpp" if load_extension() is not None else "torch")
     x = torch.randn(5, 96, generator=g)
     torch.testing.assert_close(qlinear(x, gate), linear_ref(x, gate), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(expert_forward(x, gate, up, down), expert_ref(x, gate, up, down),
-                               atol=1e-4, rtol=1e-4)
+    # float rounding, propagated through the hidden activation as in test_avx2.py (an elementwise
+    # rtol failed on the AVX2 build, 1 of 480 outputs: a sum of terms far larger than itself)
+    hid = torch.nn.functional.silu(linear_ref(x, gate)) * linear_ref(x, up)
+    bound = 4e-4 * (hid.abs() @ dequantize(down).abs().T) + 1e-5
+    err = (expert_forward(x, gate, up, down) - expert_ref(x, gate, up, down)).abs()
+    assert bool((err <= bound).all()), float(err.max())
 
 
 @pytest.fixture(params=["native", "avx2"])
