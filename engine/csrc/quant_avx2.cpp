@@ -380,21 +380,53 @@ inline void block_group_scales(const uint16_t* srow, int64_t G, int64_t j, int64
   }
 }
 
-// The exact sums of blocks 16j + 2p, 16j + 2p + 1 of a row (code bytes at p32, 32 of them, or 16
-// when only the first exists) against one token's q (its chunk layout, i8a.h): lanes 0-3 the
+// Block pair p of 16-block group j of a row (blocks 16j + 2p, + 1; codes at c = the group's 256
+// bytes): 32 code bytes, 16 when only the first block is in the row (nothing read past it), zero
+// past it
+inline __m256i pair_codes(const uint8_t* c, int p, int64_t nbk) {
+  if (2 * p + 2 <= nbk) return _mm256_loadu_si256((const __m256i*)(c + p * 32));
+  if (2 * p + 1 == nbk) return _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i*)(c + p * 32)), 0);
+  return _mm256_setzero_si256();
+}
+
+// The exact sums of a block pair's codes, split into their low (codes 0-15 of each block) and
+// high (16-31) nibbles as bytes, against one token's q (its chunk layout, i8a.h): lanes 0-3 the
 // first block's partial sums, 4-7 the second's.
-inline __m256i pair_sums(__m256i codes, const int8_t* q, __m256i m4) {
-  const __m256i lo = _mm256_and_si256(codes, m4), hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), m4);
+inline __m256i pair_sums(__m256i lo, __m256i hi, const int8_t* q) {
   const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)q)),
                                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(q + 64))));
   return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
 }
 
-// int4 weights x int8 activations: rows [nb, ne), TT tokens. Per 16 blocks, S_b of 8 block pairs
-// are folded by two rounds of vphaddd into lanes [S0 S2 S4 S6 | S1 S3 S5 S7] and put in order
-// by one vpermd.
+// Rows [n0, n1) of an int4 weight with their nibbles split into bytes, for calls with many tokens
+// (a prefill's): per row, 16-block group and block pair, 32 bytes of low nibbles then 32 of high
+// ones (zero past the row), so each token's pass over a row loads them instead of splitting them
+// again: 512 bytes per group (2x the codes), XROWS rows at a time in L1.
+inline int64_t split_bytes(const QW& w) { return (w.K / 32 + 15) / 16 * 512; }
+
+void split_rows(const QW& w, int64_t n0, int64_t n1, uint8_t* out) {
+  const int64_t B = w.K / 32, J = (B + 15) / 16;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; n++)
+    for (int64_t j = 0; j < J; j++) {
+      const int64_t nbk = std::min<int64_t>(16, B - 16 * j);
+      const uint8_t* c = w.codes + n * (w.K / 2) + j * 256;
+      uint8_t* o = out + (n - n0) * J * 512 + j * 512;
+      for (int p = 0; p < 8; p++) {
+        const __m256i v = pair_codes(c, p, nbk);
+        _mm256_storeu_si256((__m256i*)(o + p * 64), _mm256_and_si256(v, m4));
+        _mm256_storeu_si256((__m256i*)(o + p * 64 + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+      }
+    }
+}
+
+// int4 weights x int8 activations: rows [nb, ne), TT tokens; split: the rows' split_rows bytes
+// (many tokens), else the codes split in registers per token (decode). Per 16 blocks, S_b of 8
+// block pairs are folded by two rounds of vphaddd into lanes [S0 S2 S4 S6 | S1 S3 S5 S7] and put
+// in order by one vpermd.
 template <int TT>
-void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts, float* out, int64_t ldo) {
+void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts, float* out, int64_t ldo,
+                   const uint8_t* split) {
   const int64_t K = w.K, G = w.G, NG = K / G, B = K / 32, J = (B + 15) / 16;
   const __m256i m4 = _mm256_set1_epi8(0x0F), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t n = nb; n < ne; n++) {
@@ -405,14 +437,15 @@ void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts,
     for (int64_t j = 0; j < J; j++) {
       const int64_t nbk = std::min<int64_t>(16, B - 16 * j);  // blocks in this group of 16
       const uint8_t* c = row + j * 256;
-      for (int64_t b = 0; b + 4 <= nbk; b += 4) _mm_prefetch((const char*)(c + b * 16 + 2048), _MM_HINT_T0);
-      // block pair p's codes (blocks 16j + 2p, + 1): 32 bytes, 16 when only the first is in the row
-      // (nothing read past it), zero past it; from L1 for every token after the first
-      auto pair = [&](int p) {
-        if (2 * p + 2 <= nbk) return _mm256_loadu_si256((const __m256i*)(c + p * 32));
-        if (2 * p + 1 == nbk)
-          return _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i*)(c + p * 32)), 0);
-        return _mm256_setzero_si256();
+      const uint8_t* sp = split ? split + ((n - nb) * J + j) * 512 : nullptr;
+      if (!split)
+        for (int64_t b = 0; b + 4 <= nbk; b += 4) _mm_prefetch((const char*)(c + b * 16 + 2048), _MM_HINT_T0);
+      auto sums = [&](int p, const int8_t* q) {  // pair p against q
+        if (split)
+          return pair_sums(_mm256_loadu_si256((const __m256i*)(sp + p * 64)),
+                           _mm256_loadu_si256((const __m256i*)(sp + p * 64 + 32)), q);
+        const __m256i v = pair_codes(c, p, nbk);
+        return pair_sums(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), q);
       };
       __m256 slo, shi;
       block_group_scales(srow, G, j, nbk, slo, shi);
@@ -420,8 +453,7 @@ void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts,
         const int8_t* q = acts[t]->q.data() + j * 512;
         __m256i h[4];
         for (int p = 0; p < 8; p += 2)  // pairs p, p + 1: blocks 2p .. 2p + 3, one chunk of q
-          h[p / 2] = _mm256_hadd_epi32(pair_sums(pair(p), q + (p / 2) * 128, m4),
-                                       pair_sums(pair(p + 1), q + (p / 2) * 128 + 32, m4));
+          h[p / 2] = _mm256_hadd_epi32(sums(p, q + (p / 2) * 128), sums(p + 1, q + (p / 2) * 128 + 32));
         const __m256i s0 = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(h[0], h[1]), order);  // S0 .. S7
         const __m256i s1 = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(h[2], h[3]), order);  // S8 .. S15
         const float* db = acts[t]->db.data() + 16 * j;
@@ -522,6 +554,8 @@ void rows_int8_i16a(const QW& w, int64_t nb, int64_t ne, const QAct16* acts, flo
 }
 
 constexpr int TILE = 3;  // tokens per register tile (16 vector registers)
+constexpr int SPLIT_TILE = 4;  // tokens per tile over split rows (their codes are loads, not registers)
+constexpr int64_t SPLIT_BYTES = 16 << 10;  // split_rows's rows at a time: half of a 32 KiB L1
 
 }  // namespace
 
@@ -535,8 +569,26 @@ void set_prefetch_rows(int64_t rows) { g_prefetch_rows = rows; }
 void quant_act(const float* x, int64_t K, int64_t G, QAct& a) { quant_act_avx2(x, K, G, a); }
 void quant_act16(const float* x, int64_t K, QAct16& a) { quant_act16_avx2(x, K, a); }
 
+// More tokens than one register tile: the rows' nibbles split once (split_rows), XROWS rows at a
+// time, then every tile of tokens over them; the same sums either way (batch invariance).
 void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<const QAct*>& acts, float* out, int64_t ldo) {
-  by_tiles<TILE>(acts, out, ldo, [&](auto tt, const QAct* const* a, float* o) { rows_int4_i8a<tt.value>(w, nb, ne, a, o, ldo); });
+  if ((int64_t)acts.size() <= TILE) {
+    by_tiles<TILE>(acts, out, ldo, [&](auto tt, const QAct* const* a, float* o) {
+      rows_int4_i8a<tt.value>(w, nb, ne, a, o, ldo, nullptr);
+    });
+    return;
+  }
+  const int64_t rb = split_bytes(w), xrows = std::max<int64_t>(1, SPLIT_BYTES / rb);
+  static thread_local std::vector<uint8_t> buf;
+  buf.resize(xrows * rb);
+  uint8_t* const split = buf.data();
+  for (int64_t n0 = nb; n0 < ne; n0 += xrows) {
+    const int64_t n1 = std::min(ne, n0 + xrows);
+    split_rows(w, n0, n1, split);
+    by_tiles<SPLIT_TILE>(acts, out, ldo, [&](auto tt, const QAct* const* a, float* o) {
+      rows_int4_i8a<tt.value>(w, n0, n1, a, o, ldo, split);
+    });
+  }
 }
 
 void rows_i16a(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct16>& acts, float* out, int64_t ldo) {
