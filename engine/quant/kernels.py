@@ -29,8 +29,8 @@ torch's int4 kernel in its fast bf16 mode (which is not exact, ~3e-3). At T=16-6
 fp32 FMA) it ties that bf16 int4 kernel; for int8/bf16 at T=64 a bf16 GEMM on dequantized weights
 is ~1.3x faster but rounds to bf16, so it is not used.
 
-int4 weights, and int8 weights whose in-dim is a multiple of 64, take int8 activations on a CPU
-with AVX512-VNNI (see :func:`int8_activations`, ``reference.takes_int8_activations``); they are
+int4 weights, and int8 weights whose in-dim is a multiple of 64, take integer activations on a
+CPU with AVX512-VNNI or AVX2 (see :func:`int8_activations`, ``reference.takes_int8_activations``); they are
 checked against ``reference.linear_ref_int8_act`` with the bound below, everything else against
 ``reference.linear_ref``.
 

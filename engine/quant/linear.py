@@ -25,9 +25,9 @@ DENSE_CHOICES = ("auto",) + DENSE_FORMATS  # what a user may ask for: auto is re
 # what a token of the 1.3B test MoE reads), 18 MB at int4 g64 (4.5 bits)
 HEAD_FORMATS = ("fp32", "bf16", "int8", "int4")
 # what a model gets unless told (generate, serve, demo, a deployment, load_from_store): "auto", int8
-# where the kernels multiply int8 weights by int16 activations (a CPU with AVX512-VNNI: 1.5-2.5x
-# bf16's decode, within the perplexity/KL bound and the same chat answers), bf16 elsewhere (int8
-# weights with float activations decode slower than bf16; the GPU path). An int4 head fails the
+# where the kernels multiply int8 weights by int16 activations (a CPU with AVX512-VNNI or AVX2:
+# 1.4-2.5x bf16's decode, within the perplexity/KL bound and the same chat answers), bf16
+# elsewhere (the GPU path). An int4 head fails the
 # bound. bench/dense_formats.py, docs/quantization.md#the-default-dense-format
 DEFAULT_DENSE = "auto"
 DENSE_GROUP = 64  # quantize_dense's group size: one fp16 scale (and min, int4) per 64 weights
@@ -121,7 +121,7 @@ def dense_linears(model) -> list[tuple[nn.Module, str]]:
 
 def resolve_dense(fmt_name: str, device: str | torch.device = "cpu") -> str:
     """The dense format ``fmt_name`` names on ``device``: itself, or for "auto" int8 on a CPU whose
-    kernels take integer activations (engine.quant.kernels.int8_activations: AVX512-VNNI and the
+    kernels take integer activations (engine.quant.kernels.int8_activations: AVX512-VNNI or AVX2 and the
     option on), else bf16. A ConfigError names the allowed values."""
     if fmt_name not in DENSE_CHOICES:
         raise ConfigError(f"dense format {fmt_name!r}; allowed: {', '.join(DENSE_CHOICES)}")
