@@ -1,4 +1,4 @@
-"""int4 weights with int8 activations (the AVX512-VNNI decode path) against float activations.
+"""int4 weights with int8 activations (the AVX512-VNNI or AVX2 integer decode path) against float activations.
 
     python bench/int8_activations.py                  # the demo store (run `moestream demo` once first)
     python bench/int8_activations.py --store STORE --tokens 200
@@ -70,7 +70,8 @@ def main() -> int:
     for flag in ("0", "1"):
         configure(int8_activations=flag == "1")
         if flag == "1" and not int8_activations():
-            print("this CPU has no AVX512-VNNI (or the C++ kernels are unavailable): nothing to compare")
+            print("no integer-activation kernels here (AVX512-VNNI or AVX2, or the C++ kernels unavailable): "
+                  "nothing to compare")
             return 0
         decode_speed()  # warm-up: experts resident
         runs[flag] = (F.log_softmax(teacher_forced(), -1), decode_speed())

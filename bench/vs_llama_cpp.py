@@ -78,7 +78,7 @@ WEIGHT_SEED = 0
 LLAMA_FORMATS = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}  # llama_ftype values (llama.h)
 MOESTREAM_DENSE = {"int8": 8.25 / 8, "bf16": 2.0, "int4": 4.5 / 8}  # bytes per weight (g64: fp16 scales)
 # (dense format, LM head format or None = as dense): the rows moestream runs; "auto" is what a user
-# gets without format flags (engine.quant.linear.resolve_dense: int8 on a CPU with VNNI, else bf16)
+# gets without format flags (engine.quant.linear.resolve_dense: int8 on a CPU with VNNI or AVX2, else bf16)
 MOESTREAM_ROWS = [("auto", None), ("int8", "int4"), ("bf16", None)]
 DEFAULT_DECODE_GOAL, DEFAULT_PREFILL_GOAL = 1.3, 1.0  # the default row against the faster llama.cpp row
 
@@ -257,14 +257,14 @@ sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode
 def llama_quantize(src: Path, dst: Path, fmt: str, threads: int, libs: list[Path | None] = (None,)) -> Path:
     """``src`` quantized by llama.cpp itself (llama_model_quantize) to ``fmt`` (a llama_ftype), in a
     child process per try: each build of ``libs`` in turn (a native build's directory, None: the
-    installed wheel) until one succeeds, else LlamaCppDied saying how each try ended. A wheel built for instructions this CPU lacks dies of
-    SIGILL while quantizing (the 0.3.36 wheel on an AVX2-only EPYC, 2026-12-05), and in-process
-    it took the bench down with it."""
+    installed wheel) until one succeeds, else LlamaCppDied saying how each try ended. A wheel
+    built for instructions this CPU lacks dies of SIGILL while quantizing (the 0.3.36 wheel on an
+    AVX2-only EPYC, 2026-12-05), and in-process it took the bench down with it."""
     failures = []
     for lib in libs:
         env = {**os.environ, **({"LLAMA_CPP_LIB_PATH": str(lib)} if lib is not None else {})}
-        r = subprocess.run([sys.executable, "-c", _QUANTIZE, str(src), str(dst), str(LLAMA_FORMATS[fmt]), str(threads)],
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        argv = [sys.executable, "-c", _QUANTIZE, str(src), str(dst), str(LLAMA_FORMATS[fmt]), str(threads)]
+        r = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if r.returncode == 0:
             return dst
         err = r.stderr.strip()[-200:] if r.returncode > 0 else ""  # a signal's death: its log says nothing more
