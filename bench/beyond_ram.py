@@ -295,7 +295,7 @@ def run_llama(gguf: Path, limit: int, args, repack: bool) -> dict:
         lc = None
         try:
             lc = LlamaCppChild(gguf, args.threads, args.prompt + args.new + 16, min(args.prompt, 512),
-                               preexec_fn=g.enter, timeout=args.timeout, repack=repack)
+                               preexec_fn=g.enter, timeout=args.timeout, repack=repack, lib=args.llama_lib)
             a = lc.greedy_io(prompt, args.new, None if args.greedy else continuation(args.vocab, args.new))
             res = {"prefill": a["prefill"], "decode": a["decode"], "io": a["io"]}
         except LlamaCppDied as e:
@@ -371,6 +371,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default=None, help="where the model files go (kept, and reused when they match); "
                                                 "default: a temporary directory removed at the end")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--llama-lib", type=Path, default=None, metavar="DIR",
+                    help="a native build of llama.cpp's libraries (bash bench/build_llama_cpp.sh DIR) instead of "
+                         "the installed wheel's (which dies of SIGILL on some CPUs: an AVX2-only EPYC)")
     ap.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                     help="moestream fills its free expert slots at load (generate's default), as llama.cpp's "
                          "load fills the page cache; --no-warm: slots start empty")
@@ -454,6 +457,7 @@ def run_bench(shape, work: Path, args) -> None:
     runs: dict[tuple[str, str], list[dict]] = {}
     systems = [("moestream", lambda lim: run_moestream(store, lim, args))]
     if not args.no_llama:
+        print(f"llama.cpp: {f'the native build in {args.llama_lib}' if args.llama_lib else 'the installed wheel'}")
         systems.append(("llama.cpp", lambda lim: run_llama(gguf, lim, args, repack=True)))
         systems.append(("llama.cpp mmap", lambda lim: run_llama(gguf, lim, args, repack=False)))
     probes = 0
