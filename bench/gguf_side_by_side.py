@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_cpu import measure_bandwidth  # noqa: E402
 from llama_cpp_converter import ConverterUnavailable  # noqa: E402
-from vs_llama_cpp import INSTALL_HINT, LlamaCpp, have_llama_cpp, load_fp32, make_prompt, moestream_greedy  # noqa: E402
+from llama_child import LlamaCppChild, LlamaCppDied  # noqa: E402
+from vs_llama_cpp import INSTALL_HINT, have_llama_cpp, load_fp32, make_prompt, moestream_greedy  # noqa: E402
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -33,6 +34,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny shape")
+    ap.add_argument("--llama-lib", type=Path, default=None, metavar="DIR",
+                    help="a native build of llama.cpp's libraries (bash bench/build_llama_cpp.sh DIR) instead of "
+                         "the installed wheel's")
 
 
 def run(args: argparse.Namespace, *, model: str, shape: dict, build: Callable[[Path, dict], None],
@@ -67,7 +71,12 @@ def run(args: argparse.Namespace, *, model: str, shape: dict, build: Callable[[P
         ours = load_fp32(path)
         cfg = ours.config
         prompt = make_prompt(args.prompt, cfg.vocab_size)
-        theirs = LlamaCpp(path, args.threads, args.prompt + args.new + 16, min(args.prompt, 512))
+        try:  # in a child: a wheel built for instructions this CPU lacks dies of SIGILL (AVX2-only EPYC)
+            theirs = LlamaCppChild(path, args.threads, args.prompt + args.new + 16, min(args.prompt, 512),
+                                   lib=args.llama_lib)
+        except LlamaCppDied as e:
+            print(f"stopped: llama.cpp does not run this model here: {e}")
+            return
         try:
             rows = {"moestream": lambda: moestream_greedy(ours, prompt, args.new),
                     "llama.cpp": lambda: theirs.greedy(prompt, args.new)}
