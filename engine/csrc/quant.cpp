@@ -13,13 +13,12 @@
 // - scratch (larger T): R rows are dequantized into an fp32 scratch (L1/L2 resident) and an
 //   R x TT register-tiled FMA micro-kernel runs over all tokens, so dequantization is paid once per
 //   weight per call.
-// Threads: the row kernels run on one thread; linears() and experts() split rows in units of 16
-// over the native worker pool (pool.cpp). An OpenMP build of the row kernels was measured slower
-// inside a decode step on 2 cores (demo store 39.8 -> 19.8 tok/s).
+// Threads: the row kernels run on one thread; linears() and experts() (jobs.cpp, shared with the
+// AVX2 build) split rows in units of 16 over the native worker pool (pool.cpp). An OpenMP build
+// of the row kernels was measured slower inside a decode step on 2 cores (demo store 39.8 -> 19.8
+// tok/s).
 #include "quant.h"
 #include "i8a.h"
-#include "phases.h"
-#include "pool.h"
 #include "simd.h"
 
 #include <immintrin.h>

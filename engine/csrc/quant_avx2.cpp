@@ -23,12 +23,11 @@
 //   once per weight per call.
 // Measured (1024 x 1024, T = 1, group 64, 1 thread, 96 cold copies, on an AVX-512 Zen CPU forced
 // to this build): int4 ~150 us, int8 ~165 us; the AVX-512 float kernels ~132 / ~135 us.
-// int8 activations (VNNI) do not exist here: has_vnni() is false and i8a is ignored, so the
-// results are x @ dequantize(w).T in float32 for every format (reference.linear_ref).
-// Threads: linear() and expert() split a weight's rows over the worker pool (pool.h) in shares of
-// 8 rows; a row's result is the same whichever tile, share or loop nest computes it (the same
-// dequantized values and the same per-lane FMA order), so results depend neither on the thread
-// count nor on T.
+// Those are the float-activation kernels (rows_float). Integer activations (int4 x int8, int8 x
+// int16: i8a.h) are further down, with the VNNI kernels' bits. Threads: jobs.cpp splits a weight's
+// rows over the worker pool (pool.h); a row's result is the same whichever tile, share or loop
+// nest computes it (the same dequantized values and the same per-lane FMA order), so results
+// depend neither on the thread count nor on T.
 #include "i8a.h"
 #include "quant.h"
 #include "simd.h"

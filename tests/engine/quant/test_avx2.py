@@ -128,6 +128,7 @@ def test_integer_activations_match_their_reference_and_the_vnni_bits(ext, vnni, 
     kernels where the CPU has them (i8a.h: one sum for every instruction set), and on by default."""
     prev = configure(int8_activations=True)
     try:
+        assert options().cpu_isa == "avx2"
         assert K.int8_activations() is True and ext.has_int8_dots() is True and ext.has_vnni() is False
     finally:
         configure(prev)
