@@ -30,6 +30,8 @@ struct QAct {
                            // at a time, zero past K (quant_act_bytes)
   std::vector<float> db;   // [ceil(B / 16) * 16]: dx of each block (absmax / 127), 0 past K
   std::vector<float> xg;   // [K / G]: sums of x' = q * dx over each group
+  std::vector<int8_t> qt;  // the AVX2 build only: q again, each 8 blocks' bytes with one 32-bit
+                           // lane per block (quant_avx2.cpp store_lanes_by_block), for prefill
 };
 
 // int8 weights x int16 activations: int8 ones (block-32 absmax / 127) are too coarse for int8

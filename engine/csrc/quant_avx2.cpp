@@ -307,6 +307,28 @@ inline int32_t hsum8_epi32(__m256i v) {
 // i8a.h's tree16 of 16 lanes held as lanes 0-7 (lo) and 8-15 (hi): lo + hi, then halving
 inline float tree16(__m256 lo, __m256 hi) { return hsum8(_mm256_add_ps(lo, hi)); }
 
+// The split kernel's layout of 8 blocks (y[l]: block l's 32 bytes in weight order): 8 vectors,
+// vector i holding weights 4i .. 4i + 3 of block l in its 32-bit lane l (an 8 x 8 transpose of
+// 32-bit lanes), stored at out[32 i ..]. A vpmaddubsw over two such vectors then sums pairs of one
+// block, so vpaddw of all 8 and one vpmaddwd give each block's sum in its own lane: no fold.
+inline void store_lanes_by_block(const __m256i y[8], uint8_t* out) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {  // t[i]: lanes 0, 1 of rows i, i + 1 interleaved (per 128 bits)
+    t[i] = _mm256_unpacklo_epi32(y[i], y[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(y[i], y[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // u[i + c]: column c (low 128 bits) and c + 4 (high) of rows i .. i + 3
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; c++) {
+    _mm256_storeu_si256((__m256i*)(out + 32 * c), _mm256_permute2x128_si256(u[c], u[c + 4], 0x20));
+    _mm256_storeu_si256((__m256i*)(out + 32 * (c + 4)), _mm256_permute2x128_si256(u[c], u[c + 4], 0x31));
+  }
+}
+
 // The one quantization rule of a 32-value block (quant.cpp quant_block): d = absmax / qmax, codes
 // round-half-even(x * (1 / d)) as int32, q[i] holding values 8i .. 8i + 7; 0 when d = 0.
 inline float quant_block(const float* x, __m256i q[4], float qmax) {
@@ -343,6 +365,16 @@ void quant_act_avx2(const float* x, int64_t K, int64_t G, QAct& a) {
     const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     a.xg[32 * b / G] += d * (float)hsum8_epi32(s);
   }
+  a.qt.resize(a.q.size());  // the lane-per-block layout of the split kernel (below)
+  for (int64_t j = 0; j < (int64_t)a.q.size() / 512; j++)
+    for (int s = 0; s < 2; s++) {
+      __m256i y[8];  // blocks 16j + 8s + l in natural order: weights 0-15, then 16-31
+      for (int l = 0; l < 8; l++) {
+        const int8_t* c = a.q.data() + j * 512 + (2 * s + l / 4) * 128 + (l % 4) * 16;
+        y[l] = _mm256_loadu2_m128i((const __m128i*)(c + 64), (const __m128i*)c);
+      }
+      store_lanes_by_block(y, (uint8_t*)a.qt.data() + j * 512 + s * 256);
+    }
 }
 
 void quant_act16_avx2(const float* x, int64_t K, QAct16& a) {
@@ -398,9 +430,9 @@ inline __m256i pair_sums(__m256i lo, __m256i hi, const int8_t* q) {
 }
 
 // Rows [n0, n1) of an int4 weight with their nibbles split into bytes, for calls with many tokens
-// (a prefill's): per row, 16-block group and block pair, 32 bytes of low nibbles then 32 of high
-// ones (zero past the row), so each token's pass over a row loads them instead of splitting them
-// again: 512 bytes per group (2x the codes), XROWS rows at a time in L1.
+// (a prefill's), in the layout of QAct::qt (store_lanes_by_block: per row, 16-block group and set
+// of 8 blocks, 8 vectors with one 32-bit lane per block; zero past the row): each token's pass
+// over a row loads them, and XROWS rows at a time stay in L1.
 inline int64_t split_bytes(const QW& w) { return (w.K / 32 + 15) / 16 * 512; }
 
 void split_rows(const QW& w, int64_t n0, int64_t n1, uint8_t* out) {
@@ -410,22 +442,99 @@ void split_rows(const QW& w, int64_t n0, int64_t n1, uint8_t* out) {
     for (int64_t j = 0; j < J; j++) {
       const int64_t nbk = std::min<int64_t>(16, B - 16 * j);
       const uint8_t* c = w.codes + n * (w.K / 2) + j * 256;
-      uint8_t* o = out + (n - n0) * J * 512 + j * 512;
-      for (int p = 0; p < 8; p++) {
-        const __m256i v = pair_codes(c, p, nbk);
-        _mm256_storeu_si256((__m256i*)(o + p * 64), _mm256_and_si256(v, m4));
-        _mm256_storeu_si256((__m256i*)(o + p * 64 + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+      for (int s = 0; s < 2; s++) {
+        __m256i y[8];
+        for (int p = 0; p < 4; p++) {  // blocks 2p, 2p + 1 of the set: low nibbles = weights 0-15
+          const __m256i v = pair_codes(c, 4 * s + p, nbk);
+          const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          y[2 * p] = _mm256_permute2x128_si256(lo, hi, 0x20);
+          y[2 * p + 1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+        }
+        store_lanes_by_block(y, out + ((n - n0) * J + j) * 512 + s * 256);
       }
     }
 }
 
-// int4 weights x int8 activations: rows [nb, ne), TT tokens; split: the rows' split_rows bytes
-// (many tokens), else the codes split in registers per token (decode). Per 16 blocks, S_b of 8
-// block pairs are folded by two rounds of vphaddd into lanes [S0 S2 S4 S6 | S1 S3 S5 S7] and put
-// in order by one vpermd.
+// The mins' term of i8a.h's sum for row n: P[g % 16] = fma(min(g), xg_g, P[g % 16]), g ascending
 template <int TT>
-void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts, float* out, int64_t ldo,
-                   const uint8_t* split) {
+inline void add_mins(const QW& w, int64_t n, const QAct* const* acts, __m256* plo, __m256* phi) {
+  const int64_t NG = w.K / w.G;
+  const uint16_t* mrow = w.mins + n * NG;  // 16 groups at a time
+  for (int64_t g = 0; g < NG; g += 16) {
+    if (g + 16 <= NG) {
+      const __m256 mlo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + g)));
+      const __m256 mhi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + g + 8)));
+      for (int t = 0; t < TT; t++) {
+        const float* xg = acts[t]->xg.data() + g;
+        plo[t] = _mm256_fmadd_ps(mlo, _mm256_loadu_ps(xg), plo[t]);
+        phi[t] = _mm256_fmadd_ps(mhi, _mm256_loadu_ps(xg + 8), phi[t]);
+      }
+      continue;
+    }
+    if (g + 8 == NG) {  // 8 groups left (K = 512 at G = 64: a down projection's whole row)
+      const __m256 mlo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + g))), zero = _mm256_setzero_ps();
+      for (int t = 0; t < TT; t++) {
+        plo[t] = _mm256_fmadd_ps(mlo, _mm256_loadu_ps(acts[t]->xg.data() + g), plo[t]);
+        phi[t] = _mm256_fmadd_ps(zero, zero, phi[t]);  // lanes past NG: + 0, as the masked lanes of VNNI
+      }
+      continue;
+    }
+    alignas(32) float mv[16], xv[16];  // the last groups: 0 past NG (adds +0, as a masked load)
+    for (int64_t i = 0; i < 16; i++) mv[i] = g + i < NG ? h2f(mrow[g + i]) : 0.f;
+    for (int t = 0; t < TT; t++) {
+      for (int64_t i = 0; i < 16; i++) xv[i] = g + i < NG ? acts[t]->xg[g + i] : 0.f;
+      plo[t] = _mm256_fmadd_ps(_mm256_load_ps(mv), _mm256_load_ps(xv), plo[t]);
+      phi[t] = _mm256_fmadd_ps(_mm256_load_ps(mv + 8), _mm256_load_ps(xv + 8), phi[t]);
+    }
+  }
+}
+
+// int4 weights x int8 activations over split rows (split_rows, rows [nb, ne)) and TT tokens' qt:
+// per set of 8 blocks, 8 vpmaddubsw summed in 16 bits (at most 8 x 2 x 15 x 127 = 30,480: exact)
+// and one vpmaddwd give the 8 blocks' S_b in order, then the float steps of i8a.h.
+template <int TT>
+void rows_int4_i8a_split(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts, float* out, int64_t ldo,
+                         const uint8_t* split) {
+  const int64_t K = w.K, G = w.G, NG = K / G, B = K / 32, J = (B + 15) / 16;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = nb; n < ne; n++) {
+    const uint16_t* srow = w.scales + n * NG;
+    __m256 p[2][TT];
+    for (int t = 0; t < TT; t++) p[0][t] = p[1][t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < J; j++) {
+      const int64_t nbk = std::min<int64_t>(16, B - 16 * j);
+      const uint8_t* sp = split + ((n - nb) * J + j) * 512;
+      __m256 sc[2];
+      block_group_scales(srow, G, j, nbk, sc[0], sc[1]);
+      for (int s = 0; s < 2; s++) {
+        const uint8_t* cs = sp + s * 256;
+        __m256i acc[TT];
+        for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+          const __m256i c = _mm256_loadu_si256((const __m256i*)(cs + i * 32));
+          for (int t = 0; t < TT; t++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i*)(acts[t]->qt.data() + j * 512 + s * 256 + i * 32));
+            acc[t] = _mm256_add_epi16(acc[t], _mm256_maddubs_epi16(c, q));
+          }
+        }
+        for (int t = 0; t < TT; t++) {
+          const float* db = acts[t]->db.data() + 16 * j + 8 * s;
+          p[s][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[t], ones)),
+                                    _mm256_mul_ps(sc[s], _mm256_loadu_ps(db)), p[s][t]);
+        }
+      }
+    }
+    add_mins<TT>(w, n, acts, p[0], p[1]);
+    for (int t = 0; t < TT; t++) out[t * ldo + n] = tree16(p[0][t], p[1][t]);
+  }
+}
+
+// int4 weights x int8 activations: rows [nb, ne), TT tokens (decode: the codes split in
+// registers per token). Per 16 blocks, S_b of 8 block pairs are folded by two rounds of vphaddd
+// into lanes [S0 S2 S4 S6 | S1 S3 S5 S7] and put in order by one vpermd.
+template <int TT>
+void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts, float* out, int64_t ldo) {
   const int64_t K = w.K, G = w.G, NG = K / G, B = K / 32, J = (B + 15) / 16;
   const __m256i m4 = _mm256_set1_epi8(0x0F), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t n = nb; n < ne; n++) {
@@ -436,13 +545,8 @@ void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts,
     for (int64_t j = 0; j < J; j++) {
       const int64_t nbk = std::min<int64_t>(16, B - 16 * j);  // blocks in this group of 16
       const uint8_t* c = row + j * 256;
-      const uint8_t* sp = split ? split + ((n - nb) * J + j) * 512 : nullptr;
-      if (!split)
-        for (int64_t b = 0; b + 4 <= nbk; b += 4) _mm_prefetch((const char*)(c + b * 16 + 2048), _MM_HINT_T0);
+      for (int64_t b = 0; b + 4 <= nbk; b += 4) _mm_prefetch((const char*)(c + b * 16 + 2048), _MM_HINT_T0);
       auto sums = [&](int p, const int8_t* q) {  // pair p against q
-        if (split)
-          return pair_sums(_mm256_loadu_si256((const __m256i*)(sp + p * 64)),
-                           _mm256_loadu_si256((const __m256i*)(sp + p * 64 + 32)), q);
         const __m256i v = pair_codes(c, p, nbk);
         return pair_sums(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), q);
       };
@@ -460,34 +564,7 @@ void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts,
         phi[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(shi, _mm256_loadu_ps(db + 8)), phi[t]);
       }
     }
-    const uint16_t* mrow = w.mins + n * NG;  // + sum_g min_g * xg[g], 16 groups at a time
-    for (int64_t g = 0; g < NG; g += 16) {
-      if (g + 16 <= NG) {
-        const __m256 mlo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + g)));
-        const __m256 mhi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + g + 8)));
-        for (int t = 0; t < TT; t++) {
-          const float* xg = acts[t]->xg.data() + g;
-          plo[t] = _mm256_fmadd_ps(mlo, _mm256_loadu_ps(xg), plo[t]);
-          phi[t] = _mm256_fmadd_ps(mhi, _mm256_loadu_ps(xg + 8), phi[t]);
-        }
-        continue;
-      }
-      if (g + 8 == NG) {  // 8 groups left (K = 512 at G = 64: a down projection's whole row)
-        const __m256 mlo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + g))), zero = _mm256_setzero_ps();
-        for (int t = 0; t < TT; t++) {
-          plo[t] = _mm256_fmadd_ps(mlo, _mm256_loadu_ps(acts[t]->xg.data() + g), plo[t]);
-          phi[t] = _mm256_fmadd_ps(zero, zero, phi[t]);  // lanes past NG: + 0, as the masked lanes of VNNI
-        }
-        continue;
-      }
-      alignas(32) float mv[16], xv[16];  // the last groups: 0 past NG (adds +0, as a masked load)
-      for (int64_t i = 0; i < 16; i++) mv[i] = g + i < NG ? h2f(mrow[g + i]) : 0.f;
-      for (int t = 0; t < TT; t++) {
-        for (int64_t i = 0; i < 16; i++) xv[i] = g + i < NG ? acts[t]->xg[g + i] : 0.f;
-        plo[t] = _mm256_fmadd_ps(_mm256_load_ps(mv), _mm256_load_ps(xv), plo[t]);
-        phi[t] = _mm256_fmadd_ps(_mm256_load_ps(mv + 8), _mm256_load_ps(xv + 8), phi[t]);
-      }
-    }
+    add_mins<TT>(w, n, acts, plo, phi);
     for (int t = 0; t < TT; t++) out[t * ldo + n] = tree16(plo[t], phi[t]);
   }
 }
@@ -553,7 +630,7 @@ void rows_int8_i16a(const QW& w, int64_t nb, int64_t ne, const QAct16* acts, flo
 }
 
 constexpr int TILE = 3;  // tokens per register tile (16 vector registers)
-constexpr int SPLIT_TILE = 4;  // tokens per tile over split rows (their codes are loads, not registers)
+constexpr int SPLIT_TILE = 2;  // tokens per tile over split rows (1-4 measured within 8%; 2 the fastest)
 constexpr int64_t SPLIT_BYTES = 16 << 10;  // split_rows's rows at a time: half of a 32 KiB L1
 
 }  // namespace
@@ -569,11 +646,13 @@ void quant_act(const float* x, int64_t K, int64_t G, QAct& a) { quant_act_avx2(x
 void quant_act16(const float* x, int64_t K, QAct16& a) { quant_act16_avx2(x, K, a); }
 
 // More tokens than one register tile: the rows' nibbles split once (split_rows), XROWS rows at a
-// time, then every tile of tokens over them; the same sums either way (batch invariance).
+// time, then every tile of tokens over them (rows_int4_i8a_split: 1.5x the fold's multiply-adds a
+// second on a 1024 x 1024 weight and 64 tokens, 58 against 38 G a core on a Zen 3 EPYC); the
+// same sums either way (batch invariance).
 void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<const QAct*>& acts, float* out, int64_t ldo) {
   if ((int64_t)acts.size() <= TILE) {
     by_tiles<TILE>(acts, out, ldo, [&](auto tt, const QAct* const* a, float* o) {
-      rows_int4_i8a<tt.value>(w, nb, ne, a, o, ldo, nullptr);
+      rows_int4_i8a<tt.value>(w, nb, ne, a, o, ldo);
     });
     return;
   }
@@ -585,7 +664,7 @@ void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<const QAct*
     const int64_t n1 = std::min(ne, n0 + xrows);
     split_rows(w, n0, n1, split);
     by_tiles<SPLIT_TILE>(acts, out, ldo, [&](auto tt, const QAct* const* a, float* o) {
-      rows_int4_i8a<tt.value>(w, n0, n1, a, o, ldo, split);
+      rows_int4_i8a_split<tt.value>(w, n0, n1, a, o, ldo, split);
     });
   }
 }

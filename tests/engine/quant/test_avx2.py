@@ -144,6 +144,21 @@ def test_integer_activations_match_their_reference_and_the_vnni_bits(ext, vnni, 
             assert torch.equal(y, vnni.qlinear(x, *K._kargs(q), K.DIRECT_MAX_T, 1))
 
 
+@pytest.mark.parametrize("g,k", [(64, 1024), (32, 576), (64, 768), (128, 384)])
+def test_integer_activations_split_rows_give_the_decode_kernels_bits(ext, g, k):
+    """More tokens than a register tile take the split-rows kernel (the rows' nibbles as bytes,
+    one 32-bit lane per block: no fold); a token alone takes the decode kernel (codes split in
+    registers, vphaddd fold). The same integer sums and float steps: bit for bit the same rows,
+    also when K ends inside a 512-weight group (576, 768, 384)."""
+    gen = torch.Generator().manual_seed(k + g)
+    q = weight(40, k, QuantFormat("int4", g), gen)
+    x = torch.randn(9, k, generator=gen) * 3
+    alone = torch.cat([ext.qlinear(x[t:t + 1], *K._kargs(q), K.DIRECT_MAX_T, 1) for t in range(9)])
+    for t in (4, 5, 9):
+        assert torch.equal(ext.qlinear(x[:t], *K._kargs(q), K.DIRECT_MAX_T, 1), alone[:t])
+    assert_close_i8a(alone, x, q)
+
+
 def test_integer_activation_experts_match_the_vnni_bits(ext, vnni):
     """A SwiGLU expert whose down projection takes the quantized hidden activation: its
     reference's numbers, and the VNNI kernels' bits where the CPU has them."""
