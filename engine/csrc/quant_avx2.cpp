@@ -389,26 +389,40 @@ void quant_act16_avx2(const float* x, int64_t K, QAct16& a) {
 }
 
 // The scales of blocks 16j .. 16j + 15 of a row (its groups of G, fp16) as lanes 0-7 and 8-15;
-// 0 past the row's nbk blocks.
+// 0 past the row's nbk blocks (its last groups copied into zeros: nothing read past the row).
 inline void block_group_scales(const uint16_t* srow, int64_t G, int64_t j, int64_t nbk, __m256& lo, __m256& hi) {
   const uint16_t* s = srow + j * 512 / G;
-  if (nbk == 16 && G == 32) {
-    lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
-    hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 8)));
-  } else if (nbk == 16 && G == 64) {  // 8 groups: lane i of 16 takes group i / 2
-    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
-    lo = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-    hi = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
-  } else if (nbk == 16 && G == 128) {  // 4 groups: lane i takes group i / 4
-    const __m256 v = _mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)s));
-    lo = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-    hi = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
-  } else {
+  if (G != 32 && G != 64 && G != 128) {
     alignas(32) float t[16];
     for (int64_t i = 0; i < 16; i++) t[i] = i < nbk ? h2f(s[i * 32 / G]) : 0.f;
     lo = _mm256_load_ps(t);
     hi = _mm256_load_ps(t + 8);
+    return;
   }
+  if (nbk < 16) {
+    alignas(16) uint16_t tail[16] = {};
+    std::memcpy(tail, s, (nbk * 32 + G - 1) / G * sizeof(uint16_t));
+    block_group_scales(tail, G, 0, 16, lo, hi);
+    return;
+  }
+  if (G == 32) {
+    lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
+    hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 8)));
+  } else if (G == 64) {  // 8 groups: lane i of 16 takes group i / 2
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
+    lo = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    hi = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+  } else {  // 4 groups: lane i takes group i / 4
+    const __m256 v = _mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)s));
+    lo = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    hi = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
+  }
+}
+
+// lanes i < n of 8 set (a maskload's mask; none for n <= 0)
+inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::max<int64_t>(-1, std::min<int64_t>(8, n))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // Block pair p of 16-block group j of a row (blocks 16j + 2p, + 1; codes at c = the group's 256
@@ -455,13 +469,16 @@ void split_rows(const QW& w, int64_t n0, int64_t n1, uint8_t* out) {
     }
 }
 
-// The mins' term of i8a.h's sum for row n: P[g % 16] = fma(min(g), xg_g, P[g % 16]), g ascending
+// The mins' term of i8a.h's sum for row n: P[g % 16] = fma(min(g), xg_g, P[g % 16]), g ascending;
+// past NG the lanes add fma(0, 0) = +0, as VNNI's masked lanes (the last groups' mins copied into
+// zeros, their xg masked loads: nothing read past either)
 template <int TT>
 inline void add_mins(const QW& w, int64_t n, const QAct* const* acts, __m256* plo, __m256* phi) {
   const int64_t NG = w.K / w.G;
   const uint16_t* mrow = w.mins + n * NG;  // 16 groups at a time
   for (int64_t g = 0; g < NG; g += 16) {
-    if (g + 16 <= NG) {
+    const int64_t ng = std::min<int64_t>(16, NG - g);
+    if (ng == 16) {
       const __m256 mlo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + g)));
       const __m256 mhi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + g + 8)));
       for (int t = 0; t < TT; t++) {
@@ -471,20 +488,15 @@ inline void add_mins(const QW& w, int64_t n, const QAct* const* acts, __m256* pl
       }
       continue;
     }
-    if (g + 8 == NG) {  // 8 groups left (K = 512 at G = 64: a down projection's whole row)
-      const __m256 mlo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + g))), zero = _mm256_setzero_ps();
-      for (int t = 0; t < TT; t++) {
-        plo[t] = _mm256_fmadd_ps(mlo, _mm256_loadu_ps(acts[t]->xg.data() + g), plo[t]);
-        phi[t] = _mm256_fmadd_ps(zero, zero, phi[t]);  // lanes past NG: + 0, as the masked lanes of VNNI
-      }
-      continue;
-    }
-    alignas(32) float mv[16], xv[16];  // the last groups: 0 past NG (adds +0, as a masked load)
-    for (int64_t i = 0; i < 16; i++) mv[i] = g + i < NG ? h2f(mrow[g + i]) : 0.f;
+    alignas(16) uint16_t m[16] = {};
+    std::memcpy(m, mrow + g, ng * sizeof(uint16_t));
+    const __m256 mlo = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)m));
+    const __m256 mhi = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)(m + 8)));
+    const __m256i klo = first_lanes(ng), khi = first_lanes(ng - 8);
     for (int t = 0; t < TT; t++) {
-      for (int64_t i = 0; i < 16; i++) xv[i] = g + i < NG ? acts[t]->xg[g + i] : 0.f;
-      plo[t] = _mm256_fmadd_ps(_mm256_load_ps(mv), _mm256_load_ps(xv), plo[t]);
-      phi[t] = _mm256_fmadd_ps(_mm256_load_ps(mv + 8), _mm256_load_ps(xv + 8), phi[t]);
+      const float* xg = acts[t]->xg.data() + g;
+      plo[t] = _mm256_fmadd_ps(mlo, _mm256_maskload_ps(xg, klo), plo[t]);
+      phi[t] = _mm256_fmadd_ps(mhi, _mm256_maskload_ps(xg + 8, khi), phi[t]);
     }
   }
 }
@@ -511,7 +523,7 @@ void rows_int4_i8a_split(const QW& w, int64_t nb, int64_t ne, const QAct* const*
         __m256i acc[TT];
         for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < (8 * s < nbk ? 8 : 0); i++) {  // a set past the row: sums 0
           const __m256i c = _mm256_loadu_si256((const __m256i*)(cs + i * 32));
           for (int t = 0; t < TT; t++) {
             const __m256i q = _mm256_loadu_si256((const __m256i*)(acts[t]->qt.data() + j * 512 + s * 256 + i * 32));
