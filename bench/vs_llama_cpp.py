@@ -25,7 +25,9 @@ norm_topk_prob). One checkpoint feeds both systems:
 
 Prompt: ``--prompt`` random ids (torch.Generator seed 1234), then ``--new`` greedy tokens, batch 1,
 ``--threads`` threads each. Rows alternate inside a round (moestream, llama.cpp, moestream, ...)
-after one warm-up run each; the table holds the median of ``--rounds`` rounds.
+after one warm-up run each; the table holds the median of ``--rounds`` rounds, the verdict is
+the ratio of the medians, and a line beside it pairs each round's rows (the default over that
+round's faster llama.cpp row: the machine's drift between rounds cancels out).
 
 Roofline decode tok/s = measured memory read bandwidth / bytes of weights read per decoded
 token: every dense weight once, top_k of the routed experts, one embedding row. For moestream
@@ -455,6 +457,13 @@ def phase_breakdown(model, prompt: list[int], new: int) -> dict | None:
 
 # ------------------------------------------------------------------------------------ the bench
 
+def round_ratios(ours: list[float], peers: list[list[float]]) -> list[float]:
+    """Round k's figure of ours over the best peer's of the same round (rows that ran back to back
+    in it: a slow minute of the machine slows both), for the rounds every row has."""
+    n = min([len(ours), *(len(p) for p in peers)])
+    return [ours[k] / max(p[k] for p in peers) for k in range(n)]
+
+
 @dataclass
 class Row:
     system: str
@@ -647,6 +656,12 @@ def main(argv: list[str] | None = None) -> None:
                   f"decode {d / best_llama:.3f}x ({'met' if d >= DEFAULT_DECODE_GOAL * best_llama else 'not met'}), "
                   f"prefill {p / best_llama_pf:.3f}x "
                   f"({'met' if p >= DEFAULT_PREFILL_GOAL * best_llama_pf else 'not met'})")
+            rd = round_ratios(default_row.decode, [r.decode for r in llama_rows])
+            rp = round_ratios(default_row.prefill, [r.prefill for r in llama_rows])
+            if len(rd) > 1:  # the machine drifts between rounds; within one the rows ran minutes apart
+                print(f"per round (the default / that round's faster llama.cpp row): decode "
+                      f"{', '.join(f'{x:.2f}x' for x in rd)} (median {statistics.median(rd):.2f}x), prefill "
+                      f"{', '.join(f'{x:.2f}x' for x in rp)} (median {statistics.median(rp):.2f}x)")
 
         print(f"\nmoestream ops per decoded token (torch profiler, {args.profile_steps} decode steps after "
               f"the prompt, sampling included):")

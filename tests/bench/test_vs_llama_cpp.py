@@ -166,6 +166,14 @@ def test_a_child_loads_the_llama_cpp_build_it_is_given(B, tiny, tmp_path):
     assert got[None] == got[native]
 
 
+def test_round_ratios_pair_each_round_with_its_own_best_peer(B):
+    """A round's ratio is ours over the faster peer of that round, not of the medians: a peer that is
+    fastest in one round and slow in the next is matched round by round; rounds a row lacks (its
+    child died) are left out."""
+    assert B.round_ratios([10.0, 20.0, 30.0], [[5.0, 10.0, 7.5], [8.0, 40.0]]) == [10 / 8, 20 / 40]
+    assert B.round_ratios([12.0], [[6.0], [4.0]]) == [2.0]
+
+
 def test_the_bench_runs_end_to_end_on_a_tiny_model(B, capsys):
     """``main`` as a user runs it, on the tiny shape: every moestream row is timed and tabled with
     its op counts and phases; with llama.cpp installed, the Q8_0 agreement check runs on the first
