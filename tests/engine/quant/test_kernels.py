@@ -234,12 +234,14 @@ def test_int8_activation_path_matches_its_reference_with_tails_and_any_t(g):
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_int8_activation_results_do_not_depend_on_the_batch(fmt):
     """The same bits alone or in a batch (docs/native-step.md, batch invariance): 13 rows are two
-    register tiles of 6 tokens and a tile of 1."""
+    register tiles of 6 tokens and a tile of 1. int8 weights: calls of up to 3 tokens take the
+    256-bit kernel (quant.cpp HALVES_MAX_T), larger ones the 512-bit one, with the same bits."""
     gen = torch.Generator().manual_seed(5)
     q = quantize(torch.randn(64, 256, generator=gen) * 0.05, QuantFormat(fmt, 64))
     x = torch.randn(13, 256, generator=gen)
     alone = torch.cat([K.qlinear(x[i:i + 1], q) for i in range(13)])
     assert torch.equal(K.qlinear(x, q), alone)
+    assert torch.equal(K.qlinear(x[:3], q), alone[:3])
 
 
 needs_amx = pytest.mark.skipif(not (HAVE_CPP and K.int8_activations() and K.load_extension().amx_usable()),
