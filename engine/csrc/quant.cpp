@@ -19,6 +19,7 @@
 // tok/s).
 #include "quant.h"
 #include "i8a.h"
+#include "i16a_halves.h"
 #include "simd.h"
 
 #include <immintrin.h>
@@ -439,56 +440,14 @@ static void rows_int8_i16a(const QW& w, int64_t nb, int64_t ne, const QAct16* ac
   }
 }
 
-// rows_int8_i16a in 256-bit halves, for decode-sized calls (HALVES_MAX_T tokens or fewer): each
-// block's 32 codes widened from two 16-byte loads (in-lane vpmovsxbw) and multiplied by vpmaddwd,
-// four accumulator chains of 8 lanes (lanes 0-7 and 8-15 of the even and the odd blocks'
-// accumulators), the same sums and float steps as the 512-bit kernel (i8a.h: the same bits). On a
+// Decode-sized int8 x int16 calls (HALVES_MAX_T tokens or fewer) take the 256-bit kernel of
+// i16a_halves.h, the same sums and float steps as rows_int8_i16a (i8a.h: the same bits). On a
 // 2-core Zen 4 EPYC, whose 512-bit operations run as two 256-bit halves, 12 rounds of 32 decoded
 // tokens of the 1.3B store alternating in one process (2026-12-05): norm + q/k/v 0.600 -> 0.552 ms,
 // o_proj 0.394 -> 0.367, the int8 head 0.981 -> 0.908, each faster in 12 of 12 rounds; a 512-token
 // prefill (6-token tiles) was 2% slower this way (faster in 2 of 8), so larger calls keep 512 bits.
 constexpr int64_t HALVES_MAX_T = 3;
 
-template <int TT>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,avx2,fma")))
-static void rows_int8_i16a_256(const QW& w, int64_t nb, int64_t ne, const QAct16* acts, float* out, int64_t ldo) {
-  const int64_t K = w.K, G = w.G, NG = K / G, B = K / 32;
-  static thread_local std::vector<float> sbuf;
-  sbuf.resize(TT * B);
-  float* const sb = sbuf.data();
-  for (int64_t n = nb; n < ne; n++) {
-    const int8_t* row = (const int8_t*)w.codes + n * K;
-    for (int t = 0; t < TT; t++) block_scales(w.scales + n * NG, G, acts[t].dx.data(), B, sb + t * B);
-    __m256 f[TT][4];
-    for (int t = 0; t < TT; t++)
-      for (int i = 0; i < 4; i++) f[t][i] = _mm256_setzero_ps();
-    auto block = [&](int64_t b, auto o) {
-      constexpr int O = decltype(o)::value;
-      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + b * 32)));
-      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + b * 32 + 16)));
-      for (int t = 0; t < TT; t++) {
-        const int16_t* q = acts[t].q.data() + b * 32;
-        const __m256 sc = _mm256_set1_ps(sb[t * B + b]);
-        f[t][O] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)q))), sc, f[t][O]);
-        f[t][O + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(q + 16)))), sc, f[t][O + 1]);
-      }
-    };
-    int64_t b = 0;
-    for (; b + 2 <= B; b += 2) {
-      _mm_prefetch((const char*)(row + b * 32 + 2048), _MM_HINT_T0);
-      block(b, std::integral_constant<int, 0>{});
-      block(b + 1, std::integral_constant<int, 2>{});
-    }
-    for (int t = 0; t < TT; t++) {
-      const __m256 lo = _mm256_add_ps(f[t][0], f[t][2]), hi = _mm256_add_ps(f[t][1], f[t][3]);
-      const __m256 v = _mm256_add_ps(lo, hi);
-      __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-      q = _mm_add_ss(q, _mm_movehdup_ps(q));
-      out[t * ldo + n] = _mm_cvtss_f32(q);
-    }
-  }
-}
 
 constexpr int TILE = 6;  // tokens per register tile of the VNNI kernels (i8a.h by_tiles)
 
@@ -501,7 +460,7 @@ void quant_act16(const float* x, int64_t K, QAct16& a) { quant_act16_512(x, K, a
 
 void rows_i16a(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct16>& acts, float* out, int64_t ldo) {
   if ((int64_t)acts.size() <= HALVES_MAX_T)
-    by_tiles<TILE>(acts, out, ldo, [&](auto tt, const QAct16* a, float* o) { rows_int8_i16a_256<tt.value>(w, nb, ne, a, o, ldo); });
+    by_tiles<TILE>(acts, out, ldo, [&](auto tt, const QAct16* a, float* o) { rows_int8_i16a_halves<tt.value, block_scales>(w, nb, ne, a, o, ldo); });
   else
     by_tiles<TILE>(acts, out, ldo, [&](auto tt, const QAct16* a, float* o) { rows_int8_i16a<tt.value>(w, nb, ne, a, o, ldo); });
 }

@@ -29,6 +29,7 @@
 // nest computes it (the same dequantized values and the same per-lane FMA order), so results
 // depend neither on the thread count nor on T.
 #include "i8a.h"
+#include "i16a_halves.h"
 #include "quant.h"
 #include "simd.h"
 
@@ -600,46 +601,6 @@ inline void block_scales(const uint16_t* srow, int64_t G, const float* dx, int64
   for (; b < B; b++) s[b] = h2f(srow[b * 32 / G]) * dx[b];
 }
 
-// int8 weights x int16 activations: rows [nb, ne), TT tokens; per block b, its 32 codes
-// sign-extended in two halves and vpmaddwd'd with q, into f[b % 2] (lanes 0-7 and 8-15).
-template <int TT>
-void rows_int8_i16a(const QW& w, int64_t nb, int64_t ne, const QAct16* acts, float* out, int64_t ldo) {
-  const int64_t K = w.K, G = w.G, NG = K / G, B = K / 32;
-  static thread_local std::vector<float> sbuf;
-  sbuf.resize(TT * B);
-  float* const sb = sbuf.data();  // once: a thread_local in the loop is a TLS lookup per access
-  for (int64_t n = nb; n < ne; n++) {
-    const int8_t* row = (const int8_t*)w.codes + n * K;
-    const uint16_t* srow = w.scales + n * NG;
-    for (int t = 0; t < TT; t++) block_scales(srow, G, acts[t].dx.data(), B, sb + t * B);
-    __m256 f[TT][4];  // lanes 0-7 and 8-15 of f[0] (even blocks), then of f[1] (odd blocks)
-    for (int t = 0; t < TT; t++)
-      for (int i = 0; i < 4; i++) f[t][i] = _mm256_setzero_ps();
-    // block b into f[t][O], f[t][O + 1]: O a constant, so the accumulators stay in registers
-    auto block = [&](int64_t b, auto o) {
-      constexpr int O = decltype(o)::value;
-      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + b * 32)));
-      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + b * 32 + 16)));
-      for (int t = 0; t < TT; t++) {
-        const int16_t* q = acts[t].q.data() + b * 32;
-        const __m256 s = _mm256_set1_ps(sb[t * B + b]);
-        f[t][O] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)q))),
-                                  s, f[t][O]);
-        f[t][O + 1] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(q + 16)))), s, f[t][O + 1]);
-      }
-    };
-    int64_t b = 0;
-    for (; b + 2 <= B; b += 2) {
-      _mm_prefetch((const char*)(row + b * 32 + 2048), _MM_HINT_T0);
-      block(b, std::integral_constant<int, 0>{});
-      block(b + 1, std::integral_constant<int, 2>{});
-    }
-    if (b < B) block(b, std::integral_constant<int, 0>{});
-    for (int t = 0; t < TT; t++)
-      out[t * ldo + n] = tree16(_mm256_add_ps(f[t][0], f[t][2]), _mm256_add_ps(f[t][1], f[t][3]));
-  }
-}
 
 constexpr int TILE = 3;  // tokens per register tile (16 vector registers)
 constexpr int SPLIT_TILE = 2;  // tokens per tile over split rows (1-4 measured within 8%; 2 the fastest)
@@ -682,7 +643,9 @@ void rows_i8a(const QW& w, int64_t nb, int64_t ne, const std::vector<const QAct*
 }
 
 void rows_i16a(const QW& w, int64_t nb, int64_t ne, const std::vector<QAct16>& acts, float* out, int64_t ldo) {
-  by_tiles<TILE>(acts, out, ldo, [&](auto tt, const QAct16* a, float* o) { rows_int8_i16a<tt.value>(w, nb, ne, a, o, ldo); });
+  by_tiles<TILE>(acts, out, ldo, [&](auto tt, const QAct16* a, float* o) {
+    rows_int8_i16a_halves<tt.value, block_scales>(w, nb, ne, a, o, ldo);
+  });
 }
 
 void rows_float(const QW& w, int64_t nb, int64_t ne, const float* x, int64_t T, float* out, int64_t ldo,

@@ -74,7 +74,7 @@ _errors: dict[str, str] = {}
 _ext_lock = threading.Lock()
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"  # engine/csrc: the native sources
-HEADERS = ("quant.h", "i8a.h", "step.h", "simd.h", "pool.h", "phases.h", "deltanet.h", "rows.h", "deepseek.h")
+HEADERS = ("quant.h", "i8a.h", "i16a_halves.h", "step.h", "simd.h", "pool.h", "phases.h", "deltanet.h", "rows.h", "deepseek.h")
 # Per instruction set: the kernel file, and the compiler flags (first choice, then a fallback).
 # AVX-512: -march=native where the compiler takes it (tuned for this CPU; its flags are in the
 # cache key), else the explicit set the kernels need. AVX2: x86-64-v3 (AVX2, FMA, F16C), also
