@@ -448,7 +448,6 @@ static void rows_int8_i16a(const QW& w, int64_t nb, int64_t ne, const QAct16* ac
 // prefill (6-token tiles) was 2% slower this way (faster in 2 of 8), so larger calls keep 512 bits.
 constexpr int64_t HALVES_MAX_T = 3;
 
-
 constexpr int TILE = 6;  // tokens per register tile of the VNNI kernels (i8a.h by_tiles)
 
 }  // namespace

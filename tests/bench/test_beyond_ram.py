@@ -4,7 +4,6 @@ in a limited cgroup has its peak and OOM kill counted (skipped where cgroups can
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -12,29 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.side_by_side import BENCH, bench_module
+
 TINY = dict(name="tiny", layers=2, hidden=256, experts=8, top_k=2, width=256, heads=4, kv_heads=2, head_dim=64,
             vocab=512)
 
 
-def _from_bench(name: str):
-    """bench/NAME.py as a module, bench/ on sys.path while it is in use (its functions import
-    their bench neighbours when called)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 @pytest.fixture(scope="module")
 def B():
-    yield from _from_bench("beyond_ram")
+    with bench_module("beyond_ram") as m:
+        yield m
 
 
 @pytest.fixture(scope="module")
 def M():
-    yield from _from_bench("beyond_ram_model")
+    with bench_module("beyond_ram_model") as m:
+        yield m
 
 
 def test_the_store_converted_from_the_gguf_holds_the_same_weights(M, tmp_path):

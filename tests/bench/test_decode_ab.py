@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
 from engine.errors import ConfigError
 from engine.options import options
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.side_by_side import bench_module
 
 
 @pytest.fixture(scope="module")
 def D():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("decode_ab")
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_module("decode_ab") as m:
+        yield m
 
 
 def test_changes_are_parsed_to_the_options_types(D):

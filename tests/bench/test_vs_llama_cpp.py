@@ -5,23 +5,16 @@ and runs on this CPU."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.side_by_side import BENCH, bench_module
 
 
 @pytest.fixture(scope="module")
 def B():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("vs_llama_cpp")
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_module("vs_llama_cpp") as m:
+        yield m
 
 
 @pytest.fixture(scope="module")
