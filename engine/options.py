@@ -16,6 +16,7 @@ the CLI). Code that caches something per setting (a bound kernel) compares :func
 | native_threads | MOESTREAM_NATIVE_THREADS | 0 | threads of the native kernels' worker pool (0: every core of the process) |
 | cuda_graphs | MOESTREAM_CUDA_GRAPHS | 1 | per-layer CUDA graphs (attention and feed-forward halves) on CUDA (engine.cuda_graphs; verified against the eager layers on an H200 by bench/gpu_check.py, 2026-12-04; 0 turns them off) |
 | kv_bf16 | MOESTREAM_KV_BF16 | 1 | a KV cache made without a named dtype for a model whose steps run natively on the CPU is bfloat16 (engine.executor.kv_dtype; 0: the model's dtype, float32) |
+| stream_nta | MOESTREAM_STREAM_NTA | 1 | the native kernels request the weight rows they stream with a non-temporal hint (prefetchnta), so a decode's once-read weights do not evict from L3 what every token reads again (the KV cache, activations, the interpreter); 0: prefetcht0. A hint: the same bits (engine/csrc/quant.h) |
 | step_graph | MOESTREAM_STEP_GRAPH | 1 | with cuda_graphs: one CUDA graph per pure decode step where every layer can (engine.cuda_graphs.step_graph; needs the device expert cache, ``--device-cache``; verified on an H200, 2026-12-04) |
 """
 
@@ -43,6 +44,7 @@ class RuntimeOptions:
     cuda_graphs: bool = True
     step_graph: bool = True
     kv_bf16: bool = True
+    stream_nta: bool = True
 
     def __post_init__(self) -> None:
         if self.cpu_isa not in CPU_ISAS:
@@ -89,7 +91,8 @@ class RuntimeOptions:
                    native_threads=count("MOESTREAM_NATIVE_THREADS", "0", 0),
                    cuda_graphs=flag("MOESTREAM_CUDA_GRAPHS", "1"),
                    step_graph=flag("MOESTREAM_STEP_GRAPH", "1"),
-                   kv_bf16=flag("MOESTREAM_KV_BF16", "1"))
+                   kv_bf16=flag("MOESTREAM_KV_BF16", "1"),
+                   stream_nta=flag("MOESTREAM_STREAM_NTA", "1"))
 
 
 _state: dict = {"opts": None, "gen": 0}

@@ -21,6 +21,7 @@ inline void rows_int8_i16a_halves(const QW& w, int64_t nb, int64_t ne, const QAc
   static thread_local std::vector<float> sbuf;
   sbuf.resize(TT * B);
   float* const sb = sbuf.data();  // once: a thread_local in the loop is a TLS lookup per access
+  const bool nta = stream_nta();
   for (int64_t n = nb; n < ne; n++) {
     const int8_t* row = (const int8_t*)w.codes + n * K;
     const uint16_t* srow = w.scales + n * NG;
@@ -44,7 +45,7 @@ inline void rows_int8_i16a_halves(const QW& w, int64_t nb, int64_t ne, const QAc
     };
     int64_t b = 0;
     for (; b + 2 <= B; b += 2) {
-      _mm_prefetch((const char*)(row + b * 32 + 2048), _MM_HINT_T0);
+      prefetch_stream(row + b * 32 + 2048, nta);
       block(b, std::integral_constant<int, 0>{});
       block(b + 1, std::integral_constant<int, 2>{});
     }

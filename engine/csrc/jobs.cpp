@@ -9,10 +9,16 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
 namespace ms {
+
+std::atomic<bool> g_stream_nta{true};  // quant.h: stream_nta
+bool stream_nta() { return g_stream_nta.load(std::memory_order_relaxed); }
+bool set_stream_nta(bool on) { return g_stream_nta.exchange(on); }
+
 namespace {
 
 // Rows are quantized on the pool (each row's codes do not depend on which thread made them); one

@@ -26,6 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("i8a_act_bytes", &ms::quant_act_bytes,
         "bytes of one token's int8 activations for K weights (whole 512-byte groups: the VNNI kernel's loads)");
   m.def("set_amx", &ms::set_amx, "turn the AMX kernel on or off (same bits as VNNI); returns the previous setting");
+  m.def("stream_nta", &ms::stream_nta, "whether the kernels request streamed weight rows with prefetchnta (quant.h)");
+  m.def("set_stream_nta", &ms::set_stream_nta,
+        "prefetchnta (on) or prefetcht0 for streamed weight rows (a hint: same bits); returns the previous setting");
 
   py::class_<ms::Linear>(m, "Linear", py::module_local()).def(py::init(&ms::make_linear));
   py::class_<ms::Attn>(m, "Attn", py::module_local())

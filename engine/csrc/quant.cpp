@@ -67,11 +67,11 @@ template <int FMT> struct Deq {
   }
   // k: index of the block's first weight in the row
   // prefetch the cache line of row n holding weight k (called once per 64 bytes of codes)
-  static inline void prefetch(const QW& w, int64_t n, int64_t k) {
+  static inline void prefetch(const QW& w, int64_t n, int64_t k, bool nta) {
     if (n >= w.N) return;
     const char* p = FMT == F_INT4 || FMT == F_NF4 || FMT == F_MXFP4 ? (const char*)(w.codes + n * (w.K / 2) + k / 2)
                   : FMT == F_INT8 ? (const char*)(w.codes + n * w.K + k) : (const char*)(w.codes + (n * w.K + k) * 2);
-    _mm_prefetch(p, _MM_HINT_T0);
+    prefetch_stream(p, nta);
   }
   static constexpr int64_t WEIGHTS_PER_LINE = FMT == F_INT4 || FMT == F_NF4 || FMT == F_MXFP4 ? 128 : FMT == F_INT8 ? 64 : 32;
   inline void block(const QW& w, int64_t n, int64_t k, __m512& w0, __m512& w1) const {
@@ -104,15 +104,15 @@ static inline int64_t eff_group(const QW& w) { return w.fmt == F_BF16 ? w.K : w.
 // Direct tile: rows [n0, n0+R), tokens [t0, t0+TT). out[t, n] (+)= sum_k x[t, k] * w[n, k]
 static int64_t g_pf_rows = 16;  // software prefetch distance in rows (tunable for the bench)
 
-static inline void prefetch_meta(const QW& w, int64_t n0, int R) {
+static inline void prefetch_meta(const QW& w, int64_t n0, int R, bool nta) {
   if (w.fmt == F_BF16 || n0 >= w.N) return;
   const int64_t ng = w.K / w.G, ssz = w.fmt == F_MXFP4 ? 1 : 2;
   int64_t nr = n0 + R <= w.N ? R : w.N - n0;
   const char* s = (const char*)w.scales + n0 * ng * ssz;
-  for (int64_t b = 0; b < nr * ng * ssz; b += 64) _mm_prefetch(s + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < nr * ng * ssz; b += 64) prefetch_stream(s + b, nta);
   if (w.fmt == F_INT4) {
     const char* m = (const char*)(w.mins + n0 * ng);
-    for (int64_t b = 0; b < nr * ng * 2; b += 64) _mm_prefetch(m + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < nr * ng * 2; b += 64) prefetch_stream(m + b, nta);
   }
 }
 
@@ -120,7 +120,8 @@ template <int FMT, int R, int TT>
 static void tile_direct(const QW& w, int64_t n0, const float* x, int64_t t0, float* out, int64_t ldo) {
   const int64_t K = w.K, G = eff_group(w), NG = K / G;
   const int64_t pf = g_pf_rows;
-  if (pf > 0) prefetch_meta(w, n0 + pf, R);
+  const bool nta = stream_nta();
+  if (pf > 0) prefetch_meta(w, n0 + pf, R, nta);
   __m512 acc[R][TT];
 #pragma GCC unroll 8
   for (int r = 0; r < R; r++)
@@ -133,7 +134,7 @@ static void tile_direct(const QW& w, int64_t n0, const float* x, int64_t t0, flo
     for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
       if (pf > 0 && k % Deq<FMT>::WEIGHTS_PER_LINE == 0) {
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) Deq<FMT>::prefetch(w, n0 + pf + r, k);
+        for (int r = 0; r < R; r++) Deq<FMT>::prefetch(w, n0 + pf + r, k, nta);
       }
       __m512 xa[TT], xb[TT];
 #pragma GCC unroll 8
@@ -164,10 +165,11 @@ template <int FMT>
 static void deq_rows(const QW& w, int64_t n0, int R, float* buf) {
   const int64_t K = w.K, G = eff_group(w), NG = K / G;
   const int64_t pf = g_pf_rows;
-  if (pf > 0) prefetch_meta(w, n0 + pf, R);
+  const bool nta = stream_nta();
+  if (pf > 0) prefetch_meta(w, n0 + pf, R, nta);
   for (int r = 0; r < R; r++) {
     if (pf > 0)
-      for (int64_t k = 0; k < K; k += Deq<FMT>::WEIGHTS_PER_LINE) Deq<FMT>::prefetch(w, n0 + pf + r, k);
+      for (int64_t k = 0; k < K; k += Deq<FMT>::WEIGHTS_PER_LINE) Deq<FMT>::prefetch(w, n0 + pf + r, k, nta);
     Deq<FMT> d;
     float* b = buf + r * K;
     for (int64_t g = 0; g < NG; g++) {
@@ -323,6 +325,7 @@ static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const
   // lane i of a 16-block group -> its group's scale (G / 32 blocks per group: 1, 2 or 4)
   const __m512i gidx = _mm512_srlv_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                          _mm512_set1_epi32(__builtin_ctzll(G / 32)));
+  const bool nta = stream_nta();
   for (int64_t n = nb; n < ne; n++) {
     const uint8_t* row = w.codes + n * (K / 2);
     const uint16_t* srow = w.scales + n * NG;
@@ -336,7 +339,7 @@ static void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const
         const uint8_t* p = row + j * 256 + c * 64;
         __m512i v;
         if (bytes == 64) {
-          _mm_prefetch((const char*)(p + 2048), _MM_HINT_T0);
+          prefetch_stream(p + 2048, nta);
           v = _mm512_loadu_si512(p);
         } else {  // the row's tail: masked (nothing read past it), zero codes
           v = _mm512_maskz_loadu_epi8((__mmask64)((1ull << bytes) - 1), p);
@@ -417,13 +420,14 @@ static void rows_int8_i16a(const QW& w, int64_t nb, int64_t ne, const QAct16* ac
   const __m512i zero = _mm512_setzero_si512();
   static thread_local std::vector<float> sbuf;
   sbuf.resize(TT * B);
+  const bool nta = stream_nta();
   for (int64_t n = nb; n < ne; n++) {
     const int8_t* row = (const int8_t*)w.codes + n * K;
     for (int t = 0; t < TT; t++) block_scales(w.scales + n * NG, G, acts[t].dx.data(), B, sbuf.data() + t * B);
     __m512 f0[TT], f1[TT];
     for (int t = 0; t < TT; t++) f0[t] = f1[t] = _mm512_setzero_ps();
     for (int64_t c = 0; c < B / 2; c++) {
-      _mm_prefetch((const char*)(row + c * 64 + 2048), _MM_HINT_T0);
+      prefetch_stream(row + c * 64 + 2048, nta);
       const __m512i v = _mm512_loadu_si512(row + c * 64);
       const __m512i w0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(v));
       const __m512i w1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1));

@@ -125,20 +125,20 @@ template <int FMT> struct Deq {
   static constexpr int64_t BLOCK_BYTES = FMT == F_INT4 || FMT == F_NF4 || FMT == F_MXFP4 ? 16 : FMT == F_INT8 ? 32 : 64;
   static constexpr int64_t WEIGHTS_PER_LINE = 64 / BLOCK_BYTES * 32;
 
-  static inline void prefetch_codes(const QW& w, int64_t n, int64_t k) {
+  static inline void prefetch_codes(const QW& w, int64_t n, int64_t k, bool nta) {
     if (n >= w.N) return;
-    _mm_prefetch((const char*)w.codes + n * (w.K / 32 * BLOCK_BYTES) + k / 32 * BLOCK_BYTES, _MM_HINT_T0);
+    prefetch_stream((const char*)w.codes + n * (w.K / 32 * BLOCK_BYTES) + k / 32 * BLOCK_BYTES, nta);
   }
 };
 
 // prefetch the scales/mins of rows [n0, n0 + R) (those that exist)
-inline void prefetch_meta(const QW& w, int64_t n0, int R) {
+inline void prefetch_meta(const QW& w, int64_t n0, int R, bool nta) {
   if (w.fmt == F_BF16 || n0 >= w.N) return;
   const int64_t ng = w.K / w.G, rows = n0 + R <= w.N ? R : w.N - n0, ssz = w.fmt == F_MXFP4 ? 1 : 2;
   const int64_t bytes = rows * ng * ssz;
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)w.scales + n0 * ng * ssz + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < bytes; b += 64) prefetch_stream((const char*)w.scales + n0 * ng * ssz + b, nta);
   if (w.fmt == F_INT4)
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)(w.mins + n0 * ng) + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < bytes; b += 64) prefetch_stream((const char*)(w.mins + n0 * ng) + b, nta);
 }
 
 // ---- direct loop ---------------------------------------------------------------------------
@@ -146,7 +146,8 @@ inline void prefetch_meta(const QW& w, int64_t n0, int R) {
 template <int FMT, int R, int TT>
 void tile_direct(const QW& w, int64_t n0, const float* x, int64_t t0, float* out, int64_t ldo) {
   const int64_t K = w.K, G = eff_group(w), NG = K / G, pf = g_prefetch_rows;
-  if (pf > 0) prefetch_meta(w, n0 + pf, R);
+  const bool nta = stream_nta();
+  if (pf > 0) prefetch_meta(w, n0 + pf, R, nta);
   __m256 acc[R][TT];
 #pragma GCC unroll 4
   for (int r = 0; r < R; r++)
@@ -159,7 +160,7 @@ void tile_direct(const QW& w, int64_t n0, const float* x, int64_t t0, float* out
     for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
       if (pf > 0 && k % Deq<FMT>::WEIGHTS_PER_LINE == 0) {
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) Deq<FMT>::prefetch_codes(w, n0 + pf + r, k);
+        for (int r = 0; r < R; r++) Deq<FMT>::prefetch_codes(w, n0 + pf + r, k, nta);
       }
 #pragma GCC unroll 4
       for (int j = 0; j < 4; j++) {
@@ -197,10 +198,11 @@ constexpr int RS = 4;  // rows per scratch tile
 template <int FMT>
 void deq_rows(const QW& w, int64_t n0, int R, float* buf) {
   const int64_t K = w.K, G = eff_group(w), NG = K / G, pf = g_prefetch_rows;
-  if (pf > 0) prefetch_meta(w, n0 + pf, R);
+  const bool nta = stream_nta();
+  if (pf > 0) prefetch_meta(w, n0 + pf, R, nta);
   for (int r = 0; r < R; r++) {
     if (pf > 0)
-      for (int64_t k = 0; k < K; k += Deq<FMT>::WEIGHTS_PER_LINE) Deq<FMT>::prefetch_codes(w, n0 + pf + r, k);
+      for (int64_t k = 0; k < K; k += Deq<FMT>::WEIGHTS_PER_LINE) Deq<FMT>::prefetch_codes(w, n0 + pf + r, k, nta);
     Deq<FMT> d;
     float* b = buf + r * K;
     for (int64_t g = 0; g < NG; g++) {
@@ -550,6 +552,7 @@ template <int TT>
 void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts, float* out, int64_t ldo) {
   const int64_t K = w.K, G = w.G, NG = K / G, B = K / 32, J = (B + 15) / 16;
   const __m256i m4 = _mm256_set1_epi8(0x0F), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const bool nta = stream_nta();
   for (int64_t n = nb; n < ne; n++) {
     const uint8_t* row = w.codes + n * (K / 2);
     const uint16_t* srow = w.scales + n * NG;
@@ -558,7 +561,7 @@ void rows_int4_i8a(const QW& w, int64_t nb, int64_t ne, const QAct* const* acts,
     for (int64_t j = 0; j < J; j++) {
       const int64_t nbk = std::min<int64_t>(16, B - 16 * j);  // blocks in this group of 16
       const uint8_t* c = row + j * 256;
-      for (int64_t b = 0; b + 4 <= nbk; b += 4) _mm_prefetch((const char*)(c + b * 16 + 2048), _MM_HINT_T0);
+      for (int64_t b = 0; b + 4 <= nbk; b += 4) prefetch_stream(c + b * 16 + 2048, nta);
       auto sums = [&](int p, const int8_t* q) {  // pair p against q
         const __m256i v = pair_codes(c, p, nbk);
         return pair_sums(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), q);

@@ -232,7 +232,7 @@ def load_extension(verbose: bool = False) -> Any:
                         _errors[isa or "none"].splitlines()[0][:300])
         if ext is not None:
             ext.set_threads(native_threads())
-            _sync_amx(ext)
+            _sync_switches(ext)
         _exts[isa] = ext
         return ext
 
@@ -249,17 +249,19 @@ def extension_error() -> str | None:
 
 
 _vnni: dict[str, bool] = {}
-_amx_gen: dict[int, int] = {}  # id(extension) -> options generation its AMX switch was set at
+_switch_gen: dict[int, int] = {}  # id(extension) -> options generation its switches were set at
 
 
-def _sync_amx(ext: Any) -> None:
-    """The ``amx`` runtime option into the extension's switch (a process-wide flag the kernels
-    read; the tiles run only where the CPU and kernel allow them: ``ext.amx_usable()``), again
-    after every :func:`engine.options.configure`."""
+def _sync_switches(ext: Any) -> None:
+    """The runtime options that are process-wide flags of the extension, which its kernels read:
+    ``amx`` (the tiles run only where the CPU and kernel allow them: ``ext.amx_usable()``) and
+    ``stream_nta`` (how streamed weight rows are requested: engine/csrc/quant.h), again after
+    every :func:`engine.options.configure`."""
     g = generation()
-    if _amx_gen.get(id(ext)) != g:
+    if _switch_gen.get(id(ext)) != g:
         ext.set_amx(options().amx)
-        _amx_gen[id(ext)] = g
+        ext.set_stream_nta(options().stream_nta)
+        _switch_gen[id(ext)] = g
 
 
 def int8_activations() -> bool:
@@ -271,14 +273,14 @@ def int8_activations() -> bool:
     2.4x faster, none where the float kernel is already memory-bound; adds ~1% relative error
     to W·x (int4 weights alone: ~6.5%). ``reference.linear_ref_int8_act`` is the same math in
     torch; off gives the exact float path. Numbers in docs/quantization.md."""
+    isa = native_isa()
+    if _exts.get(isa) is not None:  # each step asks: the switches follow configure()
+        _sync_switches(_exts[isa])
     if not options().int8_activations:
         return False
-    isa = native_isa()
     if isa not in _vnni:
         ext = load_extension()
         _vnni[isa] = bool(ext is not None and ext.has_int8_dots())
-    if _vnni[isa]:
-        _sync_amx(_exts[isa])
     return _vnni[isa]
 
 

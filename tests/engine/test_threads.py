@@ -51,6 +51,10 @@ def test_bad_setting_is_a_clear_error():
     assert RuntimeOptions.from_env({"MOESTREAM_FUSED_STEP": "0"}).fused_step is False
     assert RuntimeOptions.from_env({"MOESTREAM_AMX": "0"}).amx is False
     assert RuntimeOptions.from_env({}).amx is True
+    assert RuntimeOptions.from_env({"MOESTREAM_STREAM_NTA": "0"}).stream_nta is False
+    assert RuntimeOptions.from_env({}).stream_nta is True
+    with pytest.raises(ConfigError, match="MOESTREAM_STREAM_NTA"):
+        RuntimeOptions.from_env({"MOESTREAM_STREAM_NTA": "yes"})
     with pytest.raises(ConfigError, match="MOESTREAM_AMX"):
         RuntimeOptions.from_env({"MOESTREAM_AMX": "off"})
 

@@ -292,6 +292,42 @@ def test_amx_expert_forward_gives_the_vnni_bits():
     assert torch.equal(K.expert_forward(x, gate, up, down), vnni)
 
 
+@pytest.mark.skipif(not HAVE_CPP, reason="needs the native kernels")
+@pytest.mark.parametrize("i8a", [True, False])
+def test_stream_hint_follows_the_option_and_keeps_the_bits(i8a):
+    """The ``stream_nta`` option (how the kernels request the weight rows they stream:
+    engine/csrc/quant.h) reaches the extension's switch at the next step after a configure(), and
+    only the requests change: every format, with integer or float activations, decode-sized calls
+    (the int8 kernel's 256-bit halves) and larger ones give the same bits either way."""
+    from engine.options import configure
+
+    ext = K.load_extension()
+    gen = torch.Generator().manual_seed(46)
+    prev = configure(int8_activations=i8a)
+    try:
+        for on in (False, True):
+            configure(stream_nta=on)
+            K.int8_activations()  # what every step asks first
+            assert ext.stream_nta() is on
+        for fmt in ("int4", "int8", "nf4", "bf16"):
+            q = quantize(torch.randn(70, 1024, generator=gen) * 0.05, QuantFormat(fmt, 64))
+            for t in (1, 3, 5, 17):
+                x = torch.randn(t, 1024, generator=gen)
+                ys = []
+                for on in (True, False):
+                    was = ext.set_stream_nta(on)
+                    try:
+                        ys.append(K.qlinear(x, q))
+                    finally:
+                        ext.set_stream_nta(was)
+                assert torch.equal(ys[0], ys[1]), (fmt, t)
+                assert_close_to_cpp_ref(ys[0], x, q)
+    finally:
+        configure(prev)
+        K.int8_activations()
+    assert ext.stream_nta() is prev.stream_nta
+
+
 @pytest.mark.skipif(not (HAVE_CPP and K.int8_activations()), reason="needs the VNNI int8-activation kernel")
 def test_int8_activations_cover_what_the_vnni_kernel_reads():
     """The VNNI kernel loads a token's int8 activations 16 blocks (512 bytes) at a time, whatever K:
