@@ -62,7 +62,8 @@ class Executor:
         summation order."""
         model = self.model
         device = model.model.embed_tokens.weight.device
-        tokens = tokens.to(device)  # callers build them on the CPU
+        if tokens.device != device:  # callers build them on the CPU
+            tokens = tokens.to(device)
         with model.step_state(layout, kv, rows) as state, step_threads(tokens.shape[0], device):
             native = self.native() if device.type == "cpu" else None
             out = native.forward(model, tokens, layout, kv, state, all_logits, rows) if native is not None else None

@@ -212,7 +212,9 @@ class Engine:
         t0 = time.perf_counter()
         # [R, V], R = the rows that sample (each sequence's last, plus its drafts' rows); the
         # samplers' generators are on the CPU
-        logits = self.executor(tokens, layout, self.kv, rows=rows).cpu()
+        logits = self.executor(tokens, layout, self.kv, rows=rows)
+        if logits.device.type != "cpu":
+            logits = logits.cpu()
         t_forward = time.perf_counter() - t0
         b1, s1, _ = cache_counters(cache)
         self.scheduler.commit(plan)
@@ -314,12 +316,12 @@ class Engine:
         if c.logprobs is not None:
             out.logprobs = []
         reason: FinishReason | None = None
-        for token, row in zip(tokens, logits):
+        for i, token in enumerate(tokens):  # not zip(tokens, logits): a view per row, unused without logprobs
             seq.append_token(token, now)
             self._generated_tokens += 1
             out.new_token_ids.append(token)
             if c.logprobs is not None:
-                out.logprobs.append(top_logprobs(row, token, c.logprobs))
+                out.logprobs.append(top_logprobs(logits[i], token, c.logprobs))
             if token in c.stop_token_ids or (token in self.eos_ids and not c.ignore_eos):
                 reason = "stop"  # the stop token's text is not streamed
             elif seq.detokenizer is not None:

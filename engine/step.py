@@ -141,6 +141,7 @@ class NativeStep:
         if any(mlp.layer != i for i, mlp in sparse):
             return None
         self.sparse = [mlp for _, mlp in sparse]
+        self._hits = torch.zeros(len(layers), dtype=torch.int64)  # run_layers zeroes it per step
         routers = [EMPTY if r is None else r for r in self.routers]
         top_k = [layer.mlp.gate.top_k if r is not None else 0 for layer, r in zip(layers, self.routers)]
         norm = [bool(layer.mlp.gate.normalize) if r is not None else False for layer, r in zip(layers, self.routers)]
@@ -226,7 +227,7 @@ class NativeStep:
     def _run_layers(self, ctx: StepContext, layers, resident: torch.Tensor, slot_rows: torch.Tensor) -> None:
         """Every layer through ``run_layers``; a layer it stops at (an expert not resident) takes
         the fetch path of ``_moe`` with the routing run_layers computed, then the rest go on."""
-        hits = torch.zeros(len(layers), dtype=torch.int64)
+        hits = self._hits  # experts found resident per layer: zeroed by the call that starts at 0
         start = 0
         while True:
             stop, h, ids, w, uniq = self.ext.run_layers(
@@ -249,7 +250,10 @@ class NativeStep:
         qlens, ctxs = list(layout.query_lens), list(layout.context_lens)
         positions = [c + i for c, n in zip(ctxs, qlens) for i in range(n)]
         cos, sin = model.rotary.tables(max(positions) + 1)
-        x = model.model.embed_tokens(tokens).float().contiguous()
+        x = model.model.embed_tokens(tokens)
+        if x.dtype != torch.float32:  # a call per token: .float() dispatches even when it is a no-op
+            x = x.float()
+        x = x.contiguous()
         return self.context_type(x, layout, positions, cos, sin, storage, tables, qlens, ctxs, state,
                                  DIRECT_MAX_T, int8_activations(), *self._extra_context(layout, state))
 

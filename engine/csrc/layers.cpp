@@ -9,6 +9,8 @@
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
+
 namespace ms {
 
 std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>> run_layers(
@@ -26,6 +28,7 @@ std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>> ru
   const int32_t* rp = resident.data_ptr<int32_t>();
   const int64_t rl = resident.size(0), re = resident.size(1);
   int64_t* hp = hits.data_ptr<int64_t>();
+  if (start == 0) std::fill(hp, hp + L, int64_t{0});  // a step's first call: its hits start at 0
   const at::Tensor none_ids = at::empty({0}, at::kLong), none_w = at::empty({0}, at::kFloat);
   for (int64_t i = start; i < L; i++) {
     at::Tensor h = attn_block(m.attn[i], x, cos, sin, positions, storage, i, tables, qlens, ctxs, dmt, i8a);

@@ -74,7 +74,7 @@ struct Layers {
 // Runs layers start, start + 1, ... of x's step until the last (returns its count) or until a
 // sparse layer routes to an expert `resident` has no slot for: then returns that layer's index,
 // its post-attention norm h and routing (ids, weights, distinct ids) with its attention done and
-// its feed-forward not. hits[i] += the distinct experts of each sparse layer run here.
+// its feed-forward not. hits[i] += the distinct experts of each sparse layer run here (hits zeroed first when start is 0).
 std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>> run_layers(
     const Layers& m, int64_t start, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
     const std::vector<int64_t>& positions, const at::Tensor& storage, const at::Tensor& tables,

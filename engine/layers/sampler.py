@@ -166,8 +166,8 @@ def greedy_token(logits: torch.Tensor, state: SamplerState) -> int:
     c = state.config
     if c.repetition_penalty != 1.0 or c.presence_penalty or c.frequency_penalty:
         logits = apply_penalties(logits.detach().to("cpu", torch.float32, copy=True), state)
-    else:
-        logits = logits.detach().to("cpu", torch.float32)
+    elif logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.requires_grad:
+        logits = logits.detach().to("cpu", torch.float32)  # a no-op .to still dispatches: skipped
     if logits.is_contiguous():
         return int(logits.numpy().argmax())
     return int(torch.argmax(logits))
