@@ -14,8 +14,9 @@ Per layer (engine/csrc/step.cpp):
 and after the last layer ``head_block``: the final norm and LM head of each sequence's last row.
 So a decode layer is three native calls plus the cache's lookups, instead of hundreds of torch
 ops; and where the architecture adds no hooks and the expert cache can hand out a residency table
-(ExpertProvider.resident_map), the whole loop of layers is one native call, ``run_layers``
-(engine/csrc/layers.cpp), that returns to Python only for a layer with an expert to fetch.
+(ExpertProvider.resident_map), the whole loop of layers and the head is one native call,
+``run_layers`` (engine/csrc/layers.cpp), that returns to Python only for a layer with an expert
+to fetch: a decoded token whose experts are resident is one native call.
 The torch layers (engine.layers) stay the reference: :func:`NativeStep.for_model` says when the
 model can run this way (CPU, native kernels built, dense linears quantized by
 engine.quant.linear, float32 activations) and :meth:`NativeStep.supports` per step (the KV
@@ -145,7 +146,7 @@ class NativeStep:
         routers = [EMPTY if r is None else r for r in self.routers]
         top_k = [layer.mlp.gate.top_k if r is not None else 0 for layer, r in zip(layers, self.routers)]
         norm = [bool(layer.mlp.gate.normalize) if r is not None else False for layer, r in zip(layers, self.routers)]
-        return self.ext.Layers(self.attn, self.ffn, routers, top_k, norm)
+        return self.ext.Layers(self.attn, self.ffn, routers, top_k, norm, self.head, self.norm, self.eps)
 
     # Architectures override these three (engine/models/{qwen3_next,deepseek_v3,gpt_oss}/step.py).
     def _mixer(self, layer: nn.Module) -> Any:
@@ -201,14 +202,17 @@ class NativeStep:
         if ctx is None:
             return None
         resident = self._resident_map()
-        if resident is not None:
-            self._run_layers(ctx, model.model.layers, *resident)
+        logits = None
+        if resident is not None:  # the head in the same call where the kernels run it
+            head_rows = [] if all_logits or self.head is None else rows if rows is not None else layout.last_rows()
+            logits = self._run_layers(ctx, model.model.layers, *resident, head_rows)
         else:
             for i, layer in enumerate(model.model.layers):
                 h = self._attention(ctx, i, layer)
                 self._mlp(ctx, i, layer.mlp, h)
         model.tap_hidden(ctx.x, layout)  # the MTP drafter's hidden states (CausalLM.tap_hidden)
-        return self._logits(model, ctx.x, layout, all_logits, rows)
+        # (the head reads x without changing it: the taps see the same rows after it)
+        return logits if logits is not None else self._logits(model, ctx.x, layout, all_logits, rows)
 
     def _resident_map(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(residency table, slot table) for ``run_layers`` when this step can run its layers as
@@ -224,21 +228,24 @@ class NativeStep:
             return None
         return provider.resident_map()
 
-    def _run_layers(self, ctx: StepContext, layers, resident: torch.Tensor, slot_rows: torch.Tensor) -> None:
+    def _run_layers(self, ctx: StepContext, layers, resident: torch.Tensor, slot_rows: torch.Tensor,
+                    head_rows: list[int]) -> torch.Tensor | None:
         """Every layer through ``run_layers``; a layer it stops at (an expert not resident) takes
-        the fetch path of ``_moe`` with the routing run_layers computed, then the rest go on."""
+        the fetch path of ``_moe`` with the routing run_layers computed, then the rest go on. The
+        call that finishes the layers returns the logits of ``head_rows`` (None: none asked)."""
         hits = self._hits  # experts found resident per layer: zeroed by the call that starts at 0
         start = 0
         while True:
-            stop, h, ids, w, uniq = self.ext.run_layers(
+            stop, h, ids, w, uniq, logits = self.ext.run_layers(
                 self.layers, start, ctx.x, ctx.cos, ctx.sin, ctx.positions, ctx.storage, ctx.tables, ctx.qlens,
-                ctx.ctxs, ctx.dmt, ctx.i8a, resident, slot_rows, hits)
+                ctx.ctxs, ctx.dmt, ctx.i8a, resident, slot_rows, hits, head_rows)
             if stop == len(layers):
                 break
             self._moe(ctx, stop, layers[stop].mlp, h, (ids, w, uniq))
             start = stop + 1
         if self.sparse:
             self.sparse[0].provider.count_hits(hits.tolist())
+        return logits
 
     def _context(self, model, tokens: torch.Tensor, layout: BatchLayout, kv: KVCache,
                  state) -> StepContext | None:

@@ -13,15 +13,17 @@
 
 namespace ms {
 
-std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>> run_layers(
+std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>, at::Tensor> run_layers(
     const Layers& m, int64_t start, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
     const std::vector<int64_t>& positions, const at::Tensor& storage, const at::Tensor& tables,
     const std::vector<int64_t>& qlens, const std::vector<int64_t>& ctxs, int64_t dmt, bool i8a,
-    const at::Tensor& resident, const at::Tensor& slot_table, at::Tensor hits) {
+    const at::Tensor& resident, const at::Tensor& slot_table, at::Tensor hits,
+    const std::vector<int64_t>& head_rows) {
   const int64_t L = (int64_t)m.attn.size();
   TORCH_CHECK(m.ffn.size() == (size_t)L && m.router.size() == (size_t)L && m.top_k.size() == (size_t)L &&
               m.normalize.size() == (size_t)L, "one attention, feed-forward and router entry per layer");
   TORCH_CHECK(start >= 0 && start <= L, "start layer out of range");
+  TORCH_CHECK(head_rows.empty() || m.head.has_value(), "head rows given to layers built without a head");
   TORCH_CHECK(resident.scalar_type() == at::kInt && resident.dim() == 2 && resident.is_contiguous(),
               "resident must be int32 [layers, experts]");
   TORCH_CHECK(hits.scalar_type() == at::kLong && hits.numel() == L && hits.is_contiguous(), "hits must be int64 [layers]");
@@ -44,11 +46,12 @@ std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>> ru
       TORCH_CHECK(uniq[u] < re, "expert ", uniq[u], " beyond the residency table");
       all = (slots[u] = rp[i * re + uniq[u]]) >= 0;
     }
-    if (!all) return {i, h, ids, w, uniq};
+    if (!all) return {i, h, ids, w, uniq, at::Tensor()};
     hp[i] += (int64_t)uniq.size();
     ffn_block(x, h, ids, w, uniq, slots, slot_table, dense, dmt, i8a);
   }
-  return {L, at::Tensor(), at::Tensor(), at::Tensor(), {}};
+  at::Tensor logits = head_rows.empty() ? at::Tensor() : head_block(x, head_rows, m.norm, m.eps, *m.head, dmt, i8a);
+  return {L, at::Tensor(), at::Tensor(), at::Tensor(), {}, logits};
 }
 
 }  // namespace ms

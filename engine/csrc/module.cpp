@@ -70,8 +70,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }));
   py::class_<ms::Layers>(m, "Layers", py::module_local())
       .def(py::init([](std::vector<ms::Attn> attn, std::vector<std::optional<ms::FFN>> ffn,
-                       std::vector<at::Tensor> router, std::vector<int64_t> top_k, std::vector<bool> normalize) {
-        return ms::Layers{attn, ffn, router, top_k, normalize};
+                       std::vector<at::Tensor> router, std::vector<int64_t> top_k, std::vector<bool> normalize,
+                       std::optional<ms::Linear> head, at::Tensor norm, double eps) {
+        return ms::Layers{attn, ffn, router, top_k, normalize, head, norm, eps};
       }));
   m.attr("SLOT_ROW") = ms::SLOT_ROW;
   m.def("set_phase_timing", [](bool on) { ms::g_phase_timing.store(on); },
@@ -94,7 +95,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("deltanet_block", &ms::deltanet_block, "x += Gated DeltaNet of a step's rows (any kind); returns the post-attention norm");
   m.def("deltanet_step", &ms::deltanet_step, "Gated DeltaNet: conv step + delta-rule update of one token");
   m.def("head_block", &ms::head_block, "logits of the final norm of some rows through the LM head");
-  m.def("run_layers", &ms::run_layers, "the layers of a step from `start` on, until one needs an expert that is not resident");
+  m.def("run_layers", &ms::run_layers,
+        "the layers of a step from `start` on, until one needs an expert that is not resident; after the "
+        "last, the logits of `head_rows`");
   m.def("route", &ms::route, "top-k routing in float32: (ids [T, K], weights [T, K])", py::arg("h"),
         py::arg("wr"), py::arg("top_k"), py::arg("normalize"), py::arg("bias") = at::empty({0}));
   m.def("mla_block", &ms::mla_block, "x += multi-head latent attention block; returns the post-attention norm");

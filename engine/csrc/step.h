@@ -70,16 +70,23 @@ struct Layers {
   std::vector<at::Tensor> router;  // float32 [E, H], or empty: a dense layer
   std::vector<int64_t> top_k;
   std::vector<bool> normalize;
+  std::optional<Linear> head;  // the LM head where the kernels run it (else Python computes logits)
+  at::Tensor norm;             // the final norm's float32 weight [H] (with head)
+  double eps = 0;
 };
 // Runs layers start, start + 1, ... of x's step until the last (returns its count) or until a
 // sparse layer routes to an expert `resident` has no slot for: then returns that layer's index,
 // its post-attention norm h and routing (ids, weights, distinct ids) with its attention done and
-// its feed-forward not. hits[i] += the distinct experts of each sparse layer run here (hits zeroed first when start is 0).
-std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>> run_layers(
+// its feed-forward not. hits[i] += the distinct experts of each sparse layer run here (hits zeroed
+// first when start is 0). After the last layer, the logits of rows `head_rows` of x (head_block
+// with the Layers' final norm and head; an undefined tensor when head_rows is empty), so a decode
+// step whose experts are resident is this one call.
+std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>, at::Tensor> run_layers(
     const Layers& m, int64_t start, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
     const std::vector<int64_t>& positions, const at::Tensor& storage, const at::Tensor& tables,
     const std::vector<int64_t>& qlens, const std::vector<int64_t>& ctxs, int64_t dmt, bool i8a,
-    const at::Tensor& resident, const at::Tensor& slot_table, at::Tensor hits);
+    const at::Tensor& resident, const at::Tensor& slot_table, at::Tensor hits,
+    const std::vector<int64_t>& head_rows);
 // logits [R, V] of the final norm of rows `rows` of x through the LM head
 at::Tensor head_block(const at::Tensor& x, const std::vector<int64_t>& rows, const at::Tensor& norm,
                       double eps, const Linear& head, int64_t dmt, bool i8a);

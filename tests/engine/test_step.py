@@ -85,9 +85,10 @@ def spy(model, fused) -> Counting:
     return step.ext
 
 
-def steps(model, kv, fused_on: bool, fused) -> list[torch.Tensor]:
+def steps(model, kv, fused_on: bool, fused, all_logits: bool = True) -> list[torch.Tensor]:
     """A mixed schedule over three sequences: a batched prefill, a decode step of all three, a
-    step mixing 2 new tokens of one sequence with 1 of another. Logits of every step."""
+    step mixing 2 new tokens of one sequence with 1 of another. Logits of every step (of every
+    row, or of each sequence's last: ``all_logits`` False)."""
     fused(fused_on)
     g = torch.Generator().manual_seed(3)
     v = model.config.vocab_size
@@ -97,7 +98,7 @@ def steps(model, kv, fused_on: bool, fused) -> list[torch.Tensor]:
     out = []
     for layout in plan:
         tokens = torch.randint(0, v, (layout.num_tokens,), generator=g)
-        out.append(executor_for(model)(tokens, layout, kv, all_logits=True))
+        out.append(executor_for(model)(tokens, layout, kv, all_logits=all_logits))
     return out
 
 
@@ -258,17 +259,21 @@ def test_all_resident_experts_skip_acquire_with_the_same_tokens_and_hits(store, 
         assert sm.cache.resident_map() is None
 
 
-def test_decode_is_one_native_call_for_the_layers_and_one_for_the_head(store, fused):
+def test_decode_is_one_native_call_layers_and_head(store, fused):
+    """Every expert resident and the head on the kernels (int8): a decoded token is one native
+    call, run_layers computing the head after the last layer (its bits are those of head_block
+    called alone: test_layers_in_one_call_equal_the_loop_of_layers)."""
     fused(True)
     with load_from_store(store, prefetch_depth=0, dense="int8", warm=True) as sm:
-        assert decode_calls(sm, fused) == {"run_layers": 1, "head_block": 1}
+        assert decode_calls(sm, fused) == {"run_layers": 1}
 
 
 def test_layers_in_one_call_equal_the_loop_of_layers(store, fused, monkeypatch):
     """run_layers (engine/csrc/layers.cpp) against NativeStep's Python loop over the same calls per
     layer: the same logits bit for bit on a mixed schedule, from a cold cache (run_layers stops at
     each layer with a miss, the fetch path takes it, the next layers resume natively) and then a warm
-    one; the same expert hits and misses."""
+    one; the same expert hits and misses. Then each sequence's last row only: run_layers computes
+    the head in the call that finishes the layers, with the bits of head_block called alone."""
     from engine.step import NativeStep
 
     out = {}
@@ -285,6 +290,9 @@ def test_layers_in_one_call_equal_the_loop_of_layers(store, fused, monkeypatch):
             logits = steps(sm.model, kv(), True, fused) + steps(sm.model, kv(), True, fused)
             m = sm.cache.metrics.total()
             out[one_call] = logits, (m.hits, m.misses), dict(calls)
+            calls.clear()
+            last_rows = steps(sm.model, kv(), True, fused, all_logits=False)
+            out[one_call, "last"] = last_rows, dict(calls)
     (got, counts, calls), (want, want_counts, loop_calls) = out[True], out[False]
     assert calls["run_layers"] >= 6 and calls.get("attn_block", 0) == 0
     assert loop_calls.get("run_layers", 0) == 0 and loop_calls["attn_block"] == 6 * cfg.num_layers
@@ -292,6 +300,11 @@ def test_layers_in_one_call_equal_the_loop_of_layers(store, fused, monkeypatch):
     assert counts == want_counts and counts[1] > 0
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    (got, calls), (want, loop_calls) = out[True, "last"], out[False, "last"]
+    assert calls.get("head_block", 0) == 0 and calls["run_layers"] >= 3  # the head inside run_layers
+    assert loop_calls["head_block"] == 3
+    for a, b in zip(got, want):
+        assert a.shape[0] == 3 - (a is got[-1]) and torch.equal(a, b)
 
 
 def test_fp8_kv_and_fp32_dense_run_the_torch_layers(store, fused):
