@@ -32,14 +32,22 @@ std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>, at
   int64_t* hp = hits.data_ptr<int64_t>();
   if (start == 0) std::fill(hp, hp + L, int64_t{0});  // a step's first call: its hits start at 0
   const at::Tensor none_ids = at::empty({0}, at::kLong), none_w = at::empty({0}, at::kFloat);
+  // one post-attention norm and one routing buffer for the call's layers (each layer's ffn_block
+  // is done with them before the next layer writes them): no allocation per layer
+  const int64_t T = x.size(0);
+  at::Tensor h = at::empty({T, x.size(1)}, at::kFloat), ids, w;
   for (int64_t i = start; i < L; i++) {
-    at::Tensor h = attn_block(m.attn[i], x, cos, sin, positions, storage, i, tables, qlens, ctxs, dmt, i8a);
+    attn_block_out(m.attn[i], x, cos, sin, positions, storage, i, tables, qlens, ctxs, dmt, i8a, h);
     const FFN* dense = m.ffn[i] ? &*m.ffn[i] : nullptr;
     if (!m.router[i].defined() || m.router[i].numel() == 0) {
       ffn_block(x, h, none_ids, none_w, {}, {}, none_ids, dense, dmt, i8a);
       continue;
     }
-    auto [ids, w, uniq] = route(h, m.router[i], m.top_k[i], m.normalize[i], at::Tensor());
+    if (!ids.defined() || ids.size(1) != m.top_k[i]) {
+      ids = at::empty({T, m.top_k[i]}, at::kLong);
+      w = at::empty({T, m.top_k[i]}, at::kFloat);
+    }
+    std::vector<int64_t> uniq = route_out(h, m.router[i], m.top_k[i], m.normalize[i], at::Tensor(), ids, w);
     std::vector<int64_t> slots(uniq.size());
     bool all = i < rl;
     for (size_t u = 0; all && u < uniq.size(); u++) {

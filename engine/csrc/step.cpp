@@ -495,8 +495,18 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
                       const std::vector<int64_t>& positions, const at::Tensor& storage, int64_t layer,
                       const at::Tensor& tables, const std::vector<int64_t>& qlens,
                       const std::vector<int64_t>& ctxs, int64_t dmt, bool i8a) {
+  at::Tensor h = at::empty({x.size(0), x.size(1)}, at::kFloat);
+  attn_block_out(a, x, cos, sin, positions, storage, layer, tables, qlens, ctxs, dmt, i8a, h);
+  return h;
+}
+
+void attn_block_out(const Attn& a, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                    const std::vector<int64_t>& positions, const at::Tensor& storage, int64_t layer,
+                    const at::Tensor& tables, const std::vector<int64_t>& qlens,
+                    const std::vector<int64_t>& ctxs, int64_t dmt, bool i8a, at::Tensor h) {
   const int64_t T = x.size(0), H = x.size(1), nh = a.nh, nkv = a.nkv, d = a.d;
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32");
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous() && h.numel() == T * H, "h must be float32 [T, H]");
   TORCH_CHECK(storage.dim() == 6 && storage.size(4) == nkv && storage.size(5) == d && storage.is_contiguous(),
               "KV storage must be [L, 2, NB, BS, Nkv, D]");
   TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() && tables.size(0) == (int64_t)qlens.size(),
@@ -511,7 +521,6 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
               a.sinks.is_contiguous() && a.sinks.numel() == nh), "sinks must be float32 [Nh]");
   const float* sinks = opt_ptr(a.sinks);
   for (int64_t p : positions) TORCH_CHECK(p >= 0 && p < cos.size(0), "position ", p, " beyond the rotary table");
-  at::Tensor h = at::empty({T, H}, at::kFloat);
   float* xp = x.data_ptr<float>();
   float* hp = h.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -567,7 +576,6 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
   for (int64_t i = 0; i < T * H; i++) xp[i] += y[i];
   for (int64_t t = 0; t < T; t++) rmsnorm(xp + t * H, a.ln2.data_ptr<float>(), H, eps, hp + t * H);
   clk.mark(PH_O);
-  return h;
 }
 
 constexpr int64_t ROUTER_SHARE = 16;  // router rows per thread at least (a split pays for its hand-off)
@@ -575,6 +583,13 @@ constexpr int64_t ROUTER_SHARE = 16;  // router rows per thread at least (a spli
 std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor& h, const at::Tensor& wr,
                                                                int64_t top_k, bool normalize,
                                                                const at::Tensor& bias) {
+  at::Tensor ids = at::empty({h.size(0), top_k}, at::kLong), w = at::empty({h.size(0), top_k}, at::kFloat);
+  std::vector<int64_t> uniq = route_out(h, wr, top_k, normalize, bias, ids, w);
+  return {ids, w, uniq};
+}
+
+std::vector<int64_t> route_out(const at::Tensor& h, const at::Tensor& wr, int64_t top_k, bool normalize,
+                               const at::Tensor& bias, at::Tensor ids, at::Tensor w) {
   PhaseClock clk;
   const int64_t T = h.size(0), H = h.size(1), E = wr.size(0);
   TORCH_CHECK(!bias.defined() || bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
@@ -583,7 +598,9 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor&
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be contiguous float32");
   TORCH_CHECK(wr.scalar_type() == at::kFloat && wr.is_contiguous() && wr.size(1) == H, "router must be float32 [E, H]");
   TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k out of range");
-  at::Tensor ids = at::empty({T, top_k}, at::kLong), w = at::empty({T, top_k}, at::kFloat);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.numel() == T * top_k &&
+              w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == T * top_k,
+              "ids / weights must be int64 / float32 [T, top_k]");
   const float *hp = h.data_ptr<float>(), *wp = wr.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   float* op = w.data_ptr<float>();
@@ -618,7 +635,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor&
   std::sort(uniq.begin(), uniq.end());
   uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
   clk.mark(PH_ROUTE);
-  return {ids, w, uniq};
+  return uniq;
 }
 
 namespace {

@@ -45,11 +45,19 @@ at::Tensor attn_block(const Attn& a, at::Tensor x, const at::Tensor& cos, const 
                       const std::vector<int64_t>& positions, const at::Tensor& storage, int64_t layer,
                       const at::Tensor& tables, const std::vector<int64_t>& qlens,
                       const std::vector<int64_t>& ctxs, int64_t dmt, bool i8a);
+// attn_block writing the post-attention norm into h [T, H] (run_layers: one h for all its layers)
+void attn_block_out(const Attn& a, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                    const std::vector<int64_t>& positions, const at::Tensor& storage, int64_t layer,
+                    const at::Tensor& tables, const std::vector<int64_t>& qlens,
+                    const std::vector<int64_t>& ctxs, int64_t dmt, bool i8a, at::Tensor h);
 // (ids [T, K], weights [T, K], the distinct ids ascending)
 // bias: float32 [E] added to the router's logits (or empty)
 std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> route(const at::Tensor& h, const at::Tensor& wr,
                                                                int64_t top_k, bool normalize,
                                                                const at::Tensor& bias);
+// route writing into ids [T, K] and weights [T, K]; returns the distinct ids ascending
+std::vector<int64_t> route_out(const at::Tensor& h, const at::Tensor& wr, int64_t top_k, bool normalize,
+                               const at::Tensor& bias, at::Tensor ids, at::Tensor w);
 void ffn_block(at::Tensor x, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& w,
                const std::vector<int64_t>& experts, const std::vector<int64_t>& slots,
                const at::Tensor& slot_table, const FFN* dense, int64_t dmt, bool i8a,
