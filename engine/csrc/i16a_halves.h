@@ -15,6 +15,17 @@
 
 namespace ms {
 
+// the sum of a vector's 8 lanes: lane i + lane i + 4, then + 2, + 1
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// i8a.h's tree16 of 16 lanes held as lanes 0-7 (lo) and 8-15 (hi): lo + hi, then halving
+inline float tree16(__m256 lo, __m256 hi) { return hsum8(_mm256_add_ps(lo, hi)); }
+
 template <int TT, auto BlockScales>
 inline void rows_int8_i16a_halves(const QW& w, int64_t nb, int64_t ne, const QAct16* acts, float* out, int64_t ldo) {
   const int64_t K = w.K, G = w.G, NG = K / G, B = K / 32;
@@ -50,13 +61,8 @@ inline void rows_int8_i16a_halves(const QW& w, int64_t nb, int64_t ne, const QAc
       block(b + 1, std::integral_constant<int, 2>{});
     }
     if (b < B) block(b, std::integral_constant<int, 0>{});
-    for (int t = 0; t < TT; t++) {  // lane i + lane i + 8, then + 4, + 2, + 1
-      const __m256 v = _mm256_add_ps(_mm256_add_ps(f[t][0], f[t][2]), _mm256_add_ps(f[t][1], f[t][3]));
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-      s = _mm_add_ss(s, _mm_movehdup_ps(s));
-      out[t * ldo + n] = _mm_cvtss_f32(s);
-    }
+    for (int t = 0; t < TT; t++)
+      out[t * ldo + n] = tree16(_mm256_add_ps(f[t][0], f[t][2]), _mm256_add_ps(f[t][1], f[t][3]));
   }
 }
 

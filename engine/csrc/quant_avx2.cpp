@@ -56,13 +56,6 @@ int64_t g_prefetch_rows = 16;  // software prefetch distance in rows (0: off); s
 
 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // group size for the loops (bf16 has no groups: the whole row)
 inline int64_t eff_group(const QW& w) { return w.fmt == F_BF16 ? w.K : w.G; }
 
@@ -306,9 +299,6 @@ inline int32_t hsum8_epi32(__m256i v) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
-
-// i8a.h's tree16 of 16 lanes held as lanes 0-7 (lo) and 8-15 (hi): lo + hi, then halving
-inline float tree16(__m256 lo, __m256 hi) { return hsum8(_mm256_add_ps(lo, hi)); }
 
 // The split kernel's layout of 8 blocks (y[l]: block l's 32 bytes in weight order): 8 vectors,
 // vector i holding weights 4i .. 4i + 3 of block l in its 32-bit lane l (an 8 x 8 transpose of
@@ -603,7 +593,6 @@ inline void block_scales(const uint16_t* srow, int64_t G, const float* dx, int64
   }
   for (; b < B; b++) s[b] = h2f(srow[b * 32 / G]) * dx[b];
 }
-
 
 constexpr int TILE = 3;  // tokens per register tile (16 vector registers)
 constexpr int SPLIT_TILE = 2;  // tokens per tile over split rows (1-4 measured within 8%; 2 the fastest)
