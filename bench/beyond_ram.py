@@ -167,7 +167,9 @@ def moestream_child(store: str, prompt_len: int, new: int, threads: int, io_thre
     # at float32's 4 bytes an element: the bound of either dtype the run's cache may take (kv_dtype)
     kv_budget = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (prompt_len + new + 16) * 4
     try:
-        b = store_budgets(st, device="cpu", dense="int8", kv_bytes=kv_budget)
+        # the margin for what the run adds: its one prompt step, no tokenizer (fed token ids)
+        b = store_budgets(st, device="cpu", dense="int8", kv_bytes=kv_budget, step_tokens=prompt_len,
+                          tokenizer=False)
     except HostMemoryError as e:
         st.close()
         return {"refused": str(e)}

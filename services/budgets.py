@@ -35,7 +35,8 @@ def _store_budgets(config: DeployConfig, store, device: str, **kw) -> Budgets:
     from engine.experts.runtime import store_budgets
 
     return store_budgets(store, device=device, dense=config.dense_format, head=config.head_format,
-                         dtype=config.torch_dtype, kv_bytes=config.kv_budget, **kw)
+                         dtype=config.torch_dtype, kv_bytes=config.kv_budget,
+                         step_tokens=config.max_batched_tokens, **kw)
 
 
 def deployer_budgets(config: DeployConfig, *, gpu: bool, host_available: int | None = None,

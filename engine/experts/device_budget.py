@@ -23,7 +23,7 @@ import torch
 from engine.errors import ConfigError, DeviceBudgetError, HostMemoryError
 from engine.experts.host_memory import (  # noqa: F401  (the budgets' host side, re-exported)
     CGROUP_GROWTH, CGROUP_MARGIN, HOST_HEADROOM, available_host_memory, cgroup_memory_limit, cgroup_working_set,
-    host_limit, host_memory,
+    growth_allowance, host_limit, host_memory,
 )
 from engine.units import format_bytes
 
@@ -181,14 +181,14 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
                     device_free: int | None = None, host_available: int | None = None,
                     device_budget: int | None = None, ram_budget: int | None = None,
                     ram_from: str = "given", resident_note: str = "", min_tiers: int = 0,
-                    staging: int = 0) -> Budgets:
+                    staging: int = 0, growth: int = CGROUP_GROWTH) -> Budgets:
     """Budgets ``auto`` for the tiers not given (``device_budget`` / ``ram_budget`` None), each
     capped at ``experts_total``. On a GPU: :func:`auto_device_budget` and
     :func:`auto_ram_budget`. On a CPU the device tier is host memory too: the memory the
     process may use (``host_available``, default :func:`host_limit`: its cgroup's limit when
     that is lower than the available RAM) less ``headroom`` (None: under a cgroup limit what the
-    group holds now plus :data:`CGROUP_GROWTH` (host_memory.host_limit), :data:`HOST_HEADROOM`
-    else) and ``resident`` is shared: with both auto the device slots (what experts are computed
+    group holds now plus ``growth``, what the run will add beyond what the budgets count
+    (host_memory.host_limit, growth_allowance), :data:`HOST_HEADROOM` else) and ``resident`` is shared: with both auto the device slots (what experts are computed
     from) first, less ``staging`` bytes that the RAM tier keeps for reads in flight, the RAM
     tier the rest; a given budget is taken out of it before the other is resolved, so nothing is
     counted twice. On a CPU, memory that cannot hold ``resident`` + headroom + ``min_tiers``
@@ -202,7 +202,7 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
     if dev.type != "cuda":
         limited = False  # a cgroup limit: even given budgets must leave the dense part room under it
         if host_available is None:
-            host_available, auto_headroom, what = host_limit()
+            host_available, auto_headroom, what = host_limit(growth)
             limited = what.startswith("cgroup")
         else:
             auto_headroom, what = HOST_HEADROOM, f"available RAM {fb(host_available)}"

@@ -5,15 +5,20 @@ engine.experts.device_budget divides it into expert tiers beside the dense weigh
 from __future__ import annotations
 
 __all__ = ["CGROUP_GROWTH", "CGROUP_MARGIN", "HOST_HEADROOM", "available_host_memory", "cgroup_memory_limit",
-           "cgroup_working_set", "host_limit", "host_memory"]
+           "cgroup_working_set", "growth_allowance", "host_limit", "host_memory"]
 
 MiB, GiB = 2**20, 2**30
 HOST_HEADROOM = 4 * GiB  # host RAM left free beside the tiers by "auto" (the OS, the page cache, Python)
 CGROUP_ROOT = "/sys/fs/cgroup"
 # What a process adds under a cgroup limit after its budgets are set, beyond the dense weights, KV
-# and expert tiers they count: the tokenizer (transformers' import and tables, ~48 MB), the native
-# kernels' first use, a prefill's activations, allocator slack. Measured on the beyond-RAM bench
-# (issue 27; 64-token prompt, tokenizer loaded): 75 MiB on the 1.3B model and on the 8 GB one.
+# and expert tiers they count (growth_allowance; RssAnon growth measured on the beyond-RAM bench's
+# 1.3B and 8 GB models, issue 27, 2026-12-05):
+GROWTH_BASE = 32 * MiB  # the load, the native kernels' first use, allocator slack (measured 6 and 17 MiB)
+GROWTH_PER_TOKEN = 160  # bytes per hidden unit per token of one step: its activations (measured 105-136)
+TOKENIZER_GROWTH = 48 * MiB  # transformers' import and a tokenizer's tables, loaded after the budgets (36 MiB)
+STEP_TOKENS = 512  # the tokens of one step the allowance covers unless told (the scheduler's chunk)
+# The allowance when the model is not known (a caller without a store; unchanged since issue 27's first
+# look, where 75 MiB was measured with a 64-token prompt and the tokenizer)
 CGROUP_GROWTH = 128 * MiB
 # The margin when the group's usage cannot be read: Python + torch (~230 MB RSS at import) and
 # the growth above (issue 27: 256 MiB was OOM-killed)
@@ -104,12 +109,22 @@ def cgroup_working_set(limit_file: str) -> int | None:
     return max(usage - inactive, 0)
 
 
-def host_limit() -> tuple[int, int, str]:
+def growth_allowance(hidden: int, step_tokens: int = STEP_TOKENS, tokenizer: bool = True) -> int:
+    """What a run adds under a cgroup limit after its budgets are set, beyond what they count
+    (dense weights, KV, expert tiers): :data:`GROWTH_BASE`, one step's activations
+    (:data:`GROWTH_PER_TOKEN` bytes per hidden unit per token, ``step_tokens`` tokens of a model
+    of width ``hidden``) and, when a tokenizer is loaded after the budgets, :data:`TOKENIZER_GROWTH`.
+    A prompt fed as one step longer than ``step_tokens`` needs more (give explicit budgets)."""
+    return GROWTH_BASE + GROWTH_PER_TOKEN * hidden * step_tokens + (TOKENIZER_GROWTH if tokenizer else 0)
+
+
+def host_limit(growth: int = CGROUP_GROWTH) -> tuple[int, int, str]:
     """What CPU budgets ``auto`` divide: ``(bytes, headroom, where)``. Under a cgroup limit
     below the available RAM the limit is the whole allowance (the process's page cache and its
     tiers are charged to it) and the headroom what the group holds now
-    (:func:`cgroup_working_set`: Python, torch, whatever is loaded) plus :data:`CGROUP_GROWTH`
-    (what the run adds beyond what its budgets count), or :data:`CGROUP_MARGIN` when the group's
+    (:func:`cgroup_working_set`: Python, torch, whatever is loaded) plus ``growth`` (what the
+    run adds beyond what its budgets count: :func:`growth_allowance` of the model, or
+    :data:`CGROUP_GROWTH` where it is not known), or :data:`CGROUP_MARGIN` when the group's
     usage cannot be read; else the available RAM and :data:`HOST_HEADROOM` (the OS and other
     processes share it)."""
     from engine.units import format_bytes
@@ -121,8 +136,8 @@ def host_limit() -> tuple[int, int, str]:
         held = cgroup_working_set(where)
         if held is None:
             return limit, CGROUP_MARGIN, f"{what}, its usage unreadable: fixed margin"
-        # the headroom the budget line then prints is held + CGROUP_GROWTH
-        return limit, held + CGROUP_GROWTH, f"{what}, of which the group holds {format_bytes(held)} now"
+        # the headroom the budget line then prints is held + growth
+        return limit, held + growth, f"{what}, of which the group holds {format_bytes(held)} now"
     return avail, HOST_HEADROOM, f"available RAM {format_bytes(avail)}"
 
 

@@ -156,3 +156,81 @@ def test_a_process_in_a_smaller_child_cgroup_sizes_its_ram_tier_from_that_limit(
         assert "cgroup limit 1.00 GiB" in r.stdout and "the group holds" in r.stdout
     finally:
         d.rmdir()
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory) -> Path:
+    from engine.quant.formats import QuantFormat
+    from engine.store import convert
+    from tests.engine.models.hf_tiny import make_checkpoint
+
+    d = tmp_path_factory.mktemp("growth_store")
+    make_checkpoint("qwen3_moe", d / "hf", seed=5, hidden_size=64, num_hidden_layers=2, head_dim=16,
+                    moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    convert(d / "hf", d / "store", fmt=QuantFormat("int4", 32), progress=False)
+    return d / "store"
+
+
+def test_the_margin_counts_the_step_and_a_tokenizer_only_where_one_is_loaded(small_store, tmp_path, monkeypatch):
+    """Under a cgroup limit store_budgets' margin is what the group holds plus what this run adds:
+    one step of ``step_tokens`` (the scheduler's 512 unless told) and a tokenizer only when one
+    loads after the budgets (issue 27: a token-id caller's 64-token prompt needs 42 MiB of it,
+    not the 128 MiB once assumed for every run, which refused the 1.3B model at 300 MB)."""
+    from engine.experts.runtime import _slot_bytes, dense_resident_bytes, store_budgets
+    from engine.store.reader import ExpertStore
+    from engine.units import format_bytes
+
+    with ExpertStore(small_store) as st:
+        hidden, k = st.config.hidden_size, st.config.moe.top_k
+        resident = dense_resident_bytes(st, dense="int8") + MiB
+        least = (k + 1) * _slot_bytes(st)
+    held = 240 * MiB
+    user = held + hm.GROWTH_BASE + hm.GROWTH_PER_TOKEN * hidden * 512 + hm.TOKENIZER_GROWTH
+    ids = held + hm.GROWTH_BASE + hm.GROWTH_PER_TOKEN * hidden * 64
+    limit = resident + least + (user + ids) // 2  # between the two runs' minimums
+    _, root = _tree(tmp_path, "", {"g/memory.max": str(limit), "g/memory.current": str(held + 10 * MiB),
+                                   "g/memory.stat": f"inactive_file {10 * MiB}\n"})
+    monkeypatch.setattr(hm, "host_memory", lambda available=False: 20 * GiB)
+    monkeypatch.setattr(hm, "cgroup_memory_limit", lambda: (limit, f"{root}/g/memory.max"))
+    with pytest.raises(HostMemoryError) as e:
+        store_budgets(small_store, dense="int8", kv_bytes=MiB)  # generate / serve: tokenizer after the budgets
+    assert f"({resident + user + least} B)" in str(e.value)
+    b = store_budgets(small_store, dense="int8", kv_bytes=MiB, step_tokens=64, tokenizer=False)
+    assert f"headroom {format_bytes(ids)} " in b.device_from  # the group's 240 MiB + this run's growth
+
+
+_GROWTH_CHILD = """
+import re, sys, torch
+from engine.executor import executor_for, kv_dtype
+from engine.experts.runtime import dense_resident_bytes, load_from_store
+from engine.kv.base import BatchLayout, ContiguousKVCache
+from engine.store.reader import ExpertStore
+def anon():
+    return int(re.search(r"RssAnon:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+torch.set_num_threads(1)
+st = ExpertStore(sys.argv[1]); cfg = st.config
+a0 = anon()
+sm = load_from_store(st, dense="int8", warm=True, tokenizer=False)
+held = dense_resident_bytes(st, dense="int8") + sm.cache.num_slots * sm.cache.slot_bytes
+kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype(sm.model), initial_capacity=80)
+g = torch.Generator().manual_seed(7)
+with torch.inference_mode():
+    executor_for(sm.model)(torch.randint(0, cfg.vocab_size, (64,), generator=g), BatchLayout.single(0, 64, 0), kv)
+    for i in range(8):
+        executor_for(sm.model)(torch.tensor([i]), BatchLayout.single(0, 1, 64 + i), kv)
+print(anon() - a0 - held, cfg.hidden_size)
+"""
+
+
+def test_the_growth_allowance_covers_what_a_run_adds(small_store):
+    """What a token-id run adds to the process's anonymous memory beyond its dense weights and
+    expert slots (the load, the kernels' first use, a 64-token prompt and 8 decoded tokens, the
+    KV cache) stays under the allowance its budgets keep for it: a run under a tight limit is
+    not OOM-killed by what the budgets did not count."""
+    from engine.experts.host_memory import growth_allowance
+
+    r = subprocess.run([sys.executable, "-c", _GROWTH_CHILD, str(small_store)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    grew, hidden = map(int, r.stdout.split()[-2:])
+    assert 0 < grew < growth_allowance(hidden, 64, tokenizer=False)
