@@ -148,13 +148,18 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, ple_budg
                 raise TokenizerNotFoundError(f"store {store_path} has no tokenizer (its source had none); "
                                              "generate text needs one: re-convert from a checkpoint with a tokenizer")
             check_admission(policy, admission)
+            # the tokenizer and the prompt before the budgets: under a memory limit what the
+            # tokenizer holds is then measured with the rest of the group, and the margin and KV
+            # the budgets keep are this request's (its prompt is one step), not a 4,096-token guess
+            tok = store.tokenizer()
+            ids = _prompt_ids(tok, prompt, chat)
             loaded = _open_store(store, device_budget, ram_budget, policy, prefetch_depth,
                                  miss_compute, _dtype(dtype), dense, device, head_format, admission, ple_budget,
-                                 device_cache, warm)
+                                 device_cache, warm, tok=tok, request=(len(ids), max_tokens))
         except BaseException:
             store.close()
             raise
-        model, tok = loaded.model, loaded.tokenizer
+        model = loaded.model
     else:
         from engine.loading import load_model
         from engine.quant.linear import resolve_dense
@@ -162,7 +167,7 @@ def generate(prompt, model_path, store_path, device_budget, ram_budget, ple_budg
         model, tok, _ = load_model(model_path or smollm2_gguf(), dtype=_dtype(dtype),
                                    dense=resolve_dense(dense, device), head=head_format)
         model.to(device)
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+        ids = _prompt_ids(tok, prompt, chat)
     try:
         spec = _speculative_config(speculative, draft, model, loaded, _dtype(dtype), device, model_path)
         _stream_one(model, tok, ids, sampling, spec, loaded, prefix_cache)
@@ -243,9 +248,18 @@ def _speculative_config(mode, draft, model, loaded, dtype, device="cpu", model_p
                              cache=loaded.cache if loaded is not None else None)
 
 
+def _prompt_ids(tok, prompt: str, chat: bool) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+
+
 def _open_store(store, device_budget, ram_budget, policy, prefetch_depth, miss_compute, dtype, dense,
-                device="cpu", head=None, admission=False, ple_budget="256MiB", device_cache=False, warm=False):
-    """The StoreModel of an open ExpertStore (which it then owns), budgets resolved."""
+                device="cpu", head=None, admission=False, ple_budget="256MiB", device_cache=False, warm=False,
+                tok=None, request: tuple[int, int] | None = None):
+    """The StoreModel of an open ExpertStore (which it then owns), budgets resolved. ``tok``: the
+    store's tokenizer, already loaded (the model takes it; budgets "auto" then leave no room for
+    loading another); ``request``: (prompt tokens, max new tokens) of the one request to run,
+    which sizes the margin for its prompt step and the KV cache the budgets keep beside the tiers
+    (None: a 512-token step, a 4,096-token context)."""
     from engine.experts.runtime import load_from_store, store_expert_bytes
     from engine.units import parse_bytes
 
@@ -260,15 +274,20 @@ def _open_store(store, device_budget, ram_budget, policy, prefetch_depth, miss_c
     if dev is None or ram is None:  # a given one is taken out first, then the other resolved
         from engine.experts.runtime import store_budgets
 
+        sized = {} if request is None else {"step_tokens": request[0], "context": sum(request)}
         b = store_budgets(store, device=device, dense=dense, head=head, dtype=dtype,
-                          device_budget=dev, ram_budget=ram)
+                          device_budget=dev, ram_budget=ram, tokenizer=tok is None, **sized)
         click.echo(b.line, err=True)
         dev, ram = b.device, b.ram
     ple = parse_bytes(ple_budget, name="--ple-budget")
-    return load_from_store(
+    loaded = load_from_store(
         store, device_budget=dev, ram_budget=ram, policy=policy,
         prefetch_depth=prefetch_depth, miss_compute=miss_compute, dtype=dtype, dense=dense, device=device,
-        head=head, admission=admission, ple_budget=ple, device_cache=device_cache, warm=warm)
+        head=head, admission=admission, ple_budget=ple, device_cache=device_cache, warm=warm,
+        tokenizer=tok is None)
+    if tok is not None:
+        loaded.tokenizer = tok
+    return loaded
 
 
 def _cache_line(loaded, tokens: int) -> str:

@@ -181,7 +181,8 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
                     device_free: int | None = None, host_available: int | None = None,
                     device_budget: int | None = None, ram_budget: int | None = None,
                     ram_from: str = "given", resident_note: str = "", min_tiers: int = 0,
-                    staging: int = 0, growth: int = CGROUP_GROWTH) -> Budgets:
+                    staging: int = 0, growth: int = CGROUP_GROWTH,
+                    remedy: str = "raise the limit or use smaller dense formats (--dense int8)") -> Budgets:
     """Budgets ``auto`` for the tiers not given (``device_budget`` / ``ram_budget`` None), each
     capped at ``experts_total``. On a GPU: :func:`auto_device_budget` and
     :func:`auto_ram_budget`. On a CPU the device tier is host memory too: the memory the
@@ -194,7 +195,8 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
     counted twice. On a CPU, memory that cannot hold ``resident`` + headroom + ``min_tiers``
     (the least the tiers run with; checked when a budget is auto or the limit is a cgroup's)
     raises :class:`~engine.errors.HostMemoryError` naming that minimum, before anything is
-    loaded; a budget that comes out <= 0 raises DeviceBudgetError naming the figures.
+    loaded (``remedy``: what its message tells the user to do); a budget that comes out <= 0 raises
+    DeviceBudgetError naming the figures.
     ``ram_from``: how a given RAM budget was chosen."""
     from engine.units import format_bytes as fb
 
@@ -211,8 +213,7 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
         if need > host_available and (limited or device_budget is None or ram_budget is None):
             raise HostMemoryError(
                 f"{what} cannot hold this model: it needs at least {fb(need)} ({need} B): dense/KV/state "
-                f"{fb(resident)} + margin {fb(headroom)} + the smallest expert tiers {fb(min_tiers)}; "
-                f"raise the limit or use smaller dense formats (--dense int8)")
+                f"{fb(resident)} + margin {fb(headroom)} + the smallest expert tiers {fb(min_tiers)}; {remedy}")
     elif headroom is None:
         headroom = HOST_HEADROOM
     d_from = r_from = "given"

@@ -301,4 +301,6 @@ def store_budgets(store, *, device: str = "cpu", dense: str = DEFAULT_DENSE, hea
                            device_free=device_free, host_available=host_available,
                            device_budget=device_budget, ram_budget=ram_budget, ram_from=ram_from,
                            growth=growth_allowance(cfg.hidden_size, step_tokens, tokenizer),
+                           remedy="raise the limit" + (" or use smaller dense formats (--dense int8)"
+                                                       if dense != "int8" else ""),
                            resident_note=f"dense {dense}{head_note} + {kv_note} counted as resident")

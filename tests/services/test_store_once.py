@@ -72,6 +72,30 @@ def test_generate_with_a_store_opens_it_once(store_path, opens):
     assert opens == [store_path]
 
 
+def test_generate_sizes_its_budgets_for_its_request(store_path, monkeypatch):
+    """`moestream generate --store` loads the tokenizer and encodes the prompt before it sizes its
+    budgets (issue 27): under a memory limit the tokenizer is then part of what the group holds
+    (measured, not allowed for), the margin covers this prompt's one step and the KV kept beside
+    the tiers this request's context, where they were a 512-token step and 4,096 tokens; the
+    tokenizer is loaded once, and the model's run uses it."""
+    import engine.experts.runtime as rt
+    from engine.store.reader import ExpertStore
+    from services.cli import main
+
+    seen, loads = [], []
+    real_budgets, real_tok = rt.store_budgets, ExpertStore.tokenizer
+    monkeypatch.setattr(rt, "store_budgets", lambda *a, **kw: seen.append(kw) or real_budgets(*a, **kw))
+    monkeypatch.setattr(ExpertStore, "tokenizer", lambda self: loads.append(1) or real_tok(self))
+    r = CliRunner().invoke(main, ["generate", "--store", str(store_path), "--device", "cpu", "--max-tokens", "3",
+                                  "hello hello hello"])
+    assert r.exit_code == 0, r.output
+    with ExpertStore(store_path) as st:
+        n = len(real_tok(st).encode("hello hello hello"))
+    assert loads == [1] and len(seen) == 1
+    assert (seen[0]["step_tokens"], seen[0]["context"], seen[0]["tokenizer"]) == (n, n + 3, False)
+    assert "[length]" in r.output  # three tokens decoded and detokenized with that tokenizer
+
+
 def test_the_budgets_read_a_store_they_are_given(store_path, opens):
     from engine.store.reader import ExpertStore
     from services.budgets import decode_budgets, deployer_budgets

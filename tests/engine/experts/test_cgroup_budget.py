@@ -195,6 +195,9 @@ def test_the_margin_counts_the_step_and_a_tokenizer_only_where_one_is_loaded(sma
     with pytest.raises(HostMemoryError) as e:
         store_budgets(small_store, dense="int8", kv_bytes=MiB)  # generate / serve: tokenizer after the budgets
     assert f"({resident + user + least} B)" in str(e.value)
+    assert str(e.value).endswith("raise the limit")  # int8 dense already: no --dense int8 advice
+    with pytest.raises(HostMemoryError, match=r"or use smaller dense formats \(--dense int8\)$"):
+        store_budgets(small_store, dense="bf16", kv_bytes=MiB)
     b = store_budgets(small_store, dense="int8", kv_bytes=MiB, step_tokens=64, tokenizer=False)
     assert f"headroom {format_bytes(ids)} " in b.device_from  # the group's 240 MiB + this run's growth
 
