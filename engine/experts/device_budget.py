@@ -189,8 +189,9 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
     process may use (``host_available``, default :func:`host_limit`: its cgroup's limit when
     that is lower than the available RAM) less ``headroom`` (None: under a cgroup limit what the
     group holds now plus ``growth``, what the run will add beyond what the budgets count
-    (host_memory.host_limit, growth_allowance), :data:`HOST_HEADROOM` else) and ``resident`` is shared: with both auto the device slots (what experts are computed
-    from) first, less ``staging`` bytes that the RAM tier keeps for reads in flight, the RAM
+    (host_memory.host_limit, growth_allowance), :data:`HOST_HEADROOM` else) and ``resident`` is
+    shared: with both auto the device slots (what experts are computed from) first, less
+    ``staging`` bytes that the RAM tier keeps for reads in flight, the RAM
     tier the rest; a given budget is taken out of it before the other is resolved, so nothing is
     counted twice. On a CPU, memory that cannot hold ``resident`` + headroom + ``min_tiers``
     (the least the tiers run with; checked when a budget is auto or the limit is a cgroup's)
