@@ -5,7 +5,8 @@
   ``HOST_HEADROOM``. On a node without a GPU both tiers are host memory, so it resolves both
   from that one reading, split as ``engine.experts.device_budget.resolve_budgets`` does (the
   device slots first, the RAM tier the rest, after the dense weights and the KV budget): neither
-  is counted twice.
+  is counted twice. Under a cgroup limit the margin also counts the actors it is about to start
+  in that group (loaders, decode, router), each at this process's own anonymous memory.
 - The decode actor (services.decode) resolves a GPU's expert slots: its device's free memory
   less the dense weights in the deployment's format and dtype, the deployment's KV budget (the
   recurrent state of linear-attention layers is part of it) and a workspace.
@@ -56,8 +57,11 @@ def deployer_budgets(config: DeployConfig, *, gpu: bool, host_available: int | N
         if gpu:
             ram, how = auto_ram_budget(total, host_available=host_available)
             return config.model_copy(update={"ram_budget": ram}), {"ram_from": how}
+        # the actors this deployment starts (loaders, decode, router) are processes of their own,
+        # each holding about what this one does (Python, torch, the engine) in the same memory
         b = _store_budgets(config, store, "cpu", device_budget=_explicit(config.device_budget, total),
-                           ram_budget=_explicit(config.ram_budget, total), host_available=host_available)
+                           ram_budget=_explicit(config.ram_budget, total), host_available=host_available,
+                           processes=config.loaders + 2)
     told = {"device_from": b.device_from, "ram_from": b.ram_from, "resident": b.resident}
     return config.model_copy(update={"device_budget": b.device, "ram_budget": b.ram}), told
 

@@ -8,7 +8,7 @@ import torch
 
 from engine.errors import TokenizerNotFoundError
 from engine.experts.cache import CacheConfig, ExpertCache
-from engine.experts.host_memory import STEP_TOKENS, growth_allowance
+from engine.experts.host_memory import STEP_TOKENS, growth_allowance, process_footprint
 from engine.experts.tiers import ExpertSource, HostTier
 from engine.hugepages import return_freed_heap
 from engine.layers.embedding import StoredEmbedding
@@ -266,7 +266,8 @@ def store_budgets(store, *, device: str = "cpu", dense: str = DEFAULT_DENSE, hea
                   dtype: torch.dtype = torch.float32, kv_bytes: int | None = None, context: int = 4096,
                   headroom: int | None = None, device_budget: int | None = None, ram_budget: int | None = None,
                   ram_from: str = "given", device_free: int | None = None,
-                  host_available: int | None = None, step_tokens: int = STEP_TOKENS, tokenizer: bool = True):
+                  host_available: int | None = None, step_tokens: int = STEP_TOKENS, tokenizer: bool = True,
+                  processes: int = 0):
     """Budgets ``auto`` for a store (engine.experts.device_budget.resolve_budgets) for the tiers
     not given: the memory kept beside the expert slots is the dense weights
     (:func:`dense_resident_bytes`) plus ``kv_bytes`` (a deployment's KV budget, which holds the
@@ -274,8 +275,10 @@ def store_budgets(store, *, device: str = "cpu", dense: str = DEFAULT_DENSE, hea
     ``context`` tokens in every layer. Under a cgroup limit the margin beside them is what the
     group holds now plus what the run will add (host_memory.growth_allowance: one step of
     ``step_tokens`` tokens, and a tokenizer when ``tokenizer``, as load_from_store loads it after
-    the budgets). ``store``: an open ExpertStore or its directory (:func:`open_store`). Returns a
-    ``Budgets``."""
+    the budgets), plus ``processes`` processes the run will start beside this one in the same
+    group (a deployment's actors), each counted at this process's own anonymous memory
+    (host_memory.process_footprint). ``store``: an open ExpertStore or its directory
+    (:func:`open_store`). Returns a ``Budgets``."""
     from engine.experts.device_budget import resolve_budgets
     from engine.units import format_bytes
 
@@ -300,7 +303,8 @@ def store_budgets(store, *, device: str = "cpu", dense: str = DEFAULT_DENSE, hea
                            headroom=headroom, min_tiers=least, staging=staging,
                            device_free=device_free, host_available=host_available,
                            device_budget=device_budget, ram_budget=ram_budget, ram_from=ram_from,
-                           growth=growth_allowance(cfg.hidden_size, step_tokens, tokenizer),
+                           growth=growth_allowance(cfg.hidden_size, step_tokens, tokenizer)
+                           + processes * process_footprint(),
                            remedy="raise the limit" + (" or use smaller dense formats (--dense int8)"
                                                        if dense != "int8" else ""),
                            resident_note=f"dense {dense}{head_note} + {kv_note} counted as resident")

@@ -99,6 +99,36 @@ def test_cpu_node_splits_one_reading_between_the_tiers(store_path, figures):
     assert (cfg.ram_budget, cfg.device_budget) == (total // 4, total)
 
 
+def test_under_a_cgroup_limit_the_deployer_counts_the_actors_it_will_start(store_path, tmp_path, monkeypatch):
+    """On a CPU node in a memory-limited group the margin is what the group holds, what the decode
+    actor's run adds (a step of max_batched_tokens, its tokenizer) and the processes the deployment
+    starts there (each loader, the decode actor, the router), each about this process's own
+    anonymous memory (Python, torch, the engine): without them a container's limit was divided as
+    if the ~150 MiB each of those processes holds were free (issue 27)."""
+    from engine.experts import host_memory as hm
+    from engine.experts import runtime
+    from engine.experts.host_memory import growth_allowance
+    from engine.store.reader import ExpertStore
+    from engine.units import format_bytes
+    from services.budgets import deployer_budgets
+
+    held, each = 300 * MiB, 150 * MiB
+    g = tmp_path / "g"
+    g.mkdir()
+    (g / "memory.max").write_text(str(4 * GiB))
+    (g / "memory.current").write_text(str(held))
+    (g / "memory.stat").write_text("inactive_file 0\n")
+    monkeypatch.setattr(hm, "host_memory", lambda available=False: 20 * GiB)
+    monkeypatch.setattr(hm, "cgroup_memory_limit", lambda: (4 * GiB, str(g / "memory.max")))
+    monkeypatch.setattr(runtime, "process_footprint", lambda: each)
+    with ExpertStore(store_path) as st:
+        hidden = st.config.hidden_size
+    for loaders in (1, 3):
+        cfg, told = deployer_budgets(_config(store_path, loaders=loaders, max_batched_tokens=256), gpu=False)
+        margin = held + growth_allowance(hidden, 256, tokenizer=True) + (loaders + 2) * each
+        assert f"headroom {format_bytes(margin)} " in told["device_from"], told["device_from"]
+
+
 def test_gpu_ram_tier_in_the_deployer_slots_in_the_decode_actor(store_path, figures):
     from services.budgets import decode_budgets, deployer_budgets
 

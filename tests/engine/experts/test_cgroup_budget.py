@@ -237,3 +237,16 @@ def test_the_growth_allowance_covers_what_a_run_adds(small_store):
     assert r.returncode == 0, r.stderr
     grew, hidden = map(int, r.stdout.split()[-2:])
     assert 0 < grew < growth_allowance(hidden, 64, tokenizer=False)
+
+
+def test_process_footprint_is_this_process_anonymous_memory(tmp_path):
+    """RssAnon of /proc/self/status: what a deployment counts for each actor it starts."""
+    from engine.experts.host_memory import process_footprint
+
+    f = tmp_path / "status"
+    f.write_text("Name:\tpython\nVmRSS:\t  300000 kB\nRssAnon:\t  150000 kB\nRssFile:\t  150000 kB\n")
+    assert process_footprint(str(f)) == 150000 * 1024
+    assert process_footprint(str(tmp_path / "none")) == 0
+    import torch  # noqa: F401  (imported here already: the footprint is at least torch's)
+
+    assert process_footprint() > 64 * MiB
