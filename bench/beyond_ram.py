@@ -121,11 +121,10 @@ def measure_disk(paths: list[Path], seconds: float = 2.0) -> dict[str, float]:
 
 
 def peak_rss() -> int:
-    """This process's peak RSS so far, bytes (VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return -1
+    """This process's peak RSS so far, bytes (VmHWM); -1 when unreadable."""
+    from engine.experts.host_memory import proc_status_bytes
+
+    return proc_status_bytes("VmHWM") or -1
 
 
 # ---- the moestream child ------------------------------------------------------------------------

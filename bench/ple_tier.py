@@ -35,10 +35,9 @@ from engine.units import format_bytes, parse_bytes  # noqa: E402
 
 
 def _rss_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
+    from engine.experts.host_memory import proc_status_bytes
+
+    return proc_status_bytes(field) // 1024
 
 
 def write_random(path: Path, rows: int, row_dim: int, dtype: str, seed: int) -> RowLayout:

@@ -23,7 +23,7 @@ import torch
 from engine.errors import ConfigError, DeviceBudgetError, HostMemoryError
 from engine.experts.host_memory import (  # noqa: F401  (the budgets' host side, re-exported)
     CGROUP_GROWTH, CGROUP_MARGIN, HOST_HEADROOM, available_host_memory, cgroup_memory_limit, cgroup_working_set,
-    growth_allowance, host_limit, host_memory,
+    host_limit, host_memory,
 )
 from engine.units import format_bytes
 
@@ -115,6 +115,7 @@ class DeviceBudget:
 
 # ---- budgets "auto" ---------------------------------------------------------------------------
 
+SMALLER_DENSE = " or use smaller dense formats (--dense int8)"  # a refusal's advice, where it applies
 DEVICE_WORKSPACE = GiB // 2  # device memory "auto" leaves for activations and kernel workspaces (GPU)
 
 
@@ -182,7 +183,7 @@ def resolve_budgets(experts_total: int, *, device: str | torch.device, resident:
                     device_budget: int | None = None, ram_budget: int | None = None,
                     ram_from: str = "given", resident_note: str = "", min_tiers: int = 0,
                     staging: int = 0, growth: int = CGROUP_GROWTH,
-                    remedy: str = "raise the limit or use smaller dense formats (--dense int8)") -> Budgets:
+                    remedy: str = "raise the limit" + SMALLER_DENSE) -> Budgets:
     """Budgets ``auto`` for the tiers not given (``device_budget`` / ``ram_budget`` None), each
     capped at ``experts_total``. On a GPU: :func:`auto_device_budget` and
     :func:`auto_ram_budget`. On a CPU the device tier is host memory too: the memory the

@@ -5,7 +5,8 @@ engine.experts.device_budget divides it into expert tiers beside the dense weigh
 from __future__ import annotations
 
 __all__ = ["CGROUP_GROWTH", "CGROUP_MARGIN", "HOST_HEADROOM", "available_host_memory", "cgroup_memory_limit",
-           "cgroup_working_set", "growth_allowance", "host_limit", "host_memory", "process_footprint"]
+           "cgroup_working_set", "growth_allowance", "host_limit", "host_memory", "proc_status_bytes",
+           "process_footprint"]
 
 MiB, GiB = 2**20, 2**30
 HOST_HEADROOM = 4 * GiB  # host RAM left free beside the tiers by "auto" (the OS, the page cache, Python)
@@ -118,19 +119,24 @@ def growth_allowance(hidden: int, step_tokens: int = STEP_TOKENS, tokenizer: boo
     return GROWTH_BASE + GROWTH_PER_TOKEN * hidden * step_tokens + (TOKENIZER_GROWTH if tokenizer else 0)
 
 
-def process_footprint(status: str = "/proc/self/status") -> int:
-    """This process's anonymous memory (RssAnon, bytes; 0 when unreadable): what another Python
-    process importing the same modules (a deployment's actors: torch, the engine) will hold
-    before it loads anything, ~150 MiB with torch imported (issue 27)."""
+def proc_status_bytes(field: str, status: str = "/proc/self/status") -> int:
+    """A kB field of ``status`` (``RssAnon``, ``VmRSS``, ``VmHWM``, ...) in bytes; 0 when unreadable."""
     from pathlib import Path
 
     try:
         for line in Path(status).read_text().splitlines():
-            if line.startswith("RssAnon:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def process_footprint(status: str = "/proc/self/status") -> int:
+    """This process's anonymous memory (RssAnon, bytes; 0 when unreadable): what another Python
+    process importing the same modules (a deployment's actors: torch, the engine) will hold
+    before it loads anything, ~150 MiB with torch imported (issue 27)."""
+    return proc_status_bytes("RssAnon", status)
 
 
 def host_limit(growth: int = CGROUP_GROWTH) -> tuple[int, int, str]:

@@ -279,7 +279,7 @@ def store_budgets(store, *, device: str = "cpu", dense: str = DEFAULT_DENSE, hea
     group (a deployment's actors), each counted at this process's own anonymous memory
     (host_memory.process_footprint). ``store``: an open ExpertStore or its directory
     (:func:`open_store`). Returns a ``Budgets``."""
-    from engine.experts.device_budget import resolve_budgets
+    from engine.experts.device_budget import SMALLER_DENSE, resolve_budgets
     from engine.units import format_bytes
 
     dense = resolve_dense(dense, device)
@@ -304,7 +304,6 @@ def store_budgets(store, *, device: str = "cpu", dense: str = DEFAULT_DENSE, hea
                            device_free=device_free, host_available=host_available,
                            device_budget=device_budget, ram_budget=ram_budget, ram_from=ram_from,
                            growth=growth_allowance(cfg.hidden_size, step_tokens, tokenizer)
-                           + processes * process_footprint(),
-                           remedy="raise the limit" + (" or use smaller dense formats (--dense int8)"
-                                                       if dense != "int8" else ""),
+                           + (processes * process_footprint() if processes else 0),
+                           remedy="raise the limit" + (SMALLER_DENSE if dense != "int8" else ""),
                            resident_note=f"dense {dense}{head_note} + {kv_note} counted as resident")

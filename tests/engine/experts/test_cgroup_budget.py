@@ -203,13 +203,12 @@ def test_the_margin_counts_the_step_and_a_tokenizer_only_where_one_is_loaded(sma
 
 
 _GROWTH_CHILD = """
-import re, sys, torch
+import sys, torch
 from engine.executor import executor_for, kv_dtype
+from engine.experts.host_memory import process_footprint as anon
 from engine.experts.runtime import dense_resident_bytes, load_from_store
 from engine.kv.base import BatchLayout, ContiguousKVCache
 from engine.store.reader import ExpertStore
-def anon():
-    return int(re.search(r"RssAnon:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
 torch.set_num_threads(1)
 st = ExpertStore(sys.argv[1]); cfg = st.config
 a0 = anon()
