@@ -196,113 +196,113 @@ inline vf vload_kv(const S* p) {
 // miss queue and left the hardware prefetchers a strided pattern (one head's slice of every row).
 constexpr int64_t AHEAD = 8;
 
-// The scores of positions j0 .. j0 + PB of a tile for every query head, HB heads of one KV head
-// at a time: each key chunk is loaded (and converted) once per HB heads, and LANES (head,
-// position) dot products are summed by one transpose-and-add (vsums). A (head, position) pair's
-// sum is one accumulator over the d / LANES chunks in order, then vsums's lane tree: the same
-// whatever HB. s[h * TILE + j] = q_h . k_j * scale. The tile's maxima stay in vectors, lane
-// (i, p) of mxv[hb / HB] the max of head hb + i over positions p, p + PB, ... (positions past m
-// left out): a (head, position) scatter of scalars and maxima cost ~3 instructions per score, as
-// many as the score's own multiply-adds and loads; max_of_lanes() folds them once per tile.
-template <typename S, int HB>
-void scores_block(const float* q, const S* const* r, int64_t j0, int64_t m, int64_t nh, int64_t g, int64_t d,
-                  float scale, float* s, vf* mxv) {
-  constexpr int PB = LANES / HB;  // positions per transpose-and-add
-  const int64_t valid = std::min<int64_t>(PB, m - j0);
-  for (int64_t hb = 0; hb < nh; hb += HB) {
-    const int64_t off = (hb / g) * d;
+// A tile's K rows are read one at a time, each whole and in order, every query head that needs a
+// part of the row (its KV head's d dims) taking it then; its V rows four at a time, each KV head's
+// part of the four in turn. The order before (4 rows at a time, one KV head's slice of each, for
+// K too) is not a stream the hardware prefetchers follow, and the software requests above cap a
+// thread's stream at ~12 GB/s (docs/native-step.md). On the 1.3B store (2-core Zen 4, alternating
+// processes): a decode's attention at a 512-576 context 0.50-0.55 -> 0.47-0.48 ms a token, at 3.6K
+// the same within the noise; a 2K prefill 406 -> 423 tok/s, a 512-token one the same.
+//
+// A row's scores come out as one vector over a block of query heads (the most whole KV heads'
+// query heads that fit in LANES lanes; more than LANES per KV head: LANES of one): head h's score
+// q_h . k_j * scale is one accumulator over the d / LANES chunks in order, then vsums's lane tree.
+// st holds a tile's scores, then its weights: per block TILE rows of LANES floats, so the maxima,
+// the exponentials and their sums run over heads in vectors. o_h adds p_j v_j for j in order
+// (float32), in memory.
+//
+// GT, DLT: the group size g and d / LANES as constants (0: read at run time, any g and width).
+template <int GT>
+constexpr int block_heads(int64_t g) {
+  const int64_t G = GT ? GT : g;
+  return (int)(G <= LANES ? (LANES / G) * G : LANES);
+}
+
+template <typename S, int GT, int DLT>
+void score_row(const float* q, const S* r, int64_t nh, int64_t g, int64_t d, float scale, float* st, vf* top) {
+  const int64_t G = GT ? GT : g, DL = DLT ? DLT : d / LANES;
+  const int bh = block_heads<GT>(g);
+  for (int64_t b = 0, h0 = 0; h0 < nh; b++, h0 += bh) {
+    const int n = (int)std::min<int64_t>(bh, nh - h0);
     vf acc[LANES];
     for (int a = 0; a < LANES; a++) acc[a] = vzero();
-    for (int64_t c = 0; c < d; c += LANES) {
-      vf kc[PB];
-      for (int p = 0; p < PB; p++) kc[p] = vload_kv(r[p] + off + c);
-      for (int i = 0; i < HB; i++) {
-        const vf qc = vload(q + (hb + i) * d + c);
-        for (int p = 0; p < PB; p++) acc[i * PB + p] = vfma(qc, kc[p], acc[i * PB + p]);
+    const float* qb = q + h0 * d;
+    if constexpr (GT > 0) {  // whole KV heads: each chunk converted once for its GT query heads
+      for (int i0 = 0; i0 < LANES; i0 += GT) {
+        if (i0 >= n) break;
+        const S* rk = r + ((h0 + i0) / GT) * d;
+        for (int64_t c = 0; c < DL; c++) {
+          const vf kc = vload_kv(rk + c * LANES);
+          for (int i = 0; i < GT; i++) acc[i0 + i] = vfma(vload(qb + (i0 + i) * d + c * LANES), kc, acc[i0 + i]);
+        }
+      }
+    } else {  // one head at a time
+      for (int i = 0; i < n; i++) {
+        const S* rk = r + ((h0 + i) / G) * d;
+        for (int64_t c = 0; c < DL; c++) acc[i] = vfma(vload(qb + i * d + c * LANES), vload_kv(rk + c * LANES), acc[i]);
       }
     }
-    alignas(64) float t[LANES];
-    vf sv = vmul(vsums(acc), vset(scale));
-    vstore(t, sv);
-    for (int i = 0; i < HB; i++) std::memcpy(s + (hb + i) * TILE + j0, t + i * PB, valid * sizeof(float));
-    if (valid < PB) {  // the tile's last positions: the lanes past m take no part in the max
-      for (int i = 0; i < HB; i++)
-        for (int p = (int)valid; p < PB; p++) t[i * PB + p] = -INFINITY;
-      sv = vload(t);
-    }
-    mxv[hb / HB] = vmax(mxv[hb / HB], sv);
+    const vf sv = vmul(vsums(acc), vset(scale));
+    vstore(st + b * TILE * LANES, sv);
+    top[b] = vmax(top[b], sv);
   }
 }
 
-// mx[hb + i] = the max of lanes i * PB .. i * PB + PB - 1 of mxv[hb / HB] (scores_block's maxima)
-template <int HB>
-void max_of_lanes(const vf* mxv, int64_t nh, float* mx) {
-  constexpr int PB = LANES / HB;
-  alignas(64) float t[LANES];
-  for (int64_t hb = 0; hb < nh; hb += HB) {
-    vstore(t, mxv[hb / HB]);
-    for (int i = 0; i < HB; i++) {
-      float v = t[i * PB];
-      for (int p = 1; p < PB; p++) v = std::max(v, t[i * PB + p]);
-      mx[hb + i] = v;
-    }
-  }
-}
-
-// o_h += sum_j p_h[j] * v_j over positions j0 .. j1 of a tile for every query head (d = DL *
-// LANES), HB heads of one KV head at a time: each value chunk is loaded (and converted) once per
-// HB heads; the sums stay in registers over the block and in o between blocks (float32 both
-// ways: j in order, as one head alone).
-template <typename S, int DL, int HB>
-void values_block(const float* p, const S* const* rows, int64_t j0, int64_t j1, int64_t nh, int64_t g, float* o) {
-  constexpr int64_t d = DL * LANES;
-  for (int64_t hb = 0; hb < nh; hb += HB) {
-    const int64_t off = (hb / g) * d;
-    vf acc[HB][DL];
-    for (int i = 0; i < HB; i++)
-      for (int c = 0; c < DL; c++) acc[i][c] = j0 == 0 ? vzero() : vload(o + (hb + i) * d + c * LANES);
-    for (int64_t j = j0; j < j1; j++) {
-      const S* r = rows[j] + off;
-      vf vc[DL];
-      for (int c = 0; c < DL; c++) vc[c] = vload_kv(r + c * LANES);
-      for (int i = 0; i < HB; i++) {
-        const vf pj = vset(p[(hb + i) * TILE + j]);
-        for (int c = 0; c < DL; c++) acc[i][c] = vfma(pj, vc[c], acc[i][c]);
+// o_h += p_h,j v_j + ... + p_h,j+NR-1 v_j+NR-1 (rows r[0 .. NR), added in that order, o read and
+// written once for them) for every query head, each V chunk converted once for the GT query heads
+// of its KV head; w: row j's weights in st (row j + e's e * LANES floats on)
+template <typename S, int GT, int DLT, int NR>
+void value_rows(const float* w, const S* const* r, int64_t nh, int64_t g, int64_t d, float* o) {
+  const int64_t G = GT ? GT : g, DL = DLT ? DLT : d / LANES;
+  const int bh = block_heads<GT>(g);
+  const auto weight = [&](int64_t h, int e) { return vset(w[(h / bh) * TILE * LANES + h % bh + e * LANES]); };
+  if constexpr (GT > 0) {
+    for (int64_t h0 = 0; h0 < nh; h0 += GT) {
+      vf p[NR][GT];
+      for (int e = 0; e < NR; e++)
+        for (int i = 0; i < GT; i++) p[e][i] = weight(h0 + i, e);
+      for (int64_t c = 0; c < DL; c++) {
+        vf vr[NR];
+        for (int e = 0; e < NR; e++) vr[e] = vload_kv(r[e] + (h0 / GT) * d + c * LANES);
+        for (int i = 0; i < GT; i++) {
+          float* oh = o + (h0 + i) * d + c * LANES;
+          vf x = vload(oh);
+          for (int e = 0; e < NR; e++) x = vfma(p[e][i], vr[e], x);
+          vstore(oh, x);
+        }
       }
     }
-    for (int i = 0; i < HB; i++)
-      for (int c = 0; c < DL; c++) vstore(o + (hb + i) * d + c * LANES, acc[i][c]);
+  } else {  // one head at a time
+    for (int64_t h = 0; h < nh; h++) {
+      float* oh = o + h * d;
+      for (int e = 0; e < NR; e++) {
+        const S* a = r[e] + (h / G) * d;
+        const vf pe = weight(h, e);
+        for (int64_t c = 0; c < DL; c++) vstore(oh + c * LANES, vfma(pe, vload_kv(a + c * LANES), vload(oh + c * LANES)));
+      }
+    }
   }
 }
 
-// values_block for heads of any width that is a multiple of LANES, one head at a time
 template <typename S>
-void values_block_any(const float* p, const S* const* rows, int64_t j0, int64_t j1, int64_t nh, int64_t g,
-                      int64_t d, float* o) {
-  for (int64_t h = 0; h < nh; h++) {
-    float* oh = o + h * d;
-    if (j0 == 0) std::fill(oh, oh + d, 0.f);
-    for (int64_t j = j0; j < j1; j++)
-      for (int64_t c = 0; c < d; c += LANES)
-        vstore(oh + c, vfma(vset(p[h * TILE + j]), vload_kv(rows[j] + (h / g) * d + c), vload(oh + c)));
-  }
-}
+struct RowKernels {
+  void (*score)(const float*, const S*, int64_t, int64_t, int64_t, float, float*, vf*);
+  void (*values4)(const float*, const S* const*, int64_t, int64_t, int64_t, float*);  // 4 rows
+  void (*values1)(const float*, const S* const*, int64_t, int64_t, int64_t, float*);  // 1 row
+};
 
-// The largest of 4, 2, 1 that divides g: query heads sharing one load of a K/V chunk
-inline int head_block(int64_t g) { return g % 4 == 0 ? 4 : g % 2 == 0 ? 2 : 1; }
-
+// The kernels for g query heads per KV head and heads of d dims: constants for the common
+// shapes, else the run-time loops (the same arithmetic)
 template <typename S>
-using ValuesFn = void (*)(const float*, const S* const*, int64_t, int64_t, int64_t, int64_t, float*);
-
-template <typename S>
-ValuesFn<S> values_fn(int64_t d, int hb) {
-#define MS_TV(DL, HBV) if (d == DL * LANES && hb >= HBV) return &values_block<S, DL, HBV>;
-  MS_TV(2, 4) MS_TV(2, 2) MS_TV(2, 1)
-  MS_TV(4, 4) MS_TV(4, 2) MS_TV(4, 1)
-  MS_TV(8, 2) MS_TV(8, 1)
-  MS_TV(16, 1)
-#undef MS_TV
-  return nullptr;
+RowKernels<S> row_kernels(int64_t g, int64_t d) {
+#define MS_ROW(GV, DLV) \
+  if (g == GV && d == DLV * LANES)                                                                  \
+    return {&score_row<S, GV, DLV>, &value_rows<S, GV, DLV, 4>, &value_rows<S, GV, DLV, 1>};
+#define MS_ROWS(GV) if constexpr (GV <= LANES) { MS_ROW(GV, 2) MS_ROW(GV, 4) MS_ROW(GV, 8) MS_ROW(GV, 16) }
+  MS_ROWS(1) MS_ROWS(2) MS_ROWS(3) MS_ROWS(4) MS_ROWS(6) MS_ROWS(8)
+#undef MS_ROWS
+#undef MS_ROW
+  return {&score_row<S, 0, 0>, &value_rows<S, 0, 0, 4>, &value_rows<S, 0, 0, 1>};
 }
 
 // The partials of tiles [tb, te) of one query row's context (positions j0 + TILE * t ..): per tile
@@ -318,15 +318,13 @@ void attend_tiles(const KVView& kv, const float* q, int64_t seen, int64_t j0, in
     attend_tiles_f32<S>(kv, q, seen, j0, nh, nkv, d, tb, te, part);
     return;
   }
-  static thread_local std::vector<float> s;
-  static thread_local std::vector<S> zero;
-  s.resize(nh * TILE);
-  zero.assign(row, S(0.f));
-  const int hb = head_block(g);
-  const int pb = LANES / hb;
-  const ValuesFn<S> values = values_fn<S>(d, hb);
-  static thread_local std::vector<vf> mxv;  // scores_block's running maxima: nh / hb vectors
-  mxv.resize(nh / hb);
+  const RowKernels<S> rk = row_kernels<S>(g, d);
+  const int bh = block_heads<0>(g);
+  const int64_t blocks = (nh + bh - 1) / bh;
+  static thread_local std::vector<float> st;  // a tile's scores, then weights: [blocks][TILE][LANES]
+  static thread_local std::vector<vf> top;    // per block: the tile's maxima, then the sums
+  st.resize(blocks * TILE * LANES);
+  top.resize(2 * blocks);
   // rows[0, m): the tile's K rows, rows[TILE, TILE + m): its V rows, rows[2 TILE, ...): the next
   // tile's K rows (requested while this tile's values are computed)
   const S* rows[3 * TILE];
@@ -345,29 +343,38 @@ void attend_tiles(const KVView& kv, const float* q, int64_t seen, int64_t j0, in
     float *mx = part + t * stride, *sum = mx + nh, *o = sum + nh;
     const S** k = rows;
     const S** v = rows + TILE;
-    for (int64_t i = 0; i < nh / hb; i++) mxv[i] = vset(-INFINITY);
-    for (int64_t jb = 0; jb < m; jb += pb) {
-      for (int64_t j = jb + AHEAD; j < std::min(jb + AHEAD + pb, 2 * m); j++)  // K rows, then V rows
-        ahead(j < m ? k[j] : v[j - m]);
-      const S* r[LANES];
-      for (int p = 0; p < pb; p++) r[p] = jb + p < m ? k[jb + p] : zero.data();
-      if (hb == 4) scores_block<S, 4>(q, r, jb, m, nh, g, d, scale, s.data(), mxv.data());
-      else if (hb == 2) scores_block<S, 2>(q, r, jb, m, nh, g, d, scale, s.data(), mxv.data());
-      else scores_block<S, 1>(q, r, jb, m, nh, g, d, scale, s.data(), mxv.data());
+    vf* total = top.data() + blocks;
+    for (int64_t b = 0; b < blocks; b++) top[b] = vset(-INFINITY), total[b] = vzero();
+    for (int64_t j = 0; j < m; j++) {
+      if (j + AHEAD < 2 * m) ahead(j + AHEAD < m ? k[j + AHEAD] : v[j + AHEAD - m]);  // K rows, then V rows
+      rk.score(q, k[j], nh, g, d, scale, st.data() + j * LANES, top.data());
     }
-    if (hb == 4) max_of_lanes<4>(mxv.data(), nh, mx);
-    else if (hb == 2) max_of_lanes<2>(mxv.data(), nh, mx);
-    else max_of_lanes<1>(mxv.data(), nh, mx);
-    for (int64_t h = 0; h < nh; h++) sum[h] = exp_shift(s.data() + h * TILE, m, mx[h]);
+    alignas(64) float tt[LANES], ts[LANES];
+    for (int64_t b = 0; b < blocks; b++) {
+      for (int64_t j = 0; j < m; j++) {
+        float* sj = st.data() + (b * TILE + j) * LANES;
+        const vf e = vexp(vsub(vload(sj), top[b]));
+        vstore(sj, e);
+        total[b] = vadd(total[b], e);
+      }
+      vstore(tt, top[b]);
+      vstore(ts, total[b]);
+      for (int64_t h = b * bh; h < std::min(nh, (b + 1) * bh); h++) mx[h] = tt[h - b * bh], sum[h] = ts[h - b * bh];
+    }
     const int64_t mn = t + 1 < te ? fill(t + 1, rows + 2 * TILE, nullptr) : 0;
-    constexpr int64_t VB = 4;  // positions per block of values
-    for (int64_t jb = 0; jb < m; jb += VB) {
-      const int64_t je = std::min(m, jb + VB);
-      for (int64_t j = jb + AHEAD; j < je + AHEAD; j++)  // V rows, then the next tile's K rows
-        if (j < m) ahead(v[j]);
-        else if (j - m < mn) ahead(rows[2 * TILE + j - m]);
-      if (values) values(s.data(), v, jb, je, nh, g, o);
-      else values_block_any<S>(s.data(), v, jb, je, nh, g, d, o);
+    const auto request = [&](int64_t j) {  // V rows, then the next tile's K rows
+      if (j < m) ahead(v[j]);
+      else if (j - m < mn) ahead(rows[2 * TILE + j - m]);
+    };
+    std::fill(o, o + nh * d, 0.f);
+    int64_t j = 0;
+    for (; j + 4 <= m; j += 4) {
+      for (int e = 0; e < 4; e++) request(j + AHEAD + e);
+      rk.values4(st.data() + j * LANES, v + j, nh, g, d, o);
+    }
+    for (; j < m; j++) {
+      request(j + AHEAD);
+      rk.values1(st.data() + j * LANES, v + j, nh, g, d, o);
     }
     if (t + 1 < te) {  // the next tile: its K rows (requested above) and V rows
       m = fill(t + 1, rows, rows + TILE);

@@ -340,13 +340,16 @@ def test_dense_llama_matches(tmp_path, fused, head_dim):
 
 @pytest.mark.parametrize("isa", ["auto", "avx2"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 8, 2), (64, 8, 1), (128, 4, 4), (64, 6, 2), (32, 4, 2)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 8, 2), (64, 8, 1), (128, 4, 4), (64, 6, 2), (32, 4, 2),
+                                                     (32, 24, 2), (32, 16, 1), (16, 4, 2)])
 def test_attention_on_16_bit_caches_matches_torch_layers(tmp_path, fused, isa, kv_dtype, head_dim, heads, kv_heads):
-    """The native attention over a bf16 / fp16 cache (step.cpp attend_tiles: rows read in order and
-    converted in registers, each K/V chunk loaded once for 4, 2 or 1 query heads of its KV head)
-    against the torch layers on the same cache: heads of 2-16 vectors (AVX-512's 16 lanes or
-    AVX2's 8), 1-8 query heads per KV head (3: one at a time), prefill and decode rows whose
-    contexts span several 32-position tiles."""
+    """The native attention over a bf16 / fp16 cache (step.cpp attend_tiles: each K row, then each
+    V row, read whole and in order, converted in registers, each chunk once for the query heads of
+    its KV head) against the torch layers on the same cache: heads of 1-16 vectors (AVX-512's 16
+    lanes or AVX2's 8), 1-16 query heads per KV head (the kernels with constants: 1, 2, 3, 4, 6, 8
+    heads of 2-16 vectors; 12 or 16 query heads per KV head and heads of one vector: the run-time
+    loops; on AVX2 more query heads per KV head than lanes, a block of 8 heads over two KV
+    heads), prefill and decode rows whose contexts span several 32-position tiles."""
     configure(cpu_isa=isa)
     make_checkpoint("llama", tmp_path, hidden_size=96, intermediate_size=64, head_dim=head_dim,
                     num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=2)
